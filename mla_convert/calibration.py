@@ -1,0 +1,160 @@
+"""Calibration statistics of a source model on real text, one pass, hooks on every attention input.
+
+For each layer ``l`` the attention input ``x`` (the output of ``input_layernorm``, ``[tokens, hidden]``)
+gives everything the conversion needs, since queries, keys and values are linear in ``x``:
+
+* ``xx = E[x xᵀ]`` and ``x_mean = E[x]`` (float64): activation-aware and output-aware factorization
+  (FIELD.md §2) and the complex key covariance of the shared rope key (RoRoPE).
+* ``q_pair_norm [H, d/2]`` and ``k_pair_norm [G, d/2]``: ``E_t ‖pair‖`` of each RoPE pair, the
+  MHA2MLA 2-norm statistic (arXiv:2502.14837), measured pre-rotation (rotation keeps norms).
+
+Held-out windows are captured separately (inputs and source attention outputs) so the report can
+measure each converted layer's attention error on tokens the statistics never saw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .sources import SourceModel
+
+
+@dataclass
+class LayerStats:
+    """Second-moment statistics of one layer's attention input over ``tokens`` calibration tokens."""
+
+    xx: torch.Tensor  # [hidden, hidden] float64, E[x xᵀ]
+    x_mean: torch.Tensor  # [hidden] float64
+    q_pair_norm: torch.Tensor  # [H, d/2] float64, E‖q pair‖
+    k_pair_norm: torch.Tensor  # [G, d/2] float64, E‖k pair‖
+    tokens: int
+
+
+@dataclass
+class HeldOut:
+    """Held-out attention inputs and source outputs of one layer: ``x``, ``out`` ``[N, T, hidden]`` float32."""
+
+    x: torch.Tensor
+    out: torch.Tensor
+
+
+def _pair_norms(y: torch.Tensor, heads: int, d: int) -> torch.Tensor:
+    """``E‖pair‖`` per head and pair of ``y [N, heads*d]`` (pair k = dims k, k + d/2) -> ``[heads, d/2]``."""
+    y = y.view(-1, heads, d)
+    return torch.sqrt(y[..., : d // 2] ** 2 + y[..., d // 2 :] ** 2).mean(0)
+
+
+def _attn_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    return kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+
+
+@torch.no_grad()
+def collect_stats(
+    model: torch.nn.Module,
+    src: SourceModel,
+    windows: torch.Tensor,
+    held_out: torch.Tensor | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[list[LayerStats], list[HeldOut]]:
+    """Run the source model over token windows and accumulate per-layer statistics.
+
+    Args:
+        model: the source causal LM (transformers, float32, eval mode).
+        src: its validated source description (head layout, biases).
+        windows: ``[N, T]`` token ids used for statistics.
+        held_out: ``[M, T]`` token ids whose attention inputs/outputs are kept (not in the statistics).
+        progress: called with the number of windows just processed.
+
+    Returns:
+        ``(stats, held)``: one :class:`LayerStats` per layer; one :class:`HeldOut` per layer (empty list
+        when ``held_out`` is None).
+
+    Raises:
+        ValueError: when ``windows`` is empty.
+    """
+    if windows.numel() == 0:
+        raise ValueError("no calibration windows")
+    layers = model.model.layers  # type: ignore[union-attr]
+    h, g, d, hid = src.num_heads, src.num_kv_heads, src.head_dim, src.hidden_size
+    weights = [src.attention_weights(i) for i in range(src.num_layers)]
+    acc = [
+        {"xx": torch.zeros(hid, hid, dtype=torch.float64), "sum": torch.zeros(hid, dtype=torch.float64),
+         "q": torch.zeros(h, d // 2, dtype=torch.float64), "k": torch.zeros(g, d // 2, dtype=torch.float64),
+         "n": 0, "batches": 0}
+        for _ in range(src.num_layers)
+    ]
+    capture: dict[int, list[torch.Tensor]] = {}
+    outputs: dict[int, list[torch.Tensor]] = {}
+    mode = {"held": False}
+
+    def pre_hook(idx: int) -> Callable[..., None]:
+        def fn(_mod: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            x = _attn_input(args, kwargs)
+            if mode["held"]:
+                capture.setdefault(idx, []).append(x.detach().float().clone())
+                return
+            x64 = x.detach().reshape(-1, hid).double()
+            a, w = acc[idx], weights[idx]
+            a["xx"] += x64.T @ x64
+            a["sum"] += x64.sum(0)
+            q = x64 @ w["q"].T + (w["bq"] if "bq" in w else 0)
+            k = x64 @ w["k"].T + (w["bk"] if "bk" in w else 0)
+            a["q"] += _pair_norms(q, h, d) * x64.shape[0]
+            a["k"] += _pair_norms(k, g, d) * x64.shape[0]
+            a["n"] += x64.shape[0]
+
+        return fn
+
+    def post_hook(idx: int) -> Callable[..., None]:
+        def fn(_mod: torch.nn.Module, _args: Any, _kwargs: Any, output: Any) -> None:
+            if mode["held"]:
+                out = output[0] if isinstance(output, tuple) else output
+                outputs.setdefault(idx, []).append(out.detach().float().clone())
+
+        return fn
+
+    handles = []
+    for i, layer in enumerate(layers):
+        handles.append(layer.self_attn.register_forward_pre_hook(pre_hook(i), with_kwargs=True))
+        handles.append(layer.self_attn.register_forward_hook(post_hook(i), with_kwargs=True))
+    try:
+        for row in windows:
+            model(input_ids=row[None], use_cache=False)
+            if progress:
+                progress(1)
+        if held_out is not None and held_out.numel():
+            mode["held"] = True
+            for row in held_out:
+                model(input_ids=row[None], use_cache=False)
+    finally:
+        for hd in handles:
+            hd.remove()
+    stats = [
+        LayerStats(
+            xx=a["xx"] / a["n"], x_mean=a["sum"] / a["n"], q_pair_norm=a["q"] / a["n"],
+            k_pair_norm=a["k"] / a["n"], tokens=int(a["n"]),
+        )
+        for a in acc
+    ]
+    held = [HeldOut(torch.cat(capture[i]), torch.cat(outputs[i])) for i in sorted(capture)]
+    return stats, held
+
+
+def second_moment(w: torch.Tensor, b: torch.Tensor | None, st: LayerStats) -> torch.Tensor:
+    """``E[y yᵀ]`` for ``y = W x + b`` from the layer's input moments: ``W xx Wᵀ + W μ bᵀ + b μᵀ Wᵀ + b bᵀ``.
+
+    Args:
+        w: ``[out, hidden]`` float64.
+        b: ``[out]`` or None.
+    Returns:
+        ``[out, out]`` float64.
+    """
+    m = w @ st.xx @ w.T
+    if b is not None:
+        wm = w @ st.x_mean
+        m = m + torch.outer(wm, b) + torch.outer(b, wm) + torch.outer(b, b)
+    return m

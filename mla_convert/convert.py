@@ -1,0 +1,208 @@
+"""The ``factor`` pipeline: statistics -> partial RoPE -> low-rank K/V -> MLA model -> measurements.
+
+Memory: the source model is loaded once (it must run for calibration); source attention weights
+are read per layer with ``safe_open`` in float64 for the linear algebra.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from . import __version__
+from .assemble import layer_tensors, pad_plan
+from .calibration import HeldOut, LayerStats, collect_stats
+from .configuration_mla import MLAConfig
+from .factorize import FactorError, Factors, allocate_ranks, build_target, factor_layer, spectrum
+from .modeling_mla import MLAForCausalLM
+from .rope import RopePlan, plan_layer
+from .sources import SourceModel, load_source_model
+
+ProgressFn = Callable[[str, int, int], None]  # (stage, advance, total)
+
+
+class ConvertOptions(BaseModel):
+    """Every option of a conversion (the manifest records all of them). Unknown keys are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+    rope_mode: str = Field("shared", description="per-head | shared")
+    rope_strategy: str = Field("rotation", description="high | low | uniform | 2-norm | rotation")
+    rope_pairs: int = Field(16, description="RoPE pairs per rope head (per KV head in per-head mode)")
+    rope_basis: str = Field("complex", description="complex | real (shared mode PCA basis)")
+    rope_context: int = Field(2048, description="context T in tokens for the rotation strategy")
+    factorization: str = Field("joint", description="joint | split")
+    objective: str = Field("activation", description="weight | activation | output")
+    kv_balance: bool = Field(True, description="balance K and V energy before a joint factorization")
+    kv_lora_rank: int | None = Field(None, description="latent width d_c for every layer")
+    cache_budget: float | None = Field(120, description="cache values per token per layer (average)")
+    text: str = Field("wikipedia", description="calibration/evaluation text: wikipedia | news | paths")
+    calib_windows: int = Field(16, description="calibration windows")
+    window: int = Field(512, description="tokens per calibration/evaluation window")
+    eval_windows: int = Field(8, description="held-out evaluation windows for perplexity")
+
+
+@dataclass
+class LayerRecord:
+    """Per-layer reconstruction record (report rows)."""
+
+    layer: int
+    rope_pairs: list[list[str]]
+    rank: int
+    cache_width: int
+    energy: float
+    rel_error: float
+    rel_error_act: float
+    attn_rel_error: float | None = None
+    rope_energy: float = 0.0
+
+
+@dataclass
+class Conversion:
+    """Result of :func:`convert`: the MLA model, its config and the per-layer records."""
+
+    model: MLAForCausalLM
+    config: MLAConfig
+    layers: list[LayerRecord]
+    timings: dict[str, float] = field(default_factory=dict)
+    calib_tokens: int = 0
+
+
+def _ranks(
+    options: ConvertOptions, targets: list[Any], rope_width: int, num_layers: int
+) -> list[int]:
+    if options.kv_lora_rank is not None:
+        return [options.kv_lora_rank] * num_layers
+    if options.cache_budget is None:
+        raise FactorError("give --kv-lora-rank or --cache-budget")
+    total = round(options.cache_budget * num_layers) - rope_width * num_layers
+    if total < num_layers:
+        raise FactorError(
+            f"--cache-budget {options.cache_budget} leaves no room for a latent after {rope_width} RoPE values per "
+            "token; lower --rope-pairs or raise the budget"
+        )
+    return allocate_ranks([spectrum(t) for t in targets], total)
+
+
+def build_mla(
+    src: SourceModel,
+    source_model: torch.nn.Module,
+    stats: list[LayerStats],
+    options: ConvertOptions,
+    progress: ProgressFn | None = None,
+) -> tuple[MLAForCausalLM, MLAConfig, list[LayerRecord], list[RopePlan]]:
+    """Convert with given calibration statistics (no text I/O): plans, factors, tensors, model.
+
+    Raises:
+        RopeError / FactorError: impossible options (before any tensor is built).
+    """
+    h, g, n_layers = src.num_heads, src.num_kv_heads, src.num_layers
+    weights = [src.attention_weights(i) for i in range(n_layers)]
+    plans = [
+        plan_layer(weights[i], stats[i], src.inv_freq, h, g, options.rope_mode, options.rope_strategy,
+                   options.rope_pairs, options.rope_context, options.rope_basis)
+        for i in range(n_layers)
+    ]
+    balance = options.kv_balance and options.factorization == "joint"
+    targets = [build_target(weights[i], plans[i], stats[i], h, options.objective, balance) for i in range(n_layers)]
+    rope_heads = len(plans[0].origin)
+    d_r = plans[0].q_rope.shape[1]
+    ranks = _ranks(options, targets, rope_heads * d_r, n_layers)
+    factors: list[Factors] = []
+    for i in range(n_layers):
+        factors.append(factor_layer(targets[i], ranks[i], options.factorization))
+        if progress:
+            progress("factorize", 1, n_layers)
+    d_nope = max(p.q_nope.shape[1] for p in plans)
+    cfg = source_model.config
+    config = MLAConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=n_layers, num_attention_heads=h, num_key_value_heads=g,
+        hidden_act=cfg.hidden_act, max_position_embeddings=cfg.max_position_embeddings,
+        rms_norm_eps=cfg.rms_norm_eps, pad_token_id=cfg.pad_token_id, bos_token_id=cfg.bos_token_id,
+        eos_token_id=cfg.eos_token_id, tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+        kv_lora_rank=ranks, qk_rope_head_dim=d_r, qk_nope_head_dim=d_nope, v_head_dim=src.head_dim,
+        num_rope_heads=rope_heads, rope_inv_freq=[p.inv_freq.tolist() for p in plans],
+        rope_pair_origin=[p.origin for p in plans], softmax_scale=src.softmax_scale,
+        q_bias=src.family.has_bias("q", src.config), kv_a_bias=src.family.has_bias("k", src.config),
+        o_bias=src.family.has_bias("v", src.config) or src.family.has_bias("o", src.config),
+        source={"origin": src.origin, "family": src.family.name, "model_type": src.config.model_type,
+                "rope_mode": options.rope_mode, "tool": f"mla-convert {__version__}"},
+    )
+    model = MLAForCausalLM(config).to(torch.float32).eval()
+    state: dict[str, torch.Tensor] = {}
+    src_state = source_model.state_dict()
+    for name in src.family.copied(n_layers):
+        state[name] = src_state[name]
+    if not config.tie_word_embeddings:
+        state["lm_head.weight"] = src_state["lm_head.weight"]
+    else:
+        state["lm_head.weight"] = src_state["model.embed_tokens.weight"]
+    records = []
+    for i in range(n_layers):
+        tensors = layer_tensors(weights[i], pad_plan(plans[i], d_nope), factors[i], h, src.attention_scaling)
+        for k, v in tensors.items():
+            state[f"model.layers.{i}.self_attn.{k}"] = v.to(torch.float32)
+        records.append(LayerRecord(
+            layer=i, rope_pairs=plans[i].origin, rank=ranks[i], cache_width=ranks[i] + rope_heads * d_r,
+            energy=factors[i].energy, rel_error=factors[i].rel_error, rel_error_act=factors[i].rel_error_act,
+            rope_energy=plans[i].rope_energy,
+        ))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"internal error assembling the MLA state: missing {missing[:3]} unexpected {unexpected[:3]}")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model, config, records, plans
+
+
+@torch.no_grad()
+def attention_errors(model: MLAForCausalLM, held: list[HeldOut]) -> list[float]:
+    """Relative error ``‖a_mla - a_src‖ / ‖a_src‖`` of each layer's attention output on held-out tokens,
+    with the source's own layer inputs (so errors do not compound)."""
+    errs = []
+    for i, ho in enumerate(held):
+        attn = model.model.layers[i].self_attn
+        t = ho.x.shape[1]
+        pos = torch.arange(t)[None].expand(ho.x.shape[0], t)
+        mask = torch.zeros(1, 1, t, t).masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min)
+        out = attn(ho.x, pos, mask, None)
+        errs.append(float((out - ho.out).norm() / ho.out.norm().clamp_min(1e-30)))
+    return errs
+
+
+def convert(
+    src: SourceModel,
+    options: ConvertOptions,
+    calib_windows: torch.Tensor,
+    held_out: torch.Tensor,
+    source_model: torch.nn.Module | None = None,
+    progress: ProgressFn | None = None,
+) -> tuple[Conversion, torch.nn.Module]:
+    """Full conversion of ``src`` with calibration windows ``[N, T]`` and held-out windows ``[M, T]``.
+
+    Returns:
+        ``(conversion, source_model)``; the source model is returned for evaluation.
+    """
+    t0 = time.perf_counter()
+    if source_model is None:
+        source_model = load_source_model(src)
+    t1 = time.perf_counter()
+    stats, held = collect_stats(
+        source_model, src, calib_windows, held_out,
+        progress=(lambda n: progress("calibrate", n, len(calib_windows))) if progress else None,
+    )
+    t2 = time.perf_counter()
+    model, config, records, _ = build_mla(src, source_model, stats, options, progress)
+    t3 = time.perf_counter()
+    for rec, err in zip(records, attention_errors(model, held)):
+        rec.attn_rel_error = err
+    t4 = time.perf_counter()
+    timings = {"load_source_s": t1 - t0, "calibrate_s": t2 - t1, "factorize_s": t3 - t2, "attention_check_s": t4 - t3}
+    return Conversion(model, config, records, timings, stats[0].tokens), source_model

@@ -1,0 +1,397 @@
+"""The converted MLA causal language model (a transformers ``PreTrainedModel``).
+
+Attention follows FIELD.md §1 (DeepSeek-V2/V3 MLA, arXiv:2405.04434), generalised for converted
+checkpoints (per-layer ranks, several rope heads, exact per-pair source frequencies):
+
+    q             = q_proj(x)                 -> per head [q_nope (d_N) | q_rope (d_R)]
+    c_kv | k_rope = kv_a_proj_with_mqa(x)     -> c_kv [B, T, d_c], k_rope [B, T, R, d_R]
+    k_nope | v    = kv_b_proj(c_kv)           -> per KV head g [k_nope (d_N) | v (d_V)]
+    score[h,t,j]  = (q_nope[h,t] . k_nope[g(h),j] + rope_t(q_rope[h,t]) . rope_j(k_rope[r(h),j])) * scale
+
+Two attention paths share these weights:
+
+* ``absorbed`` (the product): the KV cache holds only ``[c_kv | rotated k_rope]`` per token per
+  layer; queries are absorbed into the latent (``q_abs = W_UK[g]^T q_nope``) and the value
+  up-projection runs after attention (``W_UV[g] @ latent_out``). ``generate()`` uses it.
+* ``naive`` (a reference): expands K and V per KV head and caches them; never the product.
+
+The cache is a transformers ``DynamicCache``: on the absorbed path layer ``l`` stores ``c_kv`` in its
+key slot ``[B, 1, S, d_c]`` and the rotated ``k_rope`` in its value slot ``[B, 1, S, R * d_R]``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+from .configuration_mla import MLAConfig
+
+ATTENTION_PATHS = ("absorbed", "naive")
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate RoPE pairs in rotate_half layout (pair p = dims ``(p, p + P)``).
+
+    Args:
+        x: ``[..., 2P]`` rope dims.
+        cos, sin: ``[..., P]`` broadcastable to ``x[..., :P]``: cos/sin of position x inverse frequency.
+
+    Returns:
+        ``[..., 2P]``: ``(x1 cos - x2 sin, x2 cos + x1 sin)``, the HF Llama rotation.
+    """
+    p = x.shape[-1] // 2
+    x1, x2 = x[..., :p], x[..., p:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rope_angles(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of absolute positions times per-pair inverse frequencies.
+
+    Args:
+        position_ids: ``[B, T]`` absolute token positions.
+        inv_freq: ``[R, P]`` radians per token, float32.
+
+    Returns:
+        ``(cos, sin)``, each ``[B, T, R, P]`` float32 (computed in float32 like HF's rotary embedding).
+    """
+    angles = position_ids[:, :, None, None].float() * inv_freq[None, None].float()
+    return angles.cos(), angles.sin()
+
+
+class MLAAttention(nn.Module):
+    """One converted attention layer; see the module docstring for the math.
+
+    Shapes: input ``[B, T, hidden]``; output ``[B, T, hidden]``. ``H`` query heads, ``G`` KV heads
+    (latent groups), ``R`` rope heads with ``G % R == 0``; query head ``h`` uses KV head
+    ``h // (H/G)`` and rope head ``h // (H/R)``.
+    """
+
+    def __init__(self, config: MLAConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.num_rope_heads = config.num_rope_heads
+        self.kv_lora_rank = config.kv_lora_rank[layer_idx]
+        self.qk_nope_head_dim = config.qk_nope_head_dim
+        self.qk_rope_head_dim = config.qk_rope_head_dim
+        self.v_head_dim = config.v_head_dim
+        self.softmax_scale = config.softmax_scale
+        self.path = config.attn_implementation_mla
+        hidden = config.hidden_size
+        h, g, r = self.num_heads, self.num_kv_heads, self.num_rope_heads
+        if g % r:
+            raise ValueError(f"num_key_value_heads={g} must be a multiple of num_rope_heads={r}")
+        self.q_proj = nn.Linear(hidden, h * (self.qk_nope_head_dim + self.qk_rope_head_dim), bias=config.q_bias)
+        self.kv_a_proj_with_mqa = nn.Linear(
+            hidden, self.kv_lora_rank + r * self.qk_rope_head_dim, bias=config.kv_a_bias
+        )
+        self.kv_a_layernorm = LlamaRMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps) if config.latent_norm else None
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, g * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(h * self.v_head_dim, hidden, bias=config.o_bias)
+        inv = torch.tensor(config.rope_inv_freq[layer_idx], dtype=torch.float32).reshape(r, -1)
+        self.register_buffer("rope_inv_freq", inv, persistent=False)
+
+    # ----------------------------------------------------------------------------- projections
+    def project(
+        self, x: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries and the new latent rows of ``x``.
+
+        Returns:
+            ``q_nope [B, T, H, d_N]``, rotated ``q_rope [B, T, H, d_R]``, ``c_kv [B, T, d_c]`` (after the
+            optional latent norm) and rotated ``k_rope [B, T, R, d_R]``.
+        """
+        b, t, _ = x.shape
+        h, r, d_c = self.num_heads, self.num_rope_heads, self.kv_lora_rank
+        q = self.q_proj(x).view(b, t, h, self.qk_nope_head_dim + self.qk_rope_head_dim)
+        q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        kv = self.kv_a_proj_with_mqa(x)
+        c_kv = kv[..., :d_c]
+        if self.kv_a_layernorm is not None:
+            c_kv = self.kv_a_layernorm(c_kv)
+        k_rope = kv[..., d_c:].reshape(b, t, r, self.qk_rope_head_dim)
+        if self.qk_rope_head_dim:
+            cos, sin = rope_angles(position_ids, self.rope_inv_freq)
+            k_rope = apply_rope(k_rope, cos.to(k_rope.dtype), sin.to(k_rope.dtype))
+            head_to_rope = torch.arange(h, device=x.device) // (h // r)
+            q_rope = apply_rope(q_rope, cos[:, :, head_to_rope].to(q.dtype), sin[:, :, head_to_rope].to(q.dtype))
+        return q_nope, q_rope, c_kv, k_rope
+
+    def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``W_UK [G, d_N, d_c]`` and ``W_UV [G, d_V, d_c]``, views of ``kv_b_proj.weight``."""
+        w = self.kv_b_proj.weight.view(self.num_kv_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
+
+    # ----------------------------------------------------------------------------- forward
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        past_key_values: Cache | None = None,
+    ) -> torch.Tensor:
+        """Attention output ``[B, T, hidden]``.
+
+        Args:
+            x: normalised hidden states ``[B, T, hidden]``.
+            position_ids: absolute positions ``[B, T]``.
+            attention_mask: additive mask ``[B, 1, T, S]`` (S = cached + new tokens) or None (no mask).
+            past_key_values: a ``Cache``; updated in place with this layer's rows when given.
+        """
+        q_nope, q_rope, c_kv, k_rope = self.project(x, position_ids)
+        if self.path == "naive":
+            return self._naive(q_nope, q_rope, c_kv, k_rope, attention_mask, past_key_values)
+        return self._absorbed(q_nope, q_rope, c_kv, k_rope, attention_mask, past_key_values)
+
+    def _absorbed(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        c_kv: torch.Tensor,
+        k_rope: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: Cache | None,
+    ) -> torch.Tensor:
+        b, t, h, _ = q_nope.shape
+        g, r = self.num_kv_heads, self.num_rope_heads
+        if cache is not None:
+            c_all, kr_all = cache.update(c_kv.unsqueeze(1), k_rope.reshape(b, 1, t, -1), self.layer_idx)
+            c_all, kr_all = c_all[:, 0], kr_all[:, 0]
+        else:
+            c_all, kr_all = c_kv, k_rope.reshape(b, t, -1)
+        s = c_all.shape[1]
+        w_uk, w_uv = self.up_weights()
+        q_abs = torch.einsum("btgnd,gdc->btgnc", q_nope.reshape(b, t, g, h // g, -1), w_uk).reshape(b, t, h, -1)
+        scores = torch.einsum("bthc,bsc->bhts", q_abs, c_all)
+        if self.qk_rope_head_dim:
+            kr = kr_all.reshape(b, s, r, self.qk_rope_head_dim)
+            rope_scores = torch.einsum("btrnd,bsrd->brnts", q_rope.reshape(b, t, r, h // r, -1), kr)
+            scores = scores + rope_scores.reshape(b, h, t, s)
+        probs = self._softmax(scores, mask)
+        latent_out = torch.einsum("bhts,bsc->bthc", probs, c_all)
+        out = torch.einsum("btgnc,gvc->btgnv", latent_out.reshape(b, t, g, h // g, -1), w_uv)
+        return self.o_proj(out.reshape(b, t, h * self.v_head_dim))
+
+    def _naive(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        c_kv: torch.Tensor,
+        k_rope: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: Cache | None,
+    ) -> torch.Tensor:
+        b, t, h, _ = q_nope.shape
+        g, r = self.num_kv_heads, self.num_rope_heads
+        kv = self.kv_b_proj(c_kv).view(b, t, g, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k_rope_g = k_rope.repeat_interleave(g // r, dim=2)  # [B, T, G, d_R]
+        keys = torch.cat([k_nope, k_rope_g], dim=-1).transpose(1, 2)  # [B, G, T, d_N + d_R]
+        values = v.transpose(1, 2)  # [B, G, T, d_V]
+        if cache is not None:
+            keys, values = cache.update(keys, values, self.layer_idx)
+        q = torch.cat([q_nope, q_rope], dim=-1).transpose(1, 2)  # [B, H, T, d_N + d_R]
+        keys = keys.repeat_interleave(h // g, dim=1)
+        values = values.repeat_interleave(h // g, dim=1)
+        probs = self._softmax(q @ keys.transpose(-1, -2), mask)
+        out = (probs @ values).transpose(1, 2).reshape(b, t, h * self.v_head_dim)
+        return self.o_proj(out)
+
+    def _softmax(self, scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        scores = scores * self.softmax_scale
+        if mask is not None:
+            scores = scores + mask
+        return torch.softmax(scores.float(), dim=-1).to(scores.dtype)
+
+
+class MLADecoderLayer(nn.Module):
+    """Pre-norm decoder block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))`` (Llama layout)."""
+
+    def __init__(self, config: MLAConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = MLAAttention(config, layer_idx)
+        self.mlp = LlamaMLP(config)  # type: ignore[arg-type]
+        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        past_key_values: Cache | None,
+    ) -> torch.Tensor:
+        """``[B, T, hidden] -> [B, T, hidden]``."""
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), position_ids, attention_mask, past_key_values)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class MLAPreTrainedModel(PreTrainedModel):
+    """Base class: config class, weight init and checkpoint conventions of converted MLA models."""
+
+    config_class = MLAConfig
+    config: MLAConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["MLADecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, LlamaRMSNorm):
+            nn.init.ones_(module.weight)
+
+
+def causal_mask(
+    batch: int,
+    new_tokens: int,
+    past: int,
+    attention_mask: torch.Tensor | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """Additive mask ``[B, 1, T, past + T]``: key ``j`` is visible to new token ``t`` iff ``j <= past + t``
+    and ``attention_mask[b, j] == 1`` (2-D padding mask ``[B, past + T]``, optional)."""
+    total = past + new_tokens
+    q_pos = torch.arange(past, total, device=device)[:, None]
+    allowed = (torch.arange(total, device=device)[None, :] <= q_pos)[None, None]
+    if attention_mask is not None:
+        allowed = allowed & attention_mask[:, None, None, -total:].bool()
+    allowed = allowed.expand(batch, 1, new_tokens, total)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+class MLAModel(MLAPreTrainedModel):
+    """Embeddings, ``num_hidden_layers`` MLA decoder blocks and the final RMSNorm."""
+
+    def __init__(self, config: MLAConfig) -> None:
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList([MLADecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Any,
+    ) -> BaseModelOutputWithPast:
+        """Hidden states ``[B, T, hidden]`` of ``input_ids [B, T]``; positions default to ``past + arange(T)``."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        assert inputs_embeds is not None
+        b, t, _ = inputs_embeds.shape
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if position_ids is None:
+            position_ids = (torch.arange(t, device=inputs_embeds.device) + past)[None].expand(b, t)  # type: ignore[assignment]
+        assert position_ids is not None
+        mask = causal_mask(b, t, past, attention_mask, inputs_embeds.dtype, inputs_embeds.device)
+        hidden = inputs_embeds
+        cache = past_key_values if use_cache else None
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training:
+                hidden = self._gradient_checkpointing_func(layer.__call__, hidden, position_ids, mask, cache)
+            else:
+                hidden = layer(hidden, position_ids, mask, cache)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), past_key_values=cache)
+
+
+class MLAForCausalLM(MLAPreTrainedModel, GenerationMixin):
+    """Causal LM head on :class:`MLAModel`; ``generate()`` runs on the absorbed latent-cache path."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: MLAConfig) -> None:
+        super().__init__(config)
+        self.model = MLAModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def set_attention_path(self, path: str) -> None:
+        """Switch every layer to ``absorbed`` (latent cache) or ``naive`` (expanded K/V reference).
+
+        Raises:
+            ValueError: for any other name. A cache filled by one path must not be reused by the other.
+        """
+        if path not in ATTENTION_PATHS:
+            raise ValueError(f"unknown attention path {path!r}; choose one of {ATTENTION_PATHS}")
+        self.config.attn_implementation_mla = path
+        for layer in self.model.layers:
+            layer.self_attn.path = path
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast:
+        """Logits ``[B, T, vocab]`` (the last ``logits_to_keep`` positions when > 0) and the LM loss."""
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+        )
+        hidden = out.last_hidden_state
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        logits = self.lm_head(hidden)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values)
+
+
+def latent_cache_bytes(cache: Cache) -> tuple[int, int]:
+    """Bytes and values actually held by a cache's tensors, summed over layers.
+
+    Returns:
+        ``(bytes, values)`` where values counts tensor elements (all batch rows and tokens).
+    """
+    total_bytes = total_values = 0
+    for layer in cache.layers:
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(tensor, torch.Tensor):
+                total_bytes += tensor.numel() * tensor.element_size()
+                total_values += tensor.numel()
+    return total_bytes, total_values
+
+
+def default_softmax_scale(head_dim: int) -> float:
+    """The Llama/Qwen2/Mistral attention scale ``1 / sqrt(head_dim)``."""
+    return 1.0 / math.sqrt(head_dim)
