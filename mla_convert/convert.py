@@ -148,6 +148,7 @@ def build_mla(
         tensors = layer_tensors(weights[i], pad_plan(plans[i], d_nope), factors[i], h, src.attention_scaling)
         for k, v in tensors.items():
             state[f"model.layers.{i}.self_attn.{k}"] = v.to(torch.float32)
+        state[f"model.layers.{i}.self_attn.rope_inv_freq"] = plans[i].inv_freq.clone()
         records.append(LayerRecord(
             layer=i, rope_pairs=plans[i].origin, rank=ranks[i], cache_width=ranks[i] + rope_heads * d_r,
             energy=factors[i].energy, rel_error=factors[i].rel_error, rel_error_act=factors[i].rel_error_act,

@@ -97,7 +97,7 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, g * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * self.v_head_dim, hidden, bias=config.o_bias)
         inv = torch.tensor(config.rope_inv_freq[layer_idx], dtype=torch.float32).reshape(r, -1)
-        self.register_buffer("rope_inv_freq", inv, persistent=False)
+        self.register_buffer("rope_inv_freq", inv, persistent=True)  # saved: meta-device init would leave it empty
 
     # ----------------------------------------------------------------------------- projections
     def project(

@@ -1,0 +1,263 @@
+"""``mla-convert`` command line (typer + rich).
+
+Every user error is one line on stderr (``error: ...``) and exit code 2; nothing is written.
+Progress bars appear only on a terminal and without ``--quiet``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+    help="Convert MHA/GQA transformer checkpoints into Multi-Head Latent Attention (MLA) checkpoints.",
+)
+manifest_app = typer.Typer(no_args_is_help=True, help="Check conversion manifests.")
+app.add_typer(manifest_app, name="manifest")
+console = Console(soft_wrap=True)
+err_console = Console(stderr=True, soft_wrap=True)
+STATE: dict[str, bool] = {"quiet": False}
+
+SOURCE_HELP = "A HF folder (safetensors), a .gguf file, or 'smollm2-135m' (the bundled SmolLM2-135M-Instruct)."
+
+
+@app.callback()
+def _main(quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only results and errors.")) -> None:
+    STATE["quiet"] = quiet
+
+
+def fail(message: str) -> None:
+    """Print ``error: message`` (one line) and exit 2."""
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn the package's input errors into one-line messages and exit code 2."""
+    from .assets import AssetError
+    from .factorize import FactorError
+    from .manifest import ManifestError
+    from .output import OutputError
+    from .rope import RopeError
+    from .sources import SourceError
+    from .text import TextError
+
+    try:
+        yield
+    except (SourceError, RopeError, FactorError, OutputError, TextError, ManifestError, AssetError) as exc:
+        fail(str(exc))
+    except KeyboardInterrupt:
+        err_console.print("interrupted: nothing was written")
+        raise typer.Exit(130) from None
+
+
+@contextmanager
+def progress_bar() -> Iterator[Callable[[str, int, int], None]]:
+    """A ``(stage, advance, total)`` callback drawing one rich bar per stage (silent off-terminal)."""
+    if STATE["quiet"] or not console.is_terminal:
+        yield lambda stage, n, total: None
+        return
+    tasks: dict[str, Any] = {}
+    with Progress(TextColumn("{task.description:>10}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False) as prog:
+        def cb(stage: str, n: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = prog.add_task(stage, total=total)
+            prog.advance(tasks[stage], n)
+        yield cb
+
+
+def say(*args: Any) -> None:
+    if not STATE["quiet"]:
+        console.print(*args, markup=False, highlight=False)
+
+
+@app.command()
+def inspect(source: str = typer.Argument(..., help=SOURCE_HELP)) -> None:
+    """Show the architecture, the KV cache per token now, and what conversions would give.
+
+    Example: mla-convert inspect smollm2-135m
+    """
+    from .sources import open_source
+
+    with user_errors():
+        src = open_source(source)
+    d = src.describe()
+    t = Table(title=escape(source))
+    t.add_column("field")
+    t.add_column("value")
+    for k, v in d.items():
+        t.add_row(escape(k), escape(json.dumps(v) if isinstance(v, dict | list) else str(v)))
+    console.print(t)
+    w = Table(title="KV cache per token per layer (values)")
+    for c in ("layout", "values", "ratio to source"):
+        w.add_column(c, justify="right")
+    base = src.kv_cache_width
+    w.add_row("source K+V", str(base), "1.000")
+    for frac in (0.3125, 0.1875, 0.125):
+        w.add_row(f"MLA [c_kv | k_rope] at {frac:.2%}", str(round(base * frac)), f"{frac:.4f}")
+    console.print(w)
+
+
+@app.command()
+def factor(
+    source: str = typer.Argument(..., help=SOURCE_HELP),
+    out: Path = typer.Argument(..., help="Output folder (built in a temporary sibling, renamed when complete)."),
+    rope_mode: str = typer.Option("shared", help="per-head (one rope head per KV head) | shared (one PCA rope head)."),
+    rope_strategy: str = typer.Option("rotation", help="high | low | uniform | 2-norm | rotation (ours)."),
+    rope_pairs: int = typer.Option(16, help="RoPE pairs kept per rope head."),
+    rope_basis: str = typer.Option("complex", help="complex | real basis of the shared-key PCA."),
+    rope_context: int = typer.Option(2048, help="Context length T (tokens) for the rotation strategy."),
+    factorization: str = typer.Option("joint", help="joint | split."),
+    objective: str = typer.Option("activation", help="weight | activation | output."),
+    kv_balance: bool = typer.Option(True, help="Balance K and V energy before a joint factorization."),
+    kv_lora_rank: int = typer.Option(None, help="Latent width d_c for every layer (overrides --cache-budget)."),
+    cache_budget: float = typer.Option(120, help="Cache values per token per layer, averaged; ranks set per layer."),
+    text: str = typer.Option("wikipedia", help="wikipedia | news | comma-separated .txt files or folders."),
+    calib_windows: int = typer.Option(16, help="Calibration windows."),
+    window: int = typer.Option(512, help="Tokens per window."),
+    eval_windows: int = typer.Option(8, help="Held-out evaluation windows."),
+    overwrite: bool = typer.Option(False, help="Replace a non-empty OUT."),
+) -> None:
+    """Partial RoPE + low-rank K/V -> MLA checkpoint + report + manifest in OUT.
+
+    Examples:
+
+      mla-convert factor smollm2-135m out/smollm2-mla
+
+      mla-convert factor ./Llama-3.2-1B out/l1b --rope-mode per-head --rope-strategy 2-norm --rope-pairs 4 --kv-lora-rank 256
+    """
+    from .convert import ConvertOptions
+    from .pipeline import run_factor
+    from .report import layer_table, summary_table
+    from .sources import open_source
+
+    with user_errors():
+        options = ConvertOptions(
+            rope_mode=rope_mode, rope_strategy=rope_strategy, rope_pairs=rope_pairs, rope_basis=rope_basis,
+            rope_context=rope_context, factorization=factorization, objective=objective, kv_balance=kv_balance,
+            kv_lora_rank=kv_lora_rank, cache_budget=None if kv_lora_rank else cache_budget, text=text,
+            calib_windows=calib_windows, window=window, eval_windows=eval_windows,
+        )
+        src = open_source(source)
+        say(f"source: {src.origin} ({src.family.name}, {src.num_layers} layers, {src.num_heads}/{src.num_kv_heads} heads)")
+        with progress_bar() as cb:
+            report = run_factor(src, out, options, overwrite=overwrite, progress=cb)
+    if not STATE["quiet"]:
+        console.print(layer_table(report))
+        console.print(summary_table(report))
+        sample = report["model"]["sample"]
+        if sample["greedy_24_tokens"]:
+            console.print(f"sample (greedy, latent cache): {sample['greedy_24_tokens']!r}", highlight=False, markup=False)
+    e = report["model"]["eval"]
+    console.print(
+        f"wrote {out}: perplexity {e['perplexity']:.3f} (source {e['reference_perplexity']:.3f}) on {e['tokens']} tokens, "
+        f"cache {report['model']['cache']['converted']['values_per_token_per_layer']:.1f} values/token/layer "
+        f"({report['model']['cache']['ratio']:.2%} of source), {report['run']['wall_s']:.0f} s, "
+        f"peak {report['run']['peak_rss_mb']:.0f} MB",
+        highlight=False,
+    )
+
+
+def _load_mla(ckpt: Path) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import mla_convert  # noqa: F401 - registers the mla model type
+
+    if not (ckpt / "config.json").exists():
+        fail(f"{ckpt} has no config.json; pass a folder written by 'mla-convert factor'")
+    return AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+
+
+@app.command("eval")
+def eval_cmd(
+    ckpt: Path = typer.Argument(..., help="A converted checkpoint folder (or any supported source)."),
+    against: str = typer.Option(None, help="Source model to compare with: perplexity delta, KL, top-1."),
+    text: str = typer.Option("wikipedia", help="wikipedia | news | comma-separated .txt files."),
+    window: int = typer.Option(512, help="Tokens per window."),
+    windows: int = typer.Option(8, help="Number of evaluation windows."),
+) -> None:
+    """Perplexity on held-out text (the evaluation split); with --against, delta, KL and top-1 agreement.
+
+    Example: mla-convert eval out/smollm2-mla --against smollm2-135m --window 2048 --windows 4
+    """
+    from transformers import AutoTokenizer
+
+    from .evaluate import evaluate
+    from .sources import load_source_model, open_source
+    from .text import load_documents, split_documents, token_windows
+
+    with user_errors():
+        model = _load_mla(ckpt)
+        ref = load_source_model(open_source(against)) if against else None
+        tok = AutoTokenizer.from_pretrained(str(ckpt))
+        spec: Any = text if text in ("wikipedia", "news") else [Path(p) for p in text.split(",")]
+        docs = split_documents(load_documents(spec))["evaluation"]
+        ids = token_windows(tok, docs, window, windows, bos=False)
+        with progress_bar() as cb:
+            res = evaluate(model, ids, ref, progress=lambda n: cb("evaluate", n, len(ids)))
+    msg = f"perplexity {res.perplexity:.3f} on {res.tokens} tokens ({res.windows} x {res.window}, {text} evaluation split)"
+    if ref is not None:
+        msg += (f"; source {res.reference_perplexity:.3f} (x{res.perplexity / (res.reference_perplexity or 1):.3f}), "
+                f"KL {res.kl:.4f} nats/token, top-1 agreement {res.top1:.4f}")
+    console.print(msg, highlight=False, markup=False)
+    if not sys.stdout.isatty():
+        console.print(json.dumps(res.as_dict()), highlight=False)
+
+
+@app.command()
+def generate(
+    ckpt: Path = typer.Argument(..., help="A converted checkpoint folder."),
+    prompt: str = typer.Argument(..., help="Prompt text."),
+    max_new_tokens: int = typer.Option(48, help="Tokens to generate (greedy)."),
+) -> None:
+    """Greedy text through the latent-cache (absorbed) path.
+
+    Example: mla-convert generate out/smollm2-mla "The capital of France is"
+    """
+    from transformers import AutoTokenizer
+
+    from .evaluate import greedy
+
+    with user_errors():
+        model = _load_mla(ckpt)
+        model.set_attention_path("absorbed")
+        tok = AutoTokenizer.from_pretrained(str(ckpt))
+        ids = tok(prompt, return_tensors="pt").input_ids
+        out = greedy(model, ids, max_new_tokens)
+    console.print(tok.decode(out[0], skip_special_tokens=True), highlight=False, markup=False)
+
+
+@manifest_app.command("verify")
+def manifest_verify(out: Path = typer.Argument(..., help="An mla-convert output folder.")) -> None:
+    """Re-hash the output files and recompute the canonical id.
+
+    Example: mla-convert manifest verify out/smollm2-mla
+    """
+    from .manifest import verify
+
+    with user_errors():
+        res = verify(out)
+    console.print(f"ok: {res['files']} files match; canonical id {res['canonical_id']}", highlight=False)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Atomic output folders and checkpoint writing.
+
+Outputs are built in a temporary sibling folder (``.OUT.tmp-XXXX``) and renamed into place only when
+complete, so an error or Ctrl-C never leaves a half-written OUT. A non-empty OUT is refused without
+``overwrite``; OUT inside the source folder is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig
+
+
+class OutputError(ValueError):
+    """An output location that cannot be used (one line: what, where, how to fix)."""
+
+
+def check_output(out: Path, overwrite: bool, source_dir: Path | None = None) -> Path:
+    """Validate OUT before any work.
+
+    Raises:
+        OutputError: OUT is a file, is non-empty without ``overwrite``, or lies inside the source folder.
+    """
+    out = out.expanduser().resolve()
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"output {out} exists and is a file; choose a folder path")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise OutputError(f"output folder {out} is not empty; pass --overwrite to replace it")
+    if source_dir is not None:
+        src = source_dir.expanduser().resolve()
+        if out == src or src in out.parents:
+            raise OutputError(f"output {out} is inside the source folder {src}; write it somewhere else")
+    return out
+
+
+@contextmanager
+def atomic_folder(out: Path) -> Iterator[Path]:
+    """Yield a temporary sibling folder; on success replace ``out`` with it, on any error remove it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, old / "x")
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def save_checkpoint(
+    model: torch.nn.Module,
+    folder: Path,
+    tokenizer_files: list[Path],
+    model_card: str,
+    max_shard_size: str = "200MB",
+) -> None:
+    """Write a loadable MLA checkpoint: sharded safetensors + index (huggingface_hub sharding via
+    ``save_pretrained``), config, generation config, the source's tokenizer files and a model card."""
+    model.save_pretrained(str(folder), max_shard_size=max_shard_size, safe_serialization=True)
+    cfg = model.config
+    GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id).save_pretrained(str(folder))
+    for f in tokenizer_files:
+        shutil.copy2(f, folder / f.name)
+    (folder / "README.md").write_text(model_card)

@@ -1,0 +1,95 @@
+"""Reconstruction report: ``report.json``, ``report.md`` and a terminal table.
+
+Every figure names what it was measured on (tokens, window, documents) — FIELD.md's rule that a
+report prints only measured numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+
+def layer_table(report: dict[str, Any]) -> Table:
+    """A rich table of the per-layer records."""
+    t = Table(title="Per-layer reconstruction", show_lines=False)
+    for col in ("layer", "rope pairs", "rank d_c", "cache", "energy", "K/V err", "K/V err (act)", "attn err"):
+        t.add_column(col, justify="right")
+    for r in report["layers"]:
+        pairs = sum(len(h) for h in r["rope_pairs"])
+        t.add_row(
+            str(r["layer"]), str(pairs), str(r["rank"]), str(r["cache_width"]), f"{r['energy']:.4f}",
+            f"{r['rel_error']:.4f}", f"{r['rel_error_act']:.4f}",
+            "-" if r["attn_rel_error"] is None else f"{r['attn_rel_error']:.4f}",
+        )
+    return t
+
+
+def summary_table(report: dict[str, Any]) -> Table:
+    """A rich table of the model-level measurements."""
+    m = report["model"]
+    t = Table(title=f"Model-level, on {m['eval']['tokens']} held-out tokens ({m['eval']['windows']} x {m['eval']['window']})")
+    t.add_column("measure")
+    t.add_column("source", justify="right")
+    t.add_column("converted", justify="right")
+    e = m["eval"]
+    t.add_row("perplexity", f"{e['reference_perplexity']:.3f}", f"{e['perplexity']:.3f}")
+    t.add_row("perplexity ratio", "1.000", f"{e['perplexity'] / e['reference_perplexity']:.3f}")
+    t.add_row("KL(source||converted) nats/token", "0", f"{e['kl']:.4f}")
+    t.add_row("top-1 agreement", "1.000", f"{e['top1']:.4f}")
+    c = m["cache"]
+    t.add_row("KV cache values / token / layer", f"{c['source']['values_per_token_per_layer']:.1f}",
+              f"{c['converted']['values_per_token_per_layer']:.1f}")
+    t.add_row("KV cache bytes / token / layer", f"{c['source']['bytes_per_token_per_layer']:.1f}",
+              f"{c['converted']['bytes_per_token_per_layer']:.1f}")
+    t.add_row("cache ratio", "1.000", f"{c['ratio']:.4f}")
+    return t
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+    """The report as Markdown (``report.md``)."""
+    m = report["model"]
+    e, c = m["eval"], m["cache"]
+    lines = [
+        f"# MLA conversion report: {report['source']['origin']}",
+        "",
+        f"Options: `{json.dumps(report['options'], sort_keys=True)}`",
+        "",
+        f"Measured on {e['tokens']} held-out tokens ({e['windows']} windows of {e['window']}) of "
+        f"{report['text']['name']} evaluation documents ({len(report['text']['evaluation'])} documents); "
+        f"calibration on {report['text']['calibration_tokens']} tokens of {len(report['text']['calibration'])} "
+        "other documents; per-layer attention error on held-out calibration tokens.",
+        "",
+        "| measure | source | converted |",
+        "|---|---:|---:|",
+        f"| perplexity | {e['reference_perplexity']:.3f} | {e['perplexity']:.3f} |",
+        f"| perplexity ratio | 1.000 | {e['perplexity'] / e['reference_perplexity']:.3f} |",
+        f"| KL(source‖converted), nats/token | 0 | {e['kl']:.4f} |",
+        f"| top-1 agreement | 1.000 | {e['top1']:.4f} |",
+        f"| KV cache values/token/layer (measured) | {c['source']['values_per_token_per_layer']:.1f} | "
+        f"{c['converted']['values_per_token_per_layer']:.1f} |",
+        f"| KV cache bytes/token/layer ({c['converted']['dtype']}) | {c['source']['bytes_per_token_per_layer']:.1f} | "
+        f"{c['converted']['bytes_per_token_per_layer']:.1f} |",
+        f"| cache ratio | 1.000 | {c['ratio']:.4f} |",
+        "",
+        "| layer | rope pairs | rank d_c | cache | energy | K/V rel err | K/V rel err (act) | attn rel err |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["layers"]:
+        pairs = sum(len(h) for h in r["rope_pairs"])
+        attn = "-" if r["attn_rel_error"] is None else f"{r['attn_rel_error']:.4f}"
+        lines.append(
+            f"| {r['layer']} | {pairs} | {r['rank']} | {r['cache_width']} | {r['energy']:.4f} | "
+            f"{r['rel_error']:.4f} | {r['rel_error_act']:.4f} | {attn} |"
+        )
+    lines += ["", f"Peak memory: {report['run']['peak_rss_mb']:.0f} MB; wall time {report['run']['wall_s']:.1f} s.", ""]
+    return "\n".join(lines)
+
+
+def write_report(folder: Path, report: dict[str, Any]) -> None:
+    """Write ``report.json`` and ``report.md`` into ``folder``."""
+    (folder / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    (folder / "report.md").write_text(to_markdown(report))

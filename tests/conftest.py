@@ -1,0 +1,87 @@
+"""Shared fixtures: the bundled real model (SmolLM2-135M-Instruct), its tokenizer and real text."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def smol():
+    from mla_convert.sources import open_source
+
+    return open_source("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smol_model(smol):
+    from mla_convert.sources import load_source_model
+
+    return load_source_model(smol)
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer(smol):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smol.path))
+
+
+@pytest.fixture(scope="session")
+def wiki_splits():
+    from mla_convert.text import load_documents, split_documents
+
+    return split_documents(load_documents("wikipedia"))
+
+
+@pytest.fixture(scope="session")
+def calib_windows(smol_tokenizer, wiki_splits) -> torch.Tensor:
+    """3 windows of 128 real calibration tokens (Wikipedia calibration split)."""
+    from mla_convert.text import token_windows
+
+    return token_windows(smol_tokenizer, wiki_splits["calibration"], 128, 3, bos=False)
+
+
+@pytest.fixture(scope="session")
+def eval_ids(smol_tokenizer, wiki_splits) -> torch.Tensor:
+    """One window of 192 real held-out tokens (Wikipedia evaluation split)."""
+    from mla_convert.text import token_windows
+
+    return token_windows(smol_tokenizer, wiki_splits["evaluation"], 192, 1, bos=False)
+
+
+@pytest.fixture(scope="session")
+def smol_stats(smol, smol_model, calib_windows):
+    from mla_convert.calibration import collect_stats
+
+    return collect_stats(smol_model, smol, calib_windows[:2], calib_windows[2:])
+
+
+@pytest.fixture(scope="session")
+def mha_folder(smol, smol_model, tmp_path_factory) -> Path:
+    """The exact MHA expansion of SmolLM2: each K/V head's rows repeated (repeat_kv order) to 9 KV heads."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("smol-mha")
+    cfg = smol_model.config.__class__.from_dict(smol_model.config.to_dict())
+    rep = cfg.num_attention_heads // cfg.num_key_value_heads
+    cfg.num_key_value_heads = cfg.num_attention_heads
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    state = smol_model.state_dict()
+    d = smol.head_dim
+    for i in range(cfg.num_hidden_layers):
+        for p in ("k_proj", "v_proj"):
+            key = f"model.layers.{i}.self_attn.{p}.weight"
+            w = state[key].view(-1, d, state[key].shape[1])
+            state[key] = w.repeat_interleave(rep, dim=0).reshape(-1, w.shape[-1])
+    model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    model.save_pretrained(str(out))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (out / f).write_bytes((smol.path / f).read_bytes())
+    return out

@@ -1,0 +1,382 @@
+"""Bad inputs through the real CLI: exit code 2, one ``error: ...`` line naming the problem, nothing written.
+
+Every ``factor`` case runs ``mla-convert factor`` (typer's ``CliRunner`` on :data:`mla_convert.cli.app`)
+on a tiny random Llama saved by transformers, with the bundled SmolLM2 tokenizer next to it. The
+conversion itself is replaced by a tripwire (:class:`ConversionStarted`), so a check that stops
+working fails the test instead of starting a conversion; :func:`test_control_reaches_conversion`
+proves the same arguments with only good inputs do get that far.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import Result
+from tiny import (
+    TINY,
+    copy_tokenizer,
+    drop_tensor,
+    edit_config,
+    leftovers,
+    tree_digest,
+    truncate_half,
+    write_config,
+    write_tiny_llama,
+)
+from typer.testing import CliRunner
+
+from mla_convert.cli import app
+
+RUNNER = CliRunner()
+
+PROSE = (
+    "The river runs through the old town, past the mill and the church, and on toward the sea. "
+    "Every spring the water rises and the fishermen pull their boats higher onto the stones. "
+    "Children walk along the bank after school, counting herons and throwing sticks into the current. "
+    "In the evening the lamps come on one by one along the quay, and the bakery sells the last bread. "
+)
+
+
+class ConversionStarted(AssertionError):
+    """Raised by the tripwire that replaces the heavy conversion step."""
+
+
+@pytest.fixture(autouse=True)
+def tripwire(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bad inputs must fail before calibration/conversion: make reaching it an error."""
+    import mla_convert.pipeline as pipeline
+
+    def convert(*args: Any, **kwargs: Any) -> Any:
+        raise ConversionStarted("conversion started: the bad input was not caught before heavy work")
+
+    monkeypatch.setattr(pipeline, "convert", convert)
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("base") / "tiny-llama"
+    folder.mkdir()
+    write_tiny_llama(folder)
+    assert copy_tokenizer(folder)[:2] == ["tokenizer.json", "tokenizer_config.json"]
+    return folder
+
+
+@pytest.fixture(scope="module")
+def good_text(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Three documents, each with far more than the tokens the base arguments need."""
+    folder = tmp_path_factory.mktemp("text")
+    for i, word in enumerate(("north", "south", "west")):
+        (folder / f"doc{i}.txt").write_text(f"A story from the {word}. " + PROSE * 3, encoding="utf-8")
+    return folder
+
+
+@pytest.fixture
+def src(base_model: Path, tmp_path: Path) -> Path:
+    """A private copy of the tiny model that a test may damage."""
+    return Path(shutil.copytree(base_model, tmp_path / "src"))
+
+
+def factor_args(source: Path | str, out: Path, text: Path | str, *extra: str) -> list[str]:
+    """Small, otherwise valid ``factor`` arguments (ranks possible for the tiny model, short windows)."""
+    return [
+        "factor", str(source), str(out), "--text", str(text),
+        "--window", "16", "--calib-windows", "2", "--eval-windows", "1",
+        "--rope-pairs", "2", "--kv-lora-rank", "8", *extra,
+    ]  # fmt: skip
+
+
+def invoke(args: list[str]) -> Result:
+    return RUNNER.invoke(app, args)
+
+
+def assert_user_error(result: Result, *needles: str) -> str:
+    """Exit 2, no traceback, stderr is exactly one ``error: ...`` line containing every needle."""
+    assert not isinstance(result.exception, ConversionStarted), "the bad input reached the conversion"
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert result.exit_code == 2, (result.exit_code, result.stdout, result.stderr)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    line = lines[0]
+    assert line.startswith("error: "), line
+    for needle in needles:
+        assert needle in line, f"{needle!r} not in {line!r}"
+    assert "Traceback" not in result.output
+    return line
+
+
+def assert_nothing_written(out: Path, before: dict[str, str] | None = None) -> None:
+    """OUT absent (or byte-identical to ``before``) and no temporary sibling left behind."""
+    if before is None:
+        assert not out.exists(), sorted(p.name for p in out.iterdir()) if out.is_dir() else out
+    else:
+        assert tree_digest(out) == before
+    assert leftovers(out) == []
+
+
+def run_bad_factor(
+    source: Path | str, out: Path, text: Path | str, *extra: str, needles: tuple[str, ...]
+) -> str:
+    """Run a failing ``factor``; check the error line, OUT, and that the source folder is untouched."""
+    source_before = tree_digest(Path(source)) if Path(source).is_dir() else None
+    out_before = tree_digest(out) if out.exists() else None
+    line = assert_user_error(invoke(factor_args(source, out, text, *extra)), *needles)
+    assert_nothing_written(out, out_before)
+    if source_before is not None:
+        assert tree_digest(Path(source)) == source_before, "the source folder was modified"
+    return line
+
+
+# ----------------------------------------------------------------------------------------------
+# control: the same arguments with good inputs get past every check
+# ----------------------------------------------------------------------------------------------
+
+
+def test_control_reaches_conversion(src: Path, good_text: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = invoke(factor_args(src, out, good_text))
+    assert isinstance(result.exception, ConversionStarted), (
+        result.exit_code,
+        result.stderr,
+        result.exception,
+    )
+    assert result.stderr == ""
+    assert_nothing_written(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# 1-3: damaged checkpoints
+# ----------------------------------------------------------------------------------------------
+
+
+def test_missing_tensor(src: Path, good_text: Path, tmp_path: Path) -> None:
+    drop_tensor(src / "model.safetensors", "model.layers.1.self_attn.k_proj.weight")
+    run_bad_factor(
+        src,
+        tmp_path / "out",
+        good_text,
+        needles=("tensor 'model.layers.1.self_attn.k_proj.weight' is missing from", str(src)),
+    )
+
+
+def test_shape_mismatch_more_heads_in_config(src: Path, good_text: Path, tmp_path: Path) -> None:
+    cfg = edit_config(src, num_attention_heads=8)
+    assert cfg["head_dim"] == 16  # so q_proj should be 8 * 16 = 128 rows; the weights have 64
+    run_bad_factor(
+        src,
+        tmp_path / "out",
+        good_text,
+        needles=(
+            "tensor 'model.layers.0.self_attn.q_proj.weight'",
+            "has shape [64, 64], expected [128, 64] from config.json",
+            "does not match the weights",
+        ),
+    )
+
+
+def test_truncated_safetensors(src: Path, good_text: Path, tmp_path: Path) -> None:
+    file = src / "model.safetensors"
+    full = file.stat().st_size
+    assert truncate_half(file) == full // 2
+    run_bad_factor(
+        src,
+        tmp_path / "out",
+        good_text,
+        needles=(f"{file} is truncated or corrupt", "re-download or re-save it"),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# 4: unsupported architectures
+# ----------------------------------------------------------------------------------------------
+
+
+def _qwen3(folder: Path) -> None:
+    from transformers import Qwen3Config
+
+    write_config(folder, Qwen3Config(**TINY, head_dim=16))
+
+
+def _unknown(folder: Path) -> None:
+    edit_config(folder, model_type="mystery_lm", architectures=["MysteryForCausalLM"])
+
+
+def _mistral_sliding(folder: Path) -> None:
+    from transformers import MistralConfig
+
+    write_config(
+        folder, MistralConfig(**TINY, head_dim=16, sliding_window=64)
+    )  # < max_position_embeddings 256
+
+
+def _dynamic_rope(folder: Path) -> None:
+    from transformers import LlamaConfig
+
+    params = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    write_config(folder, LlamaConfig(**TINY, rope_parameters=params))
+
+
+@pytest.mark.parametrize(
+    ("make", "needles"),
+    [
+        (_qwen3, ("unsupported architecture 'qwen3'", "QK-norm")),
+        (_unknown, ("unsupported architecture 'mystery_lm'", "supported: llama, mistral, qwen2")),
+        (_mistral_sliding, ("sliding-window attention (sliding_window=64) is not supported",)),
+        (_dynamic_rope, ("RoPE scaling 'dynamic' changes frequencies with sequence length",)),
+    ],
+    ids=["qwen3-qk-norm", "unknown-model-type", "mistral-sliding-window", "rope-dynamic"],
+)
+def test_unsupported_architecture(
+    make: Any, needles: tuple[str, ...], src: Path, good_text: Path, tmp_path: Path
+) -> None:
+    make(src)
+    line = run_bad_factor(src, tmp_path / "out", good_text, needles=needles)
+    assert str(src / "config.json") in line
+
+
+# ----------------------------------------------------------------------------------------------
+# 5-6: impossible options
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rank", [61, 4096])
+def test_kv_lora_rank_too_large(rank: int, src: Path, good_text: Path, tmp_path: Path) -> None:
+    # shared rope head with 2 pairs: K keeps 2*16 - 4 = 28 non-rope dims, V 2*16 = 32 -> at most 60.
+    args = factor_args(src, tmp_path / "out", good_text)
+    args[args.index("--kv-lora-rank") + 1] = str(rank)
+    assert_user_error(invoke(args), f"--kv-lora-rank {rank} is impossible for this source: allowed 1..60")
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_rope_pairs_above_half_head_dim_per_head(src: Path, good_text: Path, tmp_path: Path) -> None:
+    args = factor_args(
+        src, tmp_path / "out", good_text, "--rope-mode", "per-head", "--rope-strategy", "2-norm"
+    )
+    args[args.index("--rope-pairs") + 1] = "9"  # head_dim 16 -> 8 pairs per head
+    assert_user_error(
+        invoke(args), "--rope-pairs 9 is out of range for per-head/2-norm: 0..8 (head_dim/2 = 8)"
+    )
+    assert_nothing_written(tmp_path / "out")
+
+
+# ----------------------------------------------------------------------------------------------
+# 7: calibration text
+# ----------------------------------------------------------------------------------------------
+
+
+def test_empty_text_file(src: Path, tmp_path: Path) -> None:
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    run_bad_factor(src, tmp_path / "out", empty, needles=(f"{empty}: file is empty",))
+
+
+def _short_texts(folder: Path) -> Path:
+    """Three documents of 43 tokens each (SmolLM2 tokenizer): one 32-token window per document."""
+    folder.mkdir()
+    two_sentences = ". ".join(PROSE.split(". ")[:2]) + "."
+    for i, word in enumerate(("north", "south", "west")):
+        (folder / f"short{i}.txt").write_text(f"A story from the {word}. {two_sentences}", encoding="utf-8")
+    return folder
+
+
+def test_text_too_short_for_two_calibration_windows(src: Path, tmp_path: Path) -> None:
+    texts = _short_texts(tmp_path / "short")
+    files = ",".join(str(p) for p in sorted(texts.iterdir()))
+    args = factor_args(src, tmp_path / "out", files)
+    args[args.index("--window") + 1] = "32"
+    assert_user_error(
+        invoke(args), "calibration text gives 1 window(s) of 32 tokens; need at least 2", "shorter --window"
+    )
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_text_too_short_for_one_window(src: Path, tmp_path: Path) -> None:
+    texts = _short_texts(tmp_path / "short")
+    args = factor_args(src, tmp_path / "out", texts)
+    args[args.index("--window") + 1] = "512"
+    assert_user_error(invoke(args), "need at least 512 for one 512-token window")
+    assert_nothing_written(tmp_path / "out")
+
+
+# ----------------------------------------------------------------------------------------------
+# 8-10: output and source locations
+# ----------------------------------------------------------------------------------------------
+
+
+def test_non_empty_out_without_overwrite(src: Path, good_text: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious results\n")
+    run_bad_factor(src, out, good_text, needles=(f"output folder {out} is not empty; pass --overwrite",))
+    assert (out / "keep.txt").read_text() == "precious results\n"
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+
+
+def test_out_is_a_file(src: Path, good_text: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out.bin"
+    out.write_bytes(b"\x00\x01")
+    run_bad_factor(src, out, good_text, "--overwrite", needles=(f"output {out} exists and is a file",))
+    assert out.read_bytes() == b"\x00\x01"
+
+
+@pytest.mark.parametrize("where", ["subfolder", "source-itself"])
+def test_out_inside_source(where: str, src: Path, good_text: Path) -> None:
+    out = src / "mla" if where == "subfolder" else src
+    # --overwrite: even when allowed to replace OUT, the source folder must never be the target
+    run_bad_factor(src, out, good_text, "--overwrite", needles=(f"is inside the source folder {src}",))
+    assert leftovers(src / "mla") == []
+
+
+def test_out_inside_source_without_overwrite(src: Path, good_text: Path) -> None:
+    run_bad_factor(
+        src, src / "mla", good_text, needles=(f"output {src / 'mla'} is inside the source folder {src}",)
+    )
+
+
+def test_source_does_not_exist(good_text: Path, tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    out = tmp_path / "out"
+    run_bad_factor(missing, out, good_text, needles=(f"source '{missing}' not found",))
+    assert not missing.exists()
+
+
+@pytest.mark.parametrize("name", ["run[v2]", "run[/v2]"])
+def test_source_path_with_brackets_is_named_verbatim(name: str, good_text: Path, tmp_path: Path) -> None:
+    missing = tmp_path / name
+    run_bad_factor(missing, tmp_path / "out", good_text, needles=(f"source '{missing}' not found",))
+
+
+# ----------------------------------------------------------------------------------------------
+# 11: manifest verify
+# ----------------------------------------------------------------------------------------------
+
+
+def test_manifest_verify_names_modified_file(tmp_path: Path) -> None:
+    from mla_convert.manifest import MANIFEST, write_manifest
+
+    folder = tmp_path / "converted"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(bytes(range(256)) * 4)
+    (folder / "config.json").write_text('{"model_type": "mla"}\n')
+    (folder / "README.md").write_text("not listed\n")
+    written = write_manifest(folder, {"tool": {"name": "mla-convert"}}, ["model.safetensors", "config.json"])
+    assert sorted(written["outputs"]) == ["config.json", "model.safetensors"]
+
+    ok = invoke(["manifest", "verify", str(folder)])
+    assert ok.exit_code == 0, ok.output
+    # rich wraps stdout at 80 columns off-terminal, so compare with whitespace collapsed
+    assert f"ok: 2 files match; canonical id {written['canonical_id']}" in " ".join(ok.stdout.split())
+
+    data = bytearray((folder / "model.safetensors").read_bytes())
+    data[100] ^= 0xFF  # same size, one byte changed
+    (folder / "model.safetensors").write_bytes(bytes(data))
+    before = tree_digest(folder)
+    line = assert_user_error(
+        invoke(["manifest", "verify", str(folder)]),
+        f"model.safetensors in {folder} does not match its sha256 in the manifest",
+    )
+    assert "config.json" not in line
+    assert tree_digest(folder) == before  # verify writes nothing, not even the manifest
+    assert (folder / MANIFEST).exists()

@@ -1,0 +1,70 @@
+"""The contract: with every RoPE pair kept and full rank, the converted model is the same function."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mla_convert  # noqa: F401
+from mla_convert.calibration import collect_stats
+from mla_convert.convert import ConvertOptions, build_mla
+from mla_convert.sources import load_source_model, open_source
+
+EXACT_TOL = 1e-4  # float32 logits, 30 layers: the accumulated rounding of two float32 computations
+
+
+def _logits(model, ids, path=None):
+    if path:
+        model.set_attention_path(path)
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+def _exact_options(**kw):
+    base = dict(rope_mode="per-head", rope_strategy="high", rope_pairs=32, cache_budget=None, kv_lora_rank=192)
+    base.update(kw)
+    return ConvertOptions(**base)
+
+
+@pytest.mark.parametrize("path", ["absorbed", "naive"])
+def test_gqa_full_rank_all_pairs_is_exact(smol, smol_model, smol_stats, eval_ids, path, tmp_path):
+    model, _, records, _ = build_mla(smol, smol_model, smol_stats[0], _exact_options())
+    ref = _logits(smol_model, eval_ids)
+    got = _logits(model, eval_ids, path)
+    assert (got - ref).abs().max().item() < EXACT_TOL
+    assert all(r.rel_error < 1e-6 for r in records)
+    # Softmax scale is the source's 1/sqrt(head_dim), not 1/sqrt(latent width).
+    assert model.config.softmax_scale == pytest.approx(64**-0.5)
+    if path == "absorbed":
+        model.save_pretrained(str(tmp_path))
+        from transformers import AutoModelForCausalLM
+
+        loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+        assert type(loaded).__name__ == "MLAForCausalLM"
+        assert (_logits(loaded, eval_ids) - ref).abs().max().item() < EXACT_TOL
+
+
+def test_shared_rope_every_component_is_exact(smol, smol_model, smol_stats, eval_ids):
+    """RoRoPE with a complex PCA basis is a change of basis: keeping every component is exact."""
+    opts = _exact_options(rope_mode="shared", rope_strategy="rotation", rope_pairs=96)
+    model, cfg, _, _ = build_mla(smol, smol_model, smol_stats[0], opts)
+    assert cfg.num_rope_heads == 1 and cfg.qk_rope_head_dim == 192
+    assert (_logits(model, eval_ids) - _logits(smol_model, eval_ids)).abs().max().item() < EXACT_TOL
+
+
+def test_mha_expansion_full_rank_is_exact(mha_folder, smol_model, calib_windows, eval_ids):
+    src = open_source(mha_folder)
+    assert src.num_kv_heads == 9
+    mha = load_source_model(src)
+    ref = _logits(smol_model, eval_ids)
+    assert (_logits(mha, eval_ids) - ref).abs().max().item() < EXACT_TOL  # the expansion itself is exact
+    stats, _ = collect_stats(mha, src, calib_windows[:1])
+    model, _, _, _ = build_mla(src, mha, stats, _exact_options(kv_lora_rank=576))
+    for path in ("absorbed", "naive"):
+        assert (_logits(model, eval_ids, path) - ref).abs().max().item() < EXACT_TOL
+
+
+def test_partial_rope_changes_the_function(smol, smol_model, smol_stats, eval_ids):
+    """Dropping pairs is a deliberate loss: the logits must move (the exactness test can fail)."""
+    model, _, _, _ = build_mla(smol, smol_model, smol_stats[0], _exact_options(rope_pairs=4, kv_lora_rank=192))
+    assert (_logits(model, eval_ids) - _logits(smol_model, eval_ids)).abs().max().item() > 1e-2

@@ -1,0 +1,222 @@
+"""Real-data tests for mla_convert.text (bundled Wikipedia/news text, real SmolLM2 tokenizer)."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from mla_convert.assets import GGUF_SIZE, bundled_gguf_path, cache_dir
+from mla_convert.text import (
+    Document,
+    TextError,
+    documents_record,
+    load_documents,
+    local_documents,
+    news_documents,
+    split_documents,
+    token_windows,
+    wikipedia_documents,
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    gguf = bundled_gguf_path()
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+@pytest.fixture(scope="module")
+def wiki() -> list[Document]:
+    return wikipedia_documents()
+
+
+def _doc(i: int, chars: int) -> Document:
+    return Document.make(f"test:{i}", f"t{i}", "x" * chars)
+
+
+# ----------------------------------------------------------------------------------------------
+# assets
+# ----------------------------------------------------------------------------------------------
+
+
+def test_bundled_gguf_is_verified_file() -> None:
+    path = bundled_gguf_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert path.stat().st_size == GGUF_SIZE
+    start = time.perf_counter()
+    assert bundled_gguf_path() == path
+    assert time.perf_counter() - start < 0.5  # stamped: no rehash
+
+
+def test_cache_dir_honours_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    target = tmp_path / "a" / "b"
+    monkeypatch.setenv("MLA_CONVERT_CACHE", str(target))
+    assert cache_dir() == target
+    assert target.is_dir()
+
+
+# ----------------------------------------------------------------------------------------------
+# documents
+# ----------------------------------------------------------------------------------------------
+
+
+def test_wikipedia_documents_are_clean(wiki: list[Document]) -> None:
+    assert len(wiki) >= 90
+    ids = [d.id for d in wiki]
+    assert len(set(ids)) == len(ids)
+    assert all(re.fullmatch(r"wiki:\d+", i) for i in ids)
+    total = sum(len(d.text) for d in wiki)
+    assert 2_000_000 < total < 4_000_000
+    for doc in wiki:
+        assert len(doc.text) >= 500
+        assert doc.sha256 == hashlib.sha256(doc.text.encode("utf-8")).hexdigest()
+        for markup in ("[[", "]]", "{{", "}}", "|-", "{|", "<ref", "</ref", "thumb|", "''"):
+            assert markup not in doc.text, (doc.id, markup)
+        assert not re.search(r"^(?:Category|File|Image):", doc.text, re.MULTILINE), doc.id
+        assert "\n\n\n" not in doc.text
+    einstein = next(d for d in wiki if d.title == "Albert Einstein")
+    assert einstein.text.startswith("Albert Einstein (14 March 1879")
+
+
+def test_wikipedia_documents_cached_is_fast(wiki: list[Document]) -> None:
+    start = time.perf_counter()
+    again = wikipedia_documents()
+    assert time.perf_counter() - start < 1.0
+    assert again == wiki
+
+
+def test_news_documents() -> None:
+    docs = news_documents()
+    assert len(docs) == 300
+    assert docs[0].id == "news:1" and docs[-1].id == "news:300"
+    assert docs[0].text.startswith("Hundreds of people have been forced to vacate their homes")
+    assert load_documents("news") == docs
+
+
+def test_local_documents_files_and_folders(tmp_path: Path) -> None:
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "b.txt").write_text("second file\n", encoding="utf-8")
+    (folder / "a.txt").write_text("first file", encoding="utf-8")
+    (folder / "skip.md").write_text("not a txt", encoding="utf-8")
+    single = tmp_path / "c.txt"
+    single.write_text("  third  ", encoding="utf-8")
+
+    docs = local_documents([folder, single])
+    assert [d.id for d in docs] == ["file:a.txt", "file:b.txt", "file:c.txt"]
+    assert [d.text for d in docs] == ["first file", "second file", "third"]
+    assert load_documents([folder, single]) == docs
+    assert load_documents(str(single)) == docs[2:]
+
+
+def test_local_documents_errors(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n", encoding="utf-8")
+    with pytest.raises(TextError, match=re.escape(str(empty))):
+        local_documents([empty])
+
+    binary = tmp_path / "latin1.txt"
+    binary.write_bytes(b"caf\xe9")
+    with pytest.raises(TextError, match="not valid UTF-8"):
+        local_documents([binary])
+
+    missing = tmp_path / "missing.txt"
+    with pytest.raises(TextError, match="no such file"):
+        local_documents([missing])
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    with pytest.raises(TextError, match="no \\*.txt"):
+        local_documents([bare])
+
+    with pytest.raises(TextError, match="no text files"):
+        local_documents([])
+
+    with pytest.raises(TextError, match="unknown text source"):
+        load_documents("wikitext-103")
+
+    assert issubclass(TextError, ValueError)
+
+
+# ----------------------------------------------------------------------------------------------
+# splits
+# ----------------------------------------------------------------------------------------------
+
+
+def test_split_is_disjoint_complete_and_deterministic(wiki: list[Document]) -> None:
+    split = split_documents(wiki)
+    assert list(split) == ["evaluation", "calibration", "adaptation"]
+    ids = [d.id for docs in split.values() for d in docs]
+    assert len(ids) == len(set(ids)) == len(wiki)
+    assert set(ids) == {d.id for d in wiki}
+
+    total = sum(len(d.text) for d in wiki)
+    for role, frac in {"evaluation": 0.2, "calibration": 0.2, "adaptation": 0.6}.items():
+        share = sum(len(d.text) for d in split[role]) / total
+        assert abs(share - frac) < 0.05, (role, share)
+
+    assert split_documents(list(reversed(wiki))) == split
+    assert split_documents(wiki) == split
+
+
+def test_split_small_and_invalid() -> None:
+    three = [_doc(i, 100) for i in range(3)]
+    split = split_documents(three)
+    assert all(len(v) == 1 for v in split.values())
+
+    only_eval = split_documents(three, {"evaluation": 1.0, "calibration": 0.0})
+    assert len(only_eval["evaluation"]) == 3 and only_eval["calibration"] == []
+
+    with pytest.raises(TextError, match="only 2 documents"):
+        split_documents(three[:2])
+    with pytest.raises(TextError, match="sum to 1"):
+        split_documents(three, {"evaluation": 0.5, "adaptation": 0.6})
+    with pytest.raises(TextError, match="duplicate"):
+        split_documents([three[0], three[0], three[1]])
+
+
+def test_documents_record() -> None:
+    doc = Document.make("file:a.txt", "a", "héllo")
+    assert documents_record([doc]) == [
+        {"id": "file:a.txt", "sha256": hashlib.sha256("héllo".encode()).hexdigest(), "chars": 5}
+    ]
+
+
+# ----------------------------------------------------------------------------------------------
+# token windows
+# ----------------------------------------------------------------------------------------------
+
+
+def test_token_windows_shapes(tokenizer: Any, wiki: list[Document]) -> None:
+    windows = token_windows(tokenizer, wiki[:20], window=256, max_windows=8)
+    assert windows.shape == (8, 256) and windows.dtype == torch.long
+    assert bool((windows[:, 0] == tokenizer.bos_token_id).all())
+    assert int((windows[:, 1:] == tokenizer.bos_token_id).sum()) == 0
+
+    plain = token_windows(tokenizer, wiki[:3], window=128, max_windows=None, bos=False)
+    stream: list[int] = []
+    for doc in wiki[:3]:
+        if stream:
+            stream.append(tokenizer.eos_token_id)
+        stream.extend(tokenizer(doc.text, add_special_tokens=False)["input_ids"])
+    count = len(stream) // 128
+    assert plain.shape == (count, 128)
+    assert plain.flatten().tolist() == stream[: count * 128]
+    assert int((plain == tokenizer.eos_token_id).sum()) == stream[: count * 128].count(tokenizer.eos_token_id)
+
+
+def test_token_windows_too_short(tokenizer: Any) -> None:
+    short = [Document.make("file:s.txt", "s", "A short sentence of plain text.")]
+    with pytest.raises(TextError, match=r"has only \d+ tokens; need at least 511 .*shorter --window"):
+        token_windows(tokenizer, short, window=512, max_windows=None)
+    with pytest.raises(ValueError, match="max_windows"):
+        token_windows(tokenizer, short, window=4, max_windows=0)
+    assert token_windows(tokenizer, short, window=4, max_windows=1).shape == (1, 4)
