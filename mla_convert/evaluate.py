@@ -100,19 +100,30 @@ def measure_cache(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[str, 
 
 
 @torch.no_grad()
-def greedy(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """Greedy continuation through ``generate()`` (the model's cache path). Returns ``[1, T + new]``."""
+def greedy(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int, ignore_eos: bool = False) -> torch.Tensor:
+    """Greedy continuation through ``generate()`` (the model's cache path). Returns ``[1, T + new]`` or
+    shorter when EOS is produced; ``ignore_eos`` forbids EOS until ``new_tokens`` (``min_new_tokens``)."""
     return model.generate(
         input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
-        do_sample=False, min_new_tokens=new_tokens,
+        do_sample=False, min_new_tokens=new_tokens if ignore_eos else 0,
     )
 
 
 @torch.no_grad()
-def greedy_recompute(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+def greedy_recompute(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int, ignore_eos: bool = False) -> torch.Tensor:
     """Greedy continuation by full recomputation at every step (no cache): the oracle for :func:`greedy`."""
     ids = input_ids
+    eos = model.generation_config.eos_token_id if ignore_eos else None
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     for _ in range(new_tokens):
-        nxt = model(input_ids=ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+        logits = model(input_ids=ids, use_cache=False).logits[:, -1]
+        if eos_ids:
+            logits[:, eos_ids] = float("-inf")
+        nxt = logits.argmax(-1, keepdim=True)
         ids = torch.cat([ids, nxt], dim=1)
+        if not ignore_eos and model.generation_config.eos_token_id is not None and int(nxt) in (
+            [model.generation_config.eos_token_id] if isinstance(model.generation_config.eos_token_id, int)
+            else model.generation_config.eos_token_id
+        ):
+            break
     return ids

@@ -1,0 +1,69 @@
+"""The latent-cache path: absorbed == naive, cached greedy == recomputation, cache size as promised."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mla_convert.convert import ConvertOptions, build_mla
+from mla_convert.evaluate import greedy, greedy_recompute, measure_cache
+from mla_convert.modeling_mla import latent_cache_bytes
+
+
+@pytest.fixture(scope="module")
+def lossy(smol, smol_model, smol_stats):
+    """A real lossy conversion at 31.25 % cache (120 values per token per layer)."""
+    opts = ConvertOptions(rope_mode="shared", rope_strategy="high", rope_pairs=32, cache_budget=120)
+    model, cfg, records, _ = build_mla(smol, smol_model, smol_stats[0], opts)
+    return model, cfg, records
+
+
+def test_absorbed_matches_naive(lossy, eval_ids):
+    model, _, _ = lossy
+    with torch.no_grad():
+        model.set_attention_path("naive")
+        naive = model(input_ids=eval_ids, use_cache=False).logits.double()
+        model.set_attention_path("absorbed")
+        absorbed = model(input_ids=eval_ids, use_cache=False).logits.double()
+    rel = ((absorbed - naive).norm() / naive.norm()).item()
+    assert rel < 1e-5, rel
+
+
+def test_greedy_through_latent_cache_equals_recomputation(lossy, eval_ids):
+    model, _, _ = lossy
+    model.set_attention_path("absorbed")
+    prompt = eval_ids[:, :16]
+    cached = greedy(model, prompt, 64, ignore_eos=True)
+    recomputed = greedy_recompute(model, prompt, 64, ignore_eos=True)
+    assert cached.shape == (1, 80)
+    assert torch.equal(cached, recomputed)
+
+
+def test_measured_cache_is_latent_plus_rope(lossy, smol, smol_model, eval_ids):
+    model, cfg, records = lossy
+    model.set_attention_path("absorbed")
+    got = measure_cache(model, eval_ids[:, :64])
+    expected = sum(r.cache_width for r in records) / len(records)
+    assert got["values_per_token_per_layer"] == pytest.approx(expected)
+    assert expected == pytest.approx(120, abs=0.5)
+    assert got["bytes_per_token_per_layer"] == pytest.approx(4 * expected)
+    src = measure_cache(smol_model, eval_ids[:, :64])
+    assert src["values_per_token_per_layer"] == smol.kv_cache_width == 384
+    # Each layer holds exactly [c_kv | k_rope]: d_c values in the key slot, rope width in the value slot.
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=eval_ids[:, :10], past_key_values=cache, use_cache=True)
+    for layer, rank in zip(cache.layers, cfg.kv_lora_rank):
+        assert layer.keys.shape == (1, 1, 10, rank)
+        assert layer.values.shape == (1, 1, 10, cfg.num_rope_heads * cfg.qk_rope_head_dim)
+    assert latent_cache_bytes(cache)[1] == 10 * sum(cfg.cache_width)
+
+
+def test_conversion_is_deterministic(smol, smol_model, smol_stats):
+    opts = ConvertOptions(rope_mode="per-head", rope_strategy="2-norm", rope_pairs=4, objective="output", cache_budget=72)
+    a = build_mla(smol, smol_model, smol_stats[0], opts)[0].state_dict()
+    b = build_mla(smol, smol_model, smol_stats[0], opts)[0].state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
