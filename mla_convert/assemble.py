@@ -35,8 +35,15 @@ def pad_plan(plan: RopePlan, d_nope: int) -> RopePlan:
     pad_idx = torch.full((g, d_nope - cur), n, dtype=torch.long)
     q_nope = torch.cat([plan.q_nope, torch.zeros(h, d_nope - cur, d, dtype=plan.q_nope.dtype)], dim=1)
     return RopePlan(
-        key_nope, torch.cat([plan.nope_index, pad_idx], 1), plan.key_rope, q_nope, plan.q_rope,
-        plan.inv_freq, plan.origin, plan.kept, plan.rope_energy,
+        key_nope,
+        torch.cat([plan.nope_index, pad_idx], 1),
+        plan.key_rope,
+        q_nope,
+        plan.q_rope,
+        plan.inv_freq,
+        plan.origin,
+        plan.kept,
+        plan.rope_energy,
     )
 
 
@@ -86,7 +93,9 @@ def layer_tensors(
     if "bv" in w or "bo" in w:
         bias = w["bo"].clone() if "bo" in w else torch.zeros(w["o"].shape[0], dtype=torch.float64)
         if "bv" in w:
-            bv_heads = torch.cat([w["bv"][(hi // (h // g)) * d_v : (hi // (h // g) + 1) * d_v] for hi in range(h)])
+            bv_heads = torch.cat(
+                [w["bv"][(hi // (h // g)) * d_v : (hi // (h // g) + 1) * d_v] for hi in range(h)]
+            )
             bias = bias + w["o"] @ bv_heads
         out["o_proj.bias"] = bias
     return out

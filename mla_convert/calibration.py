@@ -16,11 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .sources import SourceModel
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass
@@ -54,7 +57,7 @@ def _attn_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
 
 @torch.no_grad()
 def collect_stats(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     src: SourceModel,
     windows: torch.Tensor,
     held_out: torch.Tensor | None = None,
@@ -81,10 +84,15 @@ def collect_stats(
     layers = model.model.layers  # type: ignore[union-attr]
     h, g, d, hid = src.num_heads, src.num_kv_heads, src.head_dim, src.hidden_size
     weights = [src.attention_weights(i) for i in range(src.num_layers)]
-    acc = [
-        {"xx": torch.zeros(hid, hid, dtype=torch.float64), "sum": torch.zeros(hid, dtype=torch.float64),
-         "q": torch.zeros(h, d // 2, dtype=torch.float64), "k": torch.zeros(g, d // 2, dtype=torch.float64),
-         "n": 0, "batches": 0}
+    acc: list[dict[str, Any]] = [
+        {
+            "xx": torch.zeros(hid, hid, dtype=torch.float64),
+            "sum": torch.zeros(hid, dtype=torch.float64),
+            "q": torch.zeros(h, d // 2, dtype=torch.float64),
+            "k": torch.zeros(g, d // 2, dtype=torch.float64),
+            "n": 0,
+            "batches": 0,
+        }
         for _ in range(src.num_layers)
     ]
     capture: dict[int, list[torch.Tensor]] = {}
@@ -135,8 +143,11 @@ def collect_stats(
             hd.remove()
     stats = [
         LayerStats(
-            xx=a["xx"] / a["n"], x_mean=a["sum"] / a["n"], q_pair_norm=a["q"] / a["n"],
-            k_pair_norm=a["k"] / a["n"], tokens=int(a["n"]),
+            xx=a["xx"] / a["n"],
+            x_mean=a["sum"] / a["n"],
+            q_pair_norm=a["q"] / a["n"],
+            k_pair_norm=a["k"] / a["n"],
+            tokens=int(a["n"]),
         )
         for a in acc
     ]

@@ -20,7 +20,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 app = typer.Typer(
-    add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
     help="Convert MHA/GQA transformer checkpoints into Multi-Head Latent Attention (MLA) checkpoints.",
 )
 manifest_app = typer.Typer(no_args_is_help=True, help="Check conversion manifests.")
@@ -29,7 +31,9 @@ console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
 STATE: dict[str, bool] = {"quiet": False}
 
-SOURCE_HELP = "A HF folder (safetensors), a .gguf file, or 'smollm2-135m' (the bundled SmolLM2-135M-Instruct)."
+SOURCE_HELP = (
+    "A HF folder (safetensors), a .gguf file, or 'smollm2-135m' (the bundled SmolLM2-135M-Instruct)."
+)
 
 
 @app.callback()
@@ -70,12 +74,21 @@ def progress_bar() -> Iterator[Callable[[str, int, int], None]]:
         yield lambda stage, n, total: None
         return
     tasks: dict[str, Any] = {}
-    with Progress(TextColumn("{task.description:>10}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False) as prog:
+    with Progress(
+        TextColumn("{task.description:>10}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+    ) as prog:
+
         def cb(stage: str, n: int, total: int) -> None:
             if stage not in tasks:
                 tasks[stage] = prog.add_task(stage, total=total)
             prog.advance(tasks[stage], n)
+
         yield cb
 
 
@@ -114,8 +127,12 @@ def inspect(source: str = typer.Argument(..., help=SOURCE_HELP)) -> None:
 @app.command()
 def factor(
     source: str = typer.Argument(..., help=SOURCE_HELP),
-    out: Path = typer.Argument(..., help="Output folder (built in a temporary sibling, renamed when complete)."),
-    rope_mode: str = typer.Option("shared", help="per-head (one rope head per KV head) | shared (one PCA rope head)."),
+    out: Path = typer.Argument(
+        ..., help="Output folder (built in a temporary sibling, renamed when complete)."
+    ),
+    rope_mode: str = typer.Option(
+        "shared", help="per-head (one rope head per KV head) | shared (one PCA rope head)."
+    ),
     rope_strategy: str = typer.Option("high", help="high | low | uniform | 2-norm | rotation (ours)."),
     rope_pairs: int = typer.Option(32, help="RoPE pairs kept per rope head."),
     rope_basis: str = typer.Option("complex", help="complex | real basis of the shared-key PCA."),
@@ -123,8 +140,12 @@ def factor(
     factorization: str = typer.Option("joint", help="joint | split."),
     objective: str = typer.Option("output", help="weight | activation | output."),
     kv_balance: bool = typer.Option(True, help="Balance K and V energy before a joint factorization."),
-    kv_lora_rank: int = typer.Option(None, help="Latent width d_c for every layer (overrides --cache-budget)."),
-    cache_budget: float = typer.Option(120, help="Cache values per token per layer, averaged; ranks set per layer."),
+    kv_lora_rank: int = typer.Option(
+        None, help="Latent width d_c for every layer (overrides --cache-budget)."
+    ),
+    cache_budget: float = typer.Option(
+        120, help="Cache values per token per layer, averaged; ranks set per layer."
+    ),
     text: str = typer.Option("wikipedia", help="wikipedia | news | comma-separated .txt files or folders."),
     calib_windows: int = typer.Option(16, help="Calibration windows."),
     window: int = typer.Option(512, help="Tokens per window."),
@@ -146,13 +167,25 @@ def factor(
 
     with user_errors():
         options = ConvertOptions(
-            rope_mode=rope_mode, rope_strategy=rope_strategy, rope_pairs=rope_pairs, rope_basis=rope_basis,
-            rope_context=rope_context, factorization=factorization, objective=objective, kv_balance=kv_balance,
-            kv_lora_rank=kv_lora_rank, cache_budget=None if kv_lora_rank else cache_budget, text=text,
-            calib_windows=calib_windows, window=window, eval_windows=eval_windows,
+            rope_mode=rope_mode,
+            rope_strategy=rope_strategy,
+            rope_pairs=rope_pairs,
+            rope_basis=rope_basis,
+            rope_context=rope_context,
+            factorization=factorization,
+            objective=objective,
+            kv_balance=kv_balance,
+            kv_lora_rank=kv_lora_rank,
+            cache_budget=None if kv_lora_rank else cache_budget,
+            text=text,
+            calib_windows=calib_windows,
+            window=window,
+            eval_windows=eval_windows,
         )
         src = open_source(source)
-        say(f"source: {src.origin} ({src.family.name}, {src.num_layers} layers, {src.num_heads}/{src.num_kv_heads} heads)")
+        say(
+            f"source: {src.origin} ({src.family.name}, {src.num_layers} layers, {src.num_heads}/{src.num_kv_heads} heads)"
+        )
         with progress_bar() as cb:
             report = run_factor(src, out, options, overwrite=overwrite, progress=cb)
     if not STATE["quiet"]:
@@ -160,7 +193,11 @@ def factor(
         console.print(summary_table(report))
         sample = report["model"]["sample"]
         if sample["greedy_24_tokens"]:
-            console.print(f"sample (greedy, latent cache): {sample['greedy_24_tokens']!r}", highlight=False, markup=False)
+            console.print(
+                f"sample (greedy, latent cache): {sample['greedy_24_tokens']!r}",
+                highlight=False,
+                markup=False,
+            )
     e = report["model"]["eval"]
     console.print(
         f"wrote {out}: perplexity {e['perplexity']:.3f} (source {e['reference_perplexity']:.3f}) on {e['tokens']} tokens, "
@@ -211,8 +248,10 @@ def eval_cmd(
             res = evaluate(model, ids, ref, progress=lambda n: cb("evaluate", n, len(ids)))
     msg = f"perplexity {res.perplexity:.3f} on {res.tokens} tokens ({res.windows} x {res.window}, {text} evaluation split)"
     if ref is not None:
-        msg += (f"; source {res.reference_perplexity:.3f} (x{res.perplexity / (res.reference_perplexity or 1):.3f}), "
-                f"KL {res.kl:.4f} nats/token, top-1 agreement {res.top1:.4f}")
+        msg += (
+            f"; source {res.reference_perplexity:.3f} (x{res.perplexity / (res.reference_perplexity or 1):.3f}), "
+            f"KL {res.kl:.4f} nats/token, top-1 agreement {res.top1:.4f}"
+        )
     console.print(msg, highlight=False, markup=False)
     if not sys.stdout.isatty():
         console.print(json.dumps(res.as_dict()), highlight=False)

@@ -98,7 +98,9 @@ class MLAConfig(PretrainedConfig):
         self.num_rope_heads = num_rope_heads
         n_pairs = qk_rope_head_dim // 2
         if rope_inv_freq is None:
-            rope_inv_freq = [[[0.0] * n_pairs for _ in range(num_rope_heads)] for _ in range(num_hidden_layers)]
+            rope_inv_freq = [
+                [[0.0] * n_pairs for _ in range(num_rope_heads)] for _ in range(num_hidden_layers)
+            ]
         self.rope_inv_freq = rope_inv_freq
         self.rope_pair_origin = rope_pair_origin
         self.softmax_scale = softmax_scale
@@ -109,7 +111,8 @@ class MLAConfig(PretrainedConfig):
         self.attn_implementation_mla = attn_implementation_mla
         self.source = source or {}
         self._check()
-        super().__init__(
+        # transformers' runtime __init__ wrapper takes these keywords; its stub signature does not list them
+        super().__init__(  # type: ignore[call-arg]
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,
             eos_token_id=eos_token_id,

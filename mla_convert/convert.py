@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -22,6 +22,9 @@ from .factorize import FactorError, Factors, allocate_ranks, build_target, facto
 from .modeling_mla import MLAForCausalLM
 from .rope import RopePlan, plan_layer
 from .sources import SourceModel, load_source_model
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 ProgressFn = Callable[[str, int, int], None]  # (stage, advance, total)
 
@@ -72,9 +75,7 @@ class Conversion:
     calib_tokens: int = 0
 
 
-def _ranks(
-    options: ConvertOptions, targets: list[Any], rope_width: int, num_layers: int
-) -> list[int]:
+def _ranks(options: ConvertOptions, targets: list[Any], rope_width: int, num_layers: int) -> list[int]:
     if options.kv_lora_rank is not None:
         return [options.kv_lora_rank] * num_layers
     if options.cache_budget is None:
@@ -90,7 +91,7 @@ def _ranks(
 
 def build_mla(
     src: SourceModel,
-    source_model: torch.nn.Module,
+    source_model: PreTrainedModel,
     stats: list[LayerStats],
     options: ConvertOptions,
     progress: ProgressFn | None = None,
@@ -103,12 +104,24 @@ def build_mla(
     h, g, n_layers = src.num_heads, src.num_kv_heads, src.num_layers
     weights = [src.attention_weights(i) for i in range(n_layers)]
     plans = [
-        plan_layer(weights[i], stats[i], src.inv_freq, h, g, options.rope_mode, options.rope_strategy,
-                   options.rope_pairs, options.rope_context, options.rope_basis)
+        plan_layer(
+            weights[i],
+            stats[i],
+            src.inv_freq,
+            h,
+            g,
+            options.rope_mode,
+            options.rope_strategy,
+            options.rope_pairs,
+            options.rope_context,
+            options.rope_basis,
+        )
         for i in range(n_layers)
     ]
     balance = options.kv_balance and options.factorization == "joint"
-    targets = [build_target(weights[i], plans[i], stats[i], h, options.objective, balance) for i in range(n_layers)]
+    targets = [
+        build_target(weights[i], plans[i], stats[i], h, options.objective, balance) for i in range(n_layers)
+    ]
     rope_heads = len(plans[0].origin)
     d_r = plans[0].q_rope.shape[1]
     ranks = _ranks(options, targets, rope_heads * d_r, n_layers)
@@ -120,21 +133,40 @@ def build_mla(
     d_nope = max(p.q_nope.shape[1] for p in plans)
     cfg = source_model.config
     config = MLAConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=n_layers, num_attention_heads=h, num_key_value_heads=g,
-        hidden_act=cfg.hidden_act, max_position_embeddings=cfg.max_position_embeddings,
-        rms_norm_eps=cfg.rms_norm_eps, pad_token_id=cfg.pad_token_id, bos_token_id=cfg.bos_token_id,
-        eos_token_id=cfg.eos_token_id, tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=n_layers,
+        num_attention_heads=h,
+        num_key_value_heads=g,
+        hidden_act=cfg.hidden_act,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rms_norm_eps=cfg.rms_norm_eps,
+        pad_token_id=cfg.pad_token_id,
+        bos_token_id=cfg.bos_token_id,
+        eos_token_id=cfg.eos_token_id,
+        tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
-        kv_lora_rank=ranks, qk_rope_head_dim=d_r, qk_nope_head_dim=d_nope, v_head_dim=src.head_dim,
-        num_rope_heads=rope_heads, rope_inv_freq=[p.inv_freq.tolist() for p in plans],
-        rope_pair_origin=[p.origin for p in plans], softmax_scale=src.softmax_scale,
-        q_bias=src.family.has_bias("q", src.config), kv_a_bias=src.family.has_bias("k", src.config),
+        kv_lora_rank=ranks,
+        qk_rope_head_dim=d_r,
+        qk_nope_head_dim=d_nope,
+        v_head_dim=src.head_dim,
+        num_rope_heads=rope_heads,
+        rope_inv_freq=[p.inv_freq.tolist() for p in plans],
+        rope_pair_origin=[p.origin for p in plans],
+        softmax_scale=src.softmax_scale,
+        q_bias=src.family.has_bias("q", src.config),
+        kv_a_bias=src.family.has_bias("k", src.config),
         o_bias=src.family.has_bias("v", src.config) or src.family.has_bias("o", src.config),
-        source={"origin": src.origin, "family": src.family.name, "model_type": src.config.model_type,
-                "rope_mode": options.rope_mode, "tool": f"mla-convert {__version__}"},
+        source={
+            "origin": src.origin,
+            "family": src.family.name,
+            "model_type": src.config.model_type,
+            "rope_mode": options.rope_mode,
+            "tool": f"mla-convert {__version__}",
+        },
     )
-    model = MLAForCausalLM(config).to(torch.float32).eval()
+    model = MLAForCausalLM(config).to(torch.float32).eval()  # type: ignore[arg-type]  # transformers' wrapped .to
     state: dict[str, torch.Tensor] = {}
     src_state = source_model.state_dict()
     for name in src.family.copied(n_layers):
@@ -149,15 +181,24 @@ def build_mla(
         for k, v in tensors.items():
             state[f"model.layers.{i}.self_attn.{k}"] = v.to(torch.float32)
         state[f"model.layers.{i}.self_attn.rope_inv_freq"] = plans[i].inv_freq.clone()
-        records.append(LayerRecord(
-            layer=i, rope_pairs=plans[i].origin, rank=ranks[i], cache_width=ranks[i] + rope_heads * d_r,
-            energy=factors[i].energy, rel_error=factors[i].rel_error, rel_error_act=factors[i].rel_error_act,
-            rope_energy=plans[i].rope_energy,
-        ))
+        records.append(
+            LayerRecord(
+                layer=i,
+                rope_pairs=plans[i].origin,
+                rank=ranks[i],
+                cache_width=ranks[i] + rope_heads * d_r,
+                energy=factors[i].energy,
+                rel_error=factors[i].rel_error,
+                rel_error_act=factors[i].rel_error_act,
+                rope_energy=plans[i].rope_energy,
+            )
+        )
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
-        raise RuntimeError(f"internal error assembling the MLA state: missing {missing[:3]} unexpected {unexpected[:3]}")
+        raise RuntimeError(
+            f"internal error assembling the MLA state: missing {missing[:3]} unexpected {unexpected[:3]}"
+        )
     if config.tie_word_embeddings:
         model.tie_weights()
     return model, config, records, plans
@@ -172,7 +213,9 @@ def attention_errors(model: MLAForCausalLM, held: list[HeldOut]) -> list[float]:
         attn = model.model.layers[i].self_attn
         t = ho.x.shape[1]
         pos = torch.arange(t)[None].expand(ho.x.shape[0], t)
-        mask = torch.zeros(1, 1, t, t).masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min)
+        mask = torch.zeros(1, 1, t, t).masked_fill(
+            torch.ones(t, t, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min
+        )
         out = attn(ho.x, pos, mask, None)
         errs.append(float((out - ho.out).norm() / ho.out.norm().clamp_min(1e-30)))
     return errs
@@ -183,9 +226,9 @@ def convert(
     options: ConvertOptions,
     calib_windows: torch.Tensor,
     held_out: torch.Tensor,
-    source_model: torch.nn.Module | None = None,
+    source_model: PreTrainedModel | None = None,
     progress: ProgressFn | None = None,
-) -> tuple[Conversion, torch.nn.Module]:
+) -> tuple[Conversion, PreTrainedModel]:
     """Full conversion of ``src`` with calibration windows ``[N, T]`` and held-out windows ``[M, T]``.
 
     Returns:
@@ -196,14 +239,23 @@ def convert(
         source_model = load_source_model(src)
     t1 = time.perf_counter()
     stats, held = collect_stats(
-        source_model, src, calib_windows, held_out,
+        source_model,
+        src,
+        calib_windows,
+        held_out,
         progress=(lambda n: progress("calibrate", n, len(calib_windows))) if progress else None,
     )
     t2 = time.perf_counter()
     model, config, records, _ = build_mla(src, source_model, stats, options, progress)
     t3 = time.perf_counter()
-    for rec, err in zip(records, attention_errors(model, held)):
+    # strict=False: ``held`` is empty when there are no held-out windows
+    for rec, err in zip(records, attention_errors(model, held), strict=False):
         rec.attn_rel_error = err
     t4 = time.perf_counter()
-    timings = {"load_source_s": t1 - t0, "calibrate_s": t2 - t1, "factorize_s": t3 - t2, "attention_check_s": t4 - t3}
+    timings = {
+        "load_source_s": t1 - t0,
+        "calibrate_s": t2 - t1,
+        "factorize_s": t3 - t2,
+        "attention_check_s": t4 - t3,
+    }
     return Conversion(model, config, records, timings, stats[0].tokens), source_model

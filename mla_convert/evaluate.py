@@ -9,13 +9,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from .modeling_mla import latent_cache_bytes
+from .modeling_mla import MLAForCausalLM, latent_cache_bytes
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass
@@ -37,9 +40,9 @@ class EvalResult:
 
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     windows: torch.Tensor,
-    reference: torch.nn.Module | None = None,
+    reference: PreTrainedModel | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> EvalResult:
     """Perplexity of ``model`` on token windows ``[N, T]`` (each window scored on its own, next-token
@@ -74,7 +77,7 @@ def evaluate(
 
 
 @torch.no_grad()
-def measure_cache(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[str, Any]:
+def measure_cache(model: PreTrainedModel, input_ids: torch.Tensor) -> dict[str, Any]:
     """Run a prefill and read back the bytes the model's cache tensors actually hold.
 
     Args:
@@ -89,7 +92,9 @@ def measure_cache(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[str, 
     nbytes, values = latent_cache_bytes(cache)
     layers = len(cache.layers)
     tokens = input_ids.shape[1] * input_ids.shape[0]
-    dtype = str(cache.layers[0].keys.dtype).replace("torch.", "")
+    keys = getattr(cache.layers[0], "keys", None)
+    assert isinstance(keys, torch.Tensor)
+    dtype = str(keys.dtype).replace("torch.", "")
     return {
         "values_per_token_per_layer": values / tokens / layers,
         "bytes_per_token_per_layer": nbytes / tokens / layers,
@@ -100,17 +105,26 @@ def measure_cache(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[str, 
 
 
 @torch.no_grad()
-def greedy(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int, ignore_eos: bool = False) -> torch.Tensor:
+def greedy(
+    model: MLAForCausalLM, input_ids: torch.Tensor, new_tokens: int, ignore_eos: bool = False
+) -> torch.Tensor:
     """Greedy continuation through ``generate()`` (the model's cache path). Returns ``[1, T + new]`` or
     shorter when EOS is produced; ``ignore_eos`` forbids EOS until ``new_tokens`` (``min_new_tokens``)."""
-    return model.generate(
-        input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
-        do_sample=False, min_new_tokens=new_tokens if ignore_eos else 0,
+    out = model.generate(  # type: ignore[misc]  # transformers' decorated generate has a malformed self type
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        min_new_tokens=new_tokens if ignore_eos else 0,
     )
+    assert isinstance(out, torch.Tensor)  # no return_dict_in_generate: a plain id tensor
+    return out
 
 
 @torch.no_grad()
-def greedy_recompute(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens: int, ignore_eos: bool = False) -> torch.Tensor:
+def greedy_recompute(
+    model: PreTrainedModel, input_ids: torch.Tensor, new_tokens: int, ignore_eos: bool = False
+) -> torch.Tensor:
     """Greedy continuation by full recomputation at every step (no cache): the oracle for :func:`greedy`."""
     ids = input_ids
     eos = model.generation_config.eos_token_id if ignore_eos else None
@@ -121,9 +135,15 @@ def greedy_recompute(model: torch.nn.Module, input_ids: torch.Tensor, new_tokens
             logits[:, eos_ids] = float("-inf")
         nxt = logits.argmax(-1, keepdim=True)
         ids = torch.cat([ids, nxt], dim=1)
-        if not ignore_eos and model.generation_config.eos_token_id is not None and int(nxt) in (
-            [model.generation_config.eos_token_id] if isinstance(model.generation_config.eos_token_id, int)
-            else model.generation_config.eos_token_id
+        if (
+            not ignore_eos
+            and model.generation_config.eos_token_id is not None
+            and int(nxt)
+            in (
+                [model.generation_config.eos_token_id]
+                if isinstance(model.generation_config.eos_token_id, int)
+                else model.generation_config.eos_token_id
+            )
         ):
             break
     return ids

@@ -147,7 +147,9 @@ def _fix_signs(u: torch.Tensor) -> torch.Tensor:
     return u * sign
 
 
-def _factor_block(w: torch.Tensor, left: torch.Tensor, right: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _factor_block(
+    w: torch.Tensor, left: torch.Tensor, right: torch.Tensor, rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     if rank == 0 or w.shape[0] == 0:
         return torch.zeros(0, w.shape[1], dtype=w.dtype), torch.zeros(w.shape[0], 0, dtype=w.dtype)
     u = torch.linalg.svd(left @ w @ right, full_matrices=False)[0][:, :rank]
@@ -164,7 +166,9 @@ def factor_layer(t: LayerTarget, rank: int, factorization: str) -> Factors:
         FactorError: unknown factorization, or a rank larger than the matrix allows.
     """
     if factorization not in FACTORIZATIONS:
-        raise FactorError(f"unknown --factorization {factorization!r}; choose one of {', '.join(FACTORIZATIONS)}")
+        raise FactorError(
+            f"unknown --factorization {factorization!r}; choose one of {', '.join(FACTORIZATIONS)}"
+        )
     rows, hidden = t.w.shape
     limit = min(rows, hidden)
     if not 1 <= rank <= limit:
@@ -176,7 +180,9 @@ def factor_layer(t: LayerTarget, rank: int, factorization: str) -> Factors:
         rk = min(rank // 2 if n else 0, n, hidden)
         rv = rank - rk
         if rv > min(rows - n, hidden):
-            raise FactorError(f"--kv-lora-rank {rank} is impossible for split factorization here (values allow {rows - n})")
+            raise FactorError(
+                f"--kv-lora-rank {rank} is impossible for split factorization here (values allow {rows - n})"
+            )
         dk, uk = _factor_block(t.w[:n], t.left[:n, :n], t.right, rk)
         dv, uv = _factor_block(t.w[n:], t.left[n:, n:], t.right, rv)
         down = torch.cat([dk, dv])
@@ -187,7 +193,11 @@ def factor_layer(t: LayerTarget, rank: int, factorization: str) -> Factors:
     s = spectrum(t)
     energy = float(s[:rank].square().sum() / s.square().sum().clamp_min(1e-30))
     rel = float(err.norm() / t.w.norm().clamp_min(1e-30))
-    act = float((torch.trace(err @ t.xx @ err.T) / torch.trace(t.w @ t.xx @ t.w.T).clamp_min(1e-30)).clamp_min(0).sqrt())
+    act = float(
+        (torch.trace(err @ t.xx @ err.T) / torch.trace(t.w @ t.xx @ t.w.T).clamp_min(1e-30))
+        .clamp_min(0)
+        .sqrt()
+    )
     return Factors(down, up, rank, energy, rel, act)
 
 
@@ -208,7 +218,9 @@ def allocate_ranks(spectra: list[torch.Tensor], total: int, floor: int = 1) -> l
     n_layers = len(spectra)
     cap = sum(len(s) for s in spectra)
     if total < floor * n_layers or total > cap:
-        raise FactorError(f"cache budget gives {total} latent dims over {n_layers} layers; possible: {floor * n_layers}..{cap}")
+        raise FactorError(
+            f"cache budget gives {total} latent dims over {n_layers} layers; possible: {floor * n_layers}..{cap}"
+        )
     ranks = [floor] * n_layers
     gains = []
     for li, s in enumerate(spectra):

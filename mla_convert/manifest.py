@@ -73,8 +73,12 @@ def verify(folder: Path) -> dict[str, Any]:
         if not f.exists():
             raise ManifestError(f"{name} listed in the manifest is missing from {folder}")
         if sha256_file(f) != digest:
-            raise ManifestError(f"{name} in {folder} does not match its sha256 in the manifest (changed after writing)")
+            raise ManifestError(
+                f"{name} in {folder} does not match its sha256 in the manifest (changed after writing)"
+            )
     cid = canonical_id(manifest)
     if cid != manifest.get("canonical_id"):
-        raise ManifestError(f"canonical id mismatch in {path}: recorded {manifest.get('canonical_id')}, recomputed {cid}")
+        raise ManifestError(
+            f"canonical id mismatch in {path}: recorded {manifest.get('canonical_id')}, recomputed {cid}"
+        )
     return {"canonical_id": cid, "files": len(manifest.get("outputs", {}))}

@@ -73,6 +73,8 @@ class MLAAttention(nn.Module):
     ``h // (H/G)`` and rope head ``h // (H/R)``.
     """
 
+    rope_inv_freq: torch.Tensor  # buffer registered in __init__
+
     def __init__(self, config: MLAConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -89,15 +91,23 @@ class MLAAttention(nn.Module):
         h, g, r = self.num_heads, self.num_kv_heads, self.num_rope_heads
         if g % r:
             raise ValueError(f"num_key_value_heads={g} must be a multiple of num_rope_heads={r}")
-        self.q_proj = nn.Linear(hidden, h * (self.qk_nope_head_dim + self.qk_rope_head_dim), bias=config.q_bias)
+        self.q_proj = nn.Linear(
+            hidden, h * (self.qk_nope_head_dim + self.qk_rope_head_dim), bias=config.q_bias
+        )
         self.kv_a_proj_with_mqa = nn.Linear(
             hidden, self.kv_lora_rank + r * self.qk_rope_head_dim, bias=config.kv_a_bias
         )
-        self.kv_a_layernorm = LlamaRMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps) if config.latent_norm else None
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, g * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
+        self.kv_a_layernorm = (
+            LlamaRMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps) if config.latent_norm else None
+        )
+        self.kv_b_proj = nn.Linear(
+            self.kv_lora_rank, g * (self.qk_nope_head_dim + self.v_head_dim), bias=False
+        )
         self.o_proj = nn.Linear(h * self.v_head_dim, hidden, bias=config.o_bias)
         inv = torch.tensor(config.rope_inv_freq[layer_idx], dtype=torch.float32).reshape(r, -1)
-        self.register_buffer("rope_inv_freq", inv, persistent=True)  # saved: meta-device init would leave it empty
+        self.register_buffer(
+            "rope_inv_freq", inv, persistent=True
+        )  # saved: meta-device init would leave it empty
 
     # ----------------------------------------------------------------------------- projections
     def project(
@@ -122,12 +132,16 @@ class MLAAttention(nn.Module):
             cos, sin = rope_angles(position_ids, self.rope_inv_freq)
             k_rope = apply_rope(k_rope, cos.to(k_rope.dtype), sin.to(k_rope.dtype))
             head_to_rope = torch.arange(h, device=x.device) // (h // r)
-            q_rope = apply_rope(q_rope, cos[:, :, head_to_rope].to(q.dtype), sin[:, :, head_to_rope].to(q.dtype))
+            q_rope = apply_rope(
+                q_rope, cos[:, :, head_to_rope].to(q.dtype), sin[:, :, head_to_rope].to(q.dtype)
+            )
         return q_nope, q_rope, c_kv, k_rope
 
     def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``W_UK [G, d_N, d_c]`` and ``W_UV [G, d_V, d_c]``, views of ``kv_b_proj.weight``."""
-        w = self.kv_b_proj.weight.view(self.num_kv_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        w = self.kv_b_proj.weight.view(
+            self.num_kv_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank
+        )
         return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
 
     # ----------------------------------------------------------------------------- forward
@@ -169,7 +183,9 @@ class MLAAttention(nn.Module):
             c_all, kr_all = c_kv, k_rope.reshape(b, t, -1)
         s = c_all.shape[1]
         w_uk, w_uv = self.up_weights()
-        q_abs = torch.einsum("btgnd,gdc->btgnc", q_nope.reshape(b, t, g, h // g, -1), w_uk).reshape(b, t, h, -1)
+        q_abs = torch.einsum("btgnd,gdc->btgnc", q_nope.reshape(b, t, g, h // g, -1), w_uk).reshape(
+            b, t, h, -1
+        )
         scores = torch.einsum("bthc,bsc->bhts", q_abs, c_all)
         if self.qk_rope_head_dim:
             kr = kr_all.reshape(b, s, r, self.qk_rope_head_dim)
@@ -230,7 +246,9 @@ class MLADecoderLayer(nn.Module):
         past_key_values: Cache | None,
     ) -> torch.Tensor:
         """``[B, T, hidden] -> [B, T, hidden]``."""
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), position_ids, attention_mask, past_key_values)
+        hidden = hidden + self.self_attn(
+            self.input_layernorm(hidden), position_ids, attention_mask, past_key_values
+        )
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 

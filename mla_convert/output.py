@@ -13,9 +13,12 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from transformers import GenerationConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class OutputError(ValueError):
@@ -60,7 +63,7 @@ def atomic_folder(out: Path) -> Iterator[Path]:
 
 
 def save_checkpoint(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     folder: Path,
     tokenizer_files: list[Path],
     model_card: str,
@@ -70,7 +73,9 @@ def save_checkpoint(
     ``save_pretrained``), config, generation config, the source's tokenizer files and a model card."""
     model.save_pretrained(str(folder), max_shard_size=max_shard_size, safe_serialization=True)
     cfg = model.config
-    GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id).save_pretrained(str(folder))
+    GenerationConfig(
+        bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id
+    ).save_pretrained(str(folder))
     for f in tokenizer_files:
         shutil.copy2(f, folder / f.name)
     (folder / "README.md").write_text(model_card)

@@ -47,13 +47,17 @@ def check_options(options: ConvertOptions, src: SourceModel) -> None:
     if options.rope_mode not in MODES:
         raise RopeError(f"unknown --rope-mode {options.rope_mode!r}; choose one of {', '.join(MODES)}")
     if options.rope_strategy not in STRATEGIES:
-        raise RopeError(f"unknown --rope-strategy {options.rope_strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        raise RopeError(
+            f"unknown --rope-strategy {options.rope_strategy!r}; choose one of {', '.join(STRATEGIES)}"
+        )
     if options.rope_basis not in BASES:
         raise RopeError(f"unknown --rope-basis {options.rope_basis!r}; choose one of {', '.join(BASES)}")
     if options.objective not in OBJECTIVES:
         raise FactorError(f"unknown --objective {options.objective!r}; choose one of {', '.join(OBJECTIVES)}")
     if options.factorization not in FACTORIZATIONS:
-        raise FactorError(f"unknown --factorization {options.factorization!r}; choose one of {', '.join(FACTORIZATIONS)}")
+        raise FactorError(
+            f"unknown --factorization {options.factorization!r}; choose one of {', '.join(FACTORIZATIONS)}"
+        )
     half, g = src.head_dim // 2, src.num_kv_heads
     limit = half * g if (options.rope_mode == "shared" and options.rope_strategy == "rotation") else half
     if not 0 <= options.rope_pairs <= limit:
@@ -65,7 +69,9 @@ def check_options(options: ConvertOptions, src: SourceModel) -> None:
     n_nope = 2 * (half * g) - 2 * options.rope_pairs * (g if options.rope_mode == "per-head" else 1)
     max_rank = min(src.hidden_size, n_nope + g * src.head_dim)
     if options.kv_lora_rank is not None and not 1 <= options.kv_lora_rank <= max_rank:
-        raise FactorError(f"--kv-lora-rank {options.kv_lora_rank} is impossible for this source: allowed 1..{max_rank}")
+        raise FactorError(
+            f"--kv-lora-rank {options.kv_lora_rank} is impossible for this source: allowed 1..{max_rank}"
+        )
     if options.kv_lora_rank is None:
         if options.cache_budget is None:
             raise FactorError("give --kv-lora-rank or --cache-budget")
@@ -75,7 +81,9 @@ def check_options(options: ConvertOptions, src: SourceModel) -> None:
                 "lower --rope-pairs or raise the budget"
             )
         if options.cache_budget - rope_width > max_rank:
-            raise FactorError(f"--cache-budget {options.cache_budget} asks for a latent wider than possible ({max_rank})")
+            raise FactorError(
+                f"--cache-budget {options.cache_budget} asks for a latent wider than possible ({max_rank})"
+            )
     for name in ("calib_windows", "window", "eval_windows"):
         if getattr(options, name) < 1:
             raise FactorError(f"--{name.replace('_', '-')} must be at least 1")
@@ -92,16 +100,23 @@ def prepare_text(tokenizer: Any, options: ConvertOptions) -> TextSplit:
         spec = [Path(p) for p in options.text.split(",")]
     docs = load_documents(spec)
     splits = split_documents(docs)
-    calib = token_windows(tokenizer, splits["calibration"], options.window, options.calib_windows + 1, bos=False)
+    calib = token_windows(
+        tokenizer, splits["calibration"], options.window, options.calib_windows + 1, bos=False
+    )
     if calib.shape[0] < 2:
         raise TextError(
             f"calibration text gives {calib.shape[0]} window(s) of {options.window} tokens; need at least 2 "
             "(use more text or a shorter --window)"
         )
-    evaluation = token_windows(tokenizer, splits["evaluation"], options.window, options.eval_windows, bos=False)
+    evaluation = token_windows(
+        tokenizer, splits["evaluation"], options.window, options.eval_windows, bos=False
+    )
     name = options.text if isinstance(spec, str) else "local files"
     return TextSplit(
-        name, calib[:-1], calib[-1:], evaluation,
+        name,
+        calib[:-1],
+        calib[-1:],
+        evaluation,
         {role: documents_record(d) for role, d in splits.items()},
     )
 
@@ -152,8 +167,12 @@ def run_factor(
     text = prepare_text(tokenizer, options)
     conv, source_model = convert(src, options, text.calibration, text.held_out, progress=progress)
     t1 = time.perf_counter()
-    ev = evaluate(conv.model, text.evaluation, source_model,
-                  progress=(lambda n: progress("evaluate", n, len(text.evaluation))) if progress else None)
+    ev = evaluate(
+        conv.model,
+        text.evaluation,
+        source_model,
+        progress=(lambda n: progress("evaluate", n, len(text.evaluation))) if progress else None,
+    )
     probe = text.evaluation[:1, :128]
     cache_src = measure_cache(source_model, probe)
     cache_mla = measure_cache(conv.model, probe)
@@ -167,39 +186,65 @@ def run_factor(
     report: dict[str, Any] = {
         "source": src.describe(),
         "options": options.model_dump(),
-        "text": {"name": text.name, "calibration": text.records["calibration"], "evaluation": text.records["evaluation"],
-                 "calibration_tokens": conv.calib_tokens, "window": options.window},
+        "text": {
+            "name": text.name,
+            "calibration": text.records["calibration"],
+            "evaluation": text.records["evaluation"],
+            "calibration_tokens": conv.calib_tokens,
+            "window": options.window,
+        },
         "layers": [asdict(r) for r in conv.layers],
         "model": {
             "eval": ev.as_dict(),
             "cache": {
-                "source": cache_src, "converted": cache_mla,
+                "source": cache_src,
+                "converted": cache_mla,
                 "ratio": cache_mla["values_per_token_per_layer"] / cache_src["values_per_token_per_layer"],
-                "formula_values_per_token_per_layer": sum(conv.config.cache_width) / len(conv.config.cache_width),
+                "formula_values_per_token_per_layer": sum(conv.config.cache_width)
+                / len(conv.config.cache_width),
                 "measured_on": f"prefill of {probe.shape[1]} evaluation tokens",
             },
             "sample": {"prompt": sample_prompt, "greedy_24_tokens": sample},
         },
-        "run": {"wall_s": t2 - t0, "convert_s": t1 - t0, "timings": conv.timings, "peak_rss_mb": peak_rss_mb(),
-                "torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads()},
+        "run": {
+            "wall_s": t2 - t0,
+            "convert_s": t1 - t0,
+            "timings": conv.timings,
+            "peak_rss_mb": peak_rss_mb(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "threads": torch.get_num_threads(),
+        },
     }
     manifest = {
         "tool": {"name": "mla-convert", "version": __version__},
-        "source": {"origin": src.origin if not Path(src.origin).exists() else Path(src.origin).name,
-                   "family": src.family.name,
-                   "files": [{"name": f.name, "sha256": sha256_file(f)}
-                             for f in src.origin_files],
-                   "tokenizer_sha256": tokenizer_digest(src)},
+        "source": {
+            "origin": src.origin if not Path(src.origin).exists() else Path(src.origin).name,
+            "family": src.family.name,
+            "files": [{"name": f.name, "sha256": sha256_file(f)} for f in src.origin_files],
+            "tokenizer_sha256": tokenizer_digest(src),
+        },
         "options": options.model_dump(),
-        "rope": {"mode": options.rope_mode, "pairs": [r.rope_pairs for r in conv.layers],
-                 "inv_freq": conv.config.rope_inv_freq},
+        "rope": {
+            "mode": options.rope_mode,
+            "pairs": [r.rope_pairs for r in conv.layers],
+            "inv_freq": conv.config.rope_inv_freq,
+        },
         "ranks": conv.config.kv_lora_rank,
-        "calibration": {"text": text.name, "documents": text.records["calibration"], "tokens": conv.calib_tokens},
+        "calibration": {
+            "text": text.name,
+            "documents": text.records["calibration"],
+            "tokens": conv.calib_tokens,
+        },
         "evaluation": {"documents": text.records["evaluation"]},
         "reconstruction": {
-            "perplexity_source": round(ev.reference_perplexity or 0.0, 4), "perplexity": round(ev.perplexity, 4),
-            "kl": round(ev.kl or 0.0, 5), "top1": round(ev.top1 or 0.0, 4),
-            "mean_attn_rel_error": round(sum(r.attn_rel_error or 0 for r in conv.layers) / len(conv.layers), 5),
+            "perplexity_source": round(ev.reference_perplexity or 0.0, 4),
+            "perplexity": round(ev.perplexity, 4),
+            "kl": round(ev.kl or 0.0, 5),
+            "top1": round(ev.top1 or 0.0, 4),
+            "mean_attn_rel_error": round(
+                sum(r.attn_rel_error or 0 for r in conv.layers) / len(conv.layers), 5
+            ),
         },
         "cache_schema": {
             "row_layout": ["c_kv", "k_rope"],
@@ -217,6 +262,8 @@ def run_factor(
     with atomic_folder(out) as tmp:
         save_checkpoint(conv.model, tmp, tokenizer_files(src), model_card(src, options, conv, ev))
         write_report(tmp, report)
-        weights = sorted(p.name for p in tmp.iterdir() if p.suffix == ".safetensors" or p.name.endswith(".index.json"))
+        weights = sorted(
+            p.name for p in tmp.iterdir() if p.suffix == ".safetensors" or p.name.endswith(".index.json")
+        )
         write_manifest(tmp, manifest, weights + ["config.json"])
     return report

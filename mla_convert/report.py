@@ -21,8 +21,13 @@ def layer_table(report: dict[str, Any]) -> Table:
     for r in report["layers"]:
         pairs = sum(len(h) for h in r["rope_pairs"])
         t.add_row(
-            str(r["layer"]), str(pairs), str(r["rank"]), str(r["cache_width"]), f"{r['energy']:.4f}",
-            f"{r['rel_error']:.4f}", f"{r['rel_error_act']:.4f}",
+            str(r["layer"]),
+            str(pairs),
+            str(r["rank"]),
+            str(r["cache_width"]),
+            f"{r['energy']:.4f}",
+            f"{r['rel_error']:.4f}",
+            f"{r['rel_error_act']:.4f}",
             "-" if r["attn_rel_error"] is None else f"{r['attn_rel_error']:.4f}",
         )
     return t
@@ -31,7 +36,9 @@ def layer_table(report: dict[str, Any]) -> Table:
 def summary_table(report: dict[str, Any]) -> Table:
     """A rich table of the model-level measurements."""
     m = report["model"]
-    t = Table(title=f"Model-level, on {m['eval']['tokens']} held-out tokens ({m['eval']['windows']} x {m['eval']['window']})")
+    t = Table(
+        title=f"Model-level, on {m['eval']['tokens']} held-out tokens ({m['eval']['windows']} x {m['eval']['window']})"
+    )
     t.add_column("measure")
     t.add_column("source", justify="right")
     t.add_column("converted", justify="right")
@@ -41,10 +48,16 @@ def summary_table(report: dict[str, Any]) -> Table:
     t.add_row("KL(source||converted) nats/token", "0", f"{e['kl']:.4f}")
     t.add_row("top-1 agreement", "1.000", f"{e['top1']:.4f}")
     c = m["cache"]
-    t.add_row("KV cache values / token / layer", f"{c['source']['values_per_token_per_layer']:.1f}",
-              f"{c['converted']['values_per_token_per_layer']:.1f}")
-    t.add_row("KV cache bytes / token / layer", f"{c['source']['bytes_per_token_per_layer']:.1f}",
-              f"{c['converted']['bytes_per_token_per_layer']:.1f}")
+    t.add_row(
+        "KV cache values / token / layer",
+        f"{c['source']['values_per_token_per_layer']:.1f}",
+        f"{c['converted']['values_per_token_per_layer']:.1f}",
+    )
+    t.add_row(
+        "KV cache bytes / token / layer",
+        f"{c['source']['bytes_per_token_per_layer']:.1f}",
+        f"{c['converted']['bytes_per_token_per_layer']:.1f}",
+    )
     t.add_row("cache ratio", "1.000", f"{c['ratio']:.4f}")
     return t
 
@@ -85,7 +98,11 @@ def to_markdown(report: dict[str, Any]) -> str:
             f"| {r['layer']} | {pairs} | {r['rank']} | {r['cache_width']} | {r['energy']:.4f} | "
             f"{r['rel_error']:.4f} | {r['rel_error_act']:.4f} | {attn} |"
         )
-    lines += ["", f"Peak memory: {report['run']['peak_rss_mb']:.0f} MB; wall time {report['run']['wall_s']:.1f} s.", ""]
+    lines += [
+        "",
+        f"Peak memory: {report['run']['peak_rss_mb']:.0f} MB; wall time {report['run']['wall_s']:.1f} s.",
+        "",
+    ]
     return "\n".join(lines)
 
 

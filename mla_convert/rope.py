@@ -192,14 +192,17 @@ def plan_layer(
             cand = []
             for k in range(half):
                 for m in range(g):
-                    qe = sum(float(abs(unitary[k][m, group[i]]) ** 2 * eq[i, k]) for i in range(h))
-                    cand.append((math.sqrt(qe * float(energies[k][m])) * float(rw[k]), k, m))
+                    qe_sum = sum(float(abs(unitary[k][m, group[i]]) ** 2 * eq[i, k]) for i in range(h))
+                    cand.append((math.sqrt(qe_sum * float(energies[k][m])) * float(rw[k]), k, m))
             cand.sort(key=lambda c: (-c[0], c[1], c[2]))
             chosen_slots = sorted((k, m) for _, k, m in cand[:pairs])
         else:
             if strategy == "2-norm":
                 score = torch.stack(
-                    [st.q_pair_norm[[i for i in range(h) if group[i] == gi]].sum(0) * st.k_pair_norm[gi] for gi in range(g)]
+                    [
+                        st.q_pair_norm[[i for i in range(h) if group[i] == gi]].sum(0) * st.k_pair_norm[gi]
+                        for gi in range(g)
+                    ]
                 ).sum(0)
                 freqs = sorted(torch.argsort(score, descending=True)[:pairs].tolist())
             else:

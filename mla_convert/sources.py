@@ -16,13 +16,16 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from .families import REFUSED, Family, families
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 #: Built-in source names -> loader of the bundled real model.
 BUILTIN_MODELS = ("smollm2-135m",)
@@ -182,11 +185,13 @@ def gguf_to_folder(gguf: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
     try:
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(
+                str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+            )
             tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         except Exception as exc:  # noqa: BLE001 - any reader failure is one user-facing line
             raise SourceError(f"cannot read GGUF file {gguf}: {str(exc).splitlines()[0]}") from exc
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]  # set dynamically by transformers, not declared
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(str(tmp))
@@ -205,7 +210,9 @@ def _weight_map(path: Path) -> dict[str, str]:
         try:
             return dict(json.loads(index.read_text())["weight_map"])
         except (ValueError, KeyError) as exc:
-            raise SourceError(f"{index} is not a valid safetensors index ({exc}); re-save the checkpoint") from exc
+            raise SourceError(
+                f"{index} is not a valid safetensors index ({exc}); re-save the checkpoint"
+            ) from exc
     files = sorted(path.glob("*.safetensors"))
     if not files:
         hint = " (PyTorch .bin checkpoints: re-save with safetensors)" if list(path.glob("*.bin")) else ""
@@ -255,7 +262,9 @@ def _check_attention(config: PretrainedConfig, family: Family, where: Path) -> N
             )
     layer_types = getattr(config, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types):
-        raise SourceError(f"{where}: alternating/sliding attention layers ({set(layer_types)}) are not supported")
+        raise SourceError(
+            f"{where}: alternating/sliding attention layers ({set(layer_types)}) are not supported"
+        )
     params = rope_parameters(config)
     rtype = params.get("rope_type", params.get("type", "default"))
     if rtype not in STATIC_ROPE_TYPES:
@@ -346,7 +355,7 @@ def open_source(spec: str | Path) -> SourceModel:
     return src
 
 
-def load_source_model(src: SourceModel, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def load_source_model(src: SourceModel, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """The source as a transformers causal LM (eval mode, eager attention) for calibration and evaluation."""
     from transformers import AutoModelForCausalLM
 
@@ -358,8 +367,16 @@ def load_source_model(src: SourceModel, dtype: torch.dtype = torch.float32) -> t
 
 def tokenizer_files(src: SourceModel) -> list[Path]:
     """Tokenizer files of the source folder, copied next to a converted checkpoint."""
-    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-             "vocab.json", "merges.txt", "chat_template.jinja", "added_tokens.json")
+    names = (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "tokenizer.model",
+        "vocab.json",
+        "merges.txt",
+        "chat_template.jinja",
+        "added_tokens.json",
+    )
     return [src.path / n for n in names if (src.path / n).exists()]
 
 

@@ -55,14 +55,16 @@ def test_measured_cache_is_latent_plus_rope(lossy, smol, smol_model, eval_ids):
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids=eval_ids[:, :10], past_key_values=cache, use_cache=True)
-    for layer, rank in zip(cache.layers, cfg.kv_lora_rank):
+    for layer, rank in zip(cache.layers, cfg.kv_lora_rank, strict=True):
         assert layer.keys.shape == (1, 1, 10, rank)
         assert layer.values.shape == (1, 1, 10, cfg.num_rope_heads * cfg.qk_rope_head_dim)
     assert latent_cache_bytes(cache)[1] == 10 * sum(cfg.cache_width)
 
 
 def test_conversion_is_deterministic(smol, smol_model, smol_stats):
-    opts = ConvertOptions(rope_mode="per-head", rope_strategy="2-norm", rope_pairs=4, objective="output", cache_budget=72)
+    opts = ConvertOptions(
+        rope_mode="per-head", rope_strategy="2-norm", rope_pairs=4, objective="output", cache_budget=72
+    )
     a = build_mla(smol, smol_model, smol_stats[0], opts)[0].state_dict()
     b = build_mla(smol, smol_model, smol_stats[0], opts)[0].state_dict()
     assert a.keys() == b.keys()

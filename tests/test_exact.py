@@ -21,7 +21,9 @@ def _logits(model, ids, path=None):
 
 
 def _exact_options(**kw):
-    base = dict(rope_mode="per-head", rope_strategy="high", rope_pairs=32, cache_budget=None, kv_lora_rank=192)
+    base = dict(
+        rope_mode="per-head", rope_strategy="high", rope_pairs=32, cache_budget=None, kv_lora_rank=192
+    )
     base.update(kw)
     return ConvertOptions(**base)
 
@@ -66,5 +68,7 @@ def test_mha_expansion_full_rank_is_exact(mha_folder, smol_model, calib_windows,
 
 def test_partial_rope_changes_the_function(smol, smol_model, smol_stats, eval_ids):
     """Dropping pairs is a deliberate loss: the logits must move (the exactness test can fail)."""
-    model, _, _, _ = build_mla(smol, smol_model, smol_stats[0], _exact_options(rope_pairs=4, kv_lora_rank=192))
+    model, _, _, _ = build_mla(
+        smol, smol_model, smol_stats[0], _exact_options(rope_pairs=4, kv_lora_rank=192)
+    )
     assert (_logits(model, eval_ids) - _logits(smol_model, eval_ids)).abs().max().item() > 1e-2

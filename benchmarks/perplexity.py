@@ -1,0 +1,114 @@
+"""Training-free perplexity of SmolLM2-135M converted to MLA at 31.25 / 18.75 / 12.5 % of its KV cache.
+
+Rows: plain re-implementations of the anchors' recipes (MHA2MLA: per-head partial RoPE by 2-norm +
+weight SVD; per-head `high` + activation PCA with K/V balance; TransMLA: shared RoRoPE head +
+activation PCA with K/V balance) and mla-convert's options, all on the same model, calibration text
+(Wikipedia calibration split) and held-out text (Wikipedia evaluation split), measured at 512- and
+2048-token windows. Prints a Markdown table and writes it to ``benchmarks/results/perplexity.md``.
+
+    .venv/bin/python benchmarks/perplexity.py            # quick grid (anchors + best splits), ~15 min here
+    .venv/bin/python benchmarks/perplexity.py --full     # strategy x objective x joint/split at each size
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer
+
+from mla_convert.calibration import collect_stats
+from mla_convert.convert import ConvertOptions, build_mla
+from mla_convert.evaluate import evaluate
+from mla_convert.sources import load_source_model, open_source
+from mla_convert.text import load_documents, split_documents, token_windows
+
+SIZES = {120: "31.25 %", 72: "18.75 %", 48: "12.5 %"}
+ANCHORS: dict[str, dict[str, Any]] = {
+    "MHA2MLA-style (per-head 2-norm r=4, weight SVD, joint)": dict(
+        rope_mode="per-head", rope_strategy="2-norm", rope_pairs=4, objective="weight", kv_balance=False),
+    "per-head high r=4, activation PCA + K/V balance": dict(
+        rope_mode="per-head", rope_strategy="high", rope_pairs=4, objective="activation"),
+    "TransMLA-style (shared RoRoPE head, activation PCA + K/V balance)": dict(
+        rope_mode="shared", rope_strategy="high", rope_pairs=32, objective="activation"),
+}
+
+
+def ours(size: int) -> dict[str, dict[str, Any]]:
+    """mla-convert rows: shared complex-PCA rope head, output-aware objective, the rope/latent split swept."""
+    pairs = {120: (32, 24), 72: (24, 16), 48: (16, 8)}[size]
+    return {f"mla-convert shared r={p}, output-aware, joint": dict(
+        rope_mode="shared", rope_strategy="high", rope_pairs=p, objective="output") for p in pairs}
+
+
+def full_grid(size: int) -> dict[str, dict[str, Any]]:
+    rows = {}
+    ropes = [("per-head", s, 4) for s in ("high", "low", "uniform", "2-norm", "rotation")]
+    ropes += [("shared", "high", {120: 32, 72: 16, 48: 8}[size]), ("shared", "2-norm", {120: 24, 72: 16, 48: 8}[size])]
+    for (mode, strat, r), obj, fac in itertools.product(ropes, ("weight", "activation", "output"), ("joint", "split")):
+        rows[f"{mode} {strat} r={r}, {obj}, {fac}"] = dict(
+            rope_mode=mode, rope_strategy=strat, rope_pairs=r, objective=obj, factorization=fac)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--full", action="store_true", help="the whole strategy x objective x factorization grid")
+    ap.add_argument("--calib-windows", type=int, default=16)
+    ap.add_argument("--windows-512", type=int, default=8)
+    ap.add_argument("--windows-2048", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "perplexity.md")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    src = open_source("smollm2-135m")
+    model = load_source_model(src)
+    tok = AutoTokenizer.from_pretrained(str(src.path))
+    splits = split_documents(load_documents("wikipedia"))
+    calib = token_windows(tok, splits["calibration"], 512, args.calib_windows, bos=False)
+    evals = {
+        512: token_windows(tok, splits["evaluation"], 512, args.windows_512, bos=False),
+        2048: token_windows(tok, splits["evaluation"], 2048, args.windows_2048, bos=False),
+    }
+    t0 = time.perf_counter()
+    stats, _ = collect_stats(model, src, calib)
+    base = {ctx: evaluate(model, ids).perplexity for ctx, ids in evals.items()}
+    print(f"calibration: {stats[0].tokens} tokens in {time.perf_counter() - t0:.0f} s; source perplexity "
+          f"{base[512]:.2f} @512 ({evals[512].numel()} tokens), {base[2048]:.2f} @2048 ({evals[2048].numel()} tokens)",
+          flush=True)
+    lines = [
+        f"Source SmolLM2-135M-Instruct: perplexity {base[512]:.2f} at 512 tokens ({evals[512].shape[0]} windows), "
+        f"{base[2048]:.2f} at 2048 tokens ({evals[2048].shape[0]} windows), Wikipedia evaluation split; "
+        f"calibration {stats[0].tokens} tokens of the disjoint calibration split. Cells: perplexity ratio to the source.",
+        "",
+        "| cache (values/token/layer) | method | x ppl @512 | x ppl @2048 | convert s |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for size, label in SIZES.items():
+        rows = full_grid(size) if args.full else {**ANCHORS, **ours(size)}
+        for name, kw in rows.items():
+            if kw["rope_mode"] == "shared" and 2 * kw["rope_pairs"] >= size:
+                kw = {**kw, "rope_pairs": {72: 16, 48: 8}.get(size, kw["rope_pairs"])}
+                name = name.replace("r=32", f"r={kw['rope_pairs']}")
+            opts = ConvertOptions(cache_budget=size, **kw)
+            t = time.perf_counter()
+            try:
+                mla = build_mla(src, model, stats, opts)[0]
+            except ValueError as exc:
+                print(f"skip {name} @ {size}: {exc}")
+                continue
+            secs = time.perf_counter() - t
+            ratio = {ctx: evaluate(mla, ids).perplexity / base[ctx] for ctx, ids in evals.items()}
+            line = f"| {size} ({label}) | {name} | {ratio[512]:.2f} | {ratio[2048]:.2f} | {secs:.0f} |"
+            print(line, flush=True)
+            lines.append(line)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""The README's reference conversion, end to end through the CLI, against its pinned manifest.
+
+``manifests/smollm2-135m-reference.json`` pins the manifest of ``mla-convert factor smollm2-135m OUT``
+(default options). Any change of output — tensors, options, RoPE pairs, ranks, calibration documents,
+reconstruction figures — changes the canonical id and fails here. After an intended change, re-pin with
+``python tests/test_reference.py --repin`` and say why in the commit.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mla_convert.cli import app
+from mla_convert.manifest import canonical_id
+
+PINNED = Path(__file__).resolve().parents[1] / "manifests" / "smollm2-135m-reference.json"
+SCHEMA = Path(__file__).resolve().parents[1] / "manifests" / "mla_manifest.schema.json"
+
+
+def run_reference(out: Path) -> dict:
+    res = CliRunner().invoke(app, ["--quiet", "factor", "smollm2-135m", str(out)])
+    assert res.exit_code == 0, res.output + str(res.exception)
+    return json.loads((out / "mla_manifest.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ref") / "smollm2-mla"
+    run_reference(out)
+    return out
+
+
+def _diff(a: dict, b: dict, prefix: str = "") -> list[str]:
+    keys = sorted(set(a) | set(b))
+    out = []
+    for k in keys:
+        if k in ("run",):
+            continue
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += _diff(va, vb, f"{prefix}{k}.")
+        elif va != vb:
+            out.append(f"{prefix}{k}: pinned {str(vb)[:80]} got {str(va)[:80]}")
+    return out
+
+
+def test_reference_manifest_is_pinned(reference):
+    got = json.loads((reference / "mla_manifest.json").read_text())
+    pinned = json.loads(PINNED.read_text())
+    assert got["canonical_id"] == canonical_id(got)
+    assert got["canonical_id"] == pinned["canonical_id"], "\n".join(_diff(got, pinned)[:12])
+    assert got["outputs"] == pinned["outputs"]
+
+
+def test_reference_manifest_matches_schema(reference):
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(
+        json.loads((reference / "mla_manifest.json").read_text()), json.loads(SCHEMA.read_text())
+    )
+
+
+def test_reference_report_and_cli(reference):
+    report = json.loads((reference / "report.json").read_text())
+    cache = report["model"]["cache"]
+    assert cache["converted"]["values_per_token_per_layer"] == pytest.approx(120)
+    assert cache["ratio"] == pytest.approx(0.3125)
+    assert cache["source"]["values_per_token_per_layer"] == 384
+    ev = report["model"]["eval"]
+    assert ev["tokens"] == 8 * 511 and 1.0 < ev["perplexity"] / ev["reference_perplexity"] < 10
+    assert len(report["layers"]) == 30 and all(r["attn_rel_error"] is not None for r in report["layers"])
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "README.md", "report.md"):
+        assert (reference / name).exists(), name
+    runner = CliRunner()
+    res = runner.invoke(app, ["manifest", "verify", str(reference)])
+    assert res.exit_code == 0 and "ok:" in res.output
+    res = runner.invoke(
+        app, ["generate", str(reference), "The capital of France is", "--max-new-tokens", "8"]
+    )
+    assert res.exit_code == 0 and res.output.startswith("The capital of France is")
+    res = runner.invoke(app, ["eval", str(reference), "--windows", "1", "--window", "256"])
+    assert res.exit_code == 0 and "perplexity" in res.output
+
+
+if __name__ == "__main__" and "--repin" in sys.argv:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        manifest = run_reference(Path(tmp) / "ref")
+    PINNED.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    print(f"pinned {manifest['canonical_id']} in {PINNED}")
