@@ -30,28 +30,41 @@ from mla_convert.text import load_documents, split_documents, token_windows
 SIZES = {120: "31.25 %", 72: "18.75 %", 48: "12.5 %"}
 ANCHORS: dict[str, dict[str, Any]] = {
     "MHA2MLA-style (per-head 2-norm r=4, weight SVD, joint)": dict(
-        rope_mode="per-head", rope_strategy="2-norm", rope_pairs=4, objective="weight", kv_balance=False),
+        rope_mode="per-head", rope_strategy="2-norm", rope_pairs=4, objective="weight", kv_balance=False
+    ),
     "per-head high r=4, activation PCA + K/V balance": dict(
-        rope_mode="per-head", rope_strategy="high", rope_pairs=4, objective="activation"),
+        rope_mode="per-head", rope_strategy="high", rope_pairs=4, objective="activation"
+    ),
     "TransMLA-style (shared RoRoPE head, activation PCA + K/V balance)": dict(
-        rope_mode="shared", rope_strategy="high", rope_pairs=32, objective="activation"),
+        rope_mode="shared", rope_strategy="high", rope_pairs=32, objective="activation"
+    ),
 }
 
 
 def ours(size: int) -> dict[str, dict[str, Any]]:
     """mla-convert rows: shared complex-PCA rope head, output-aware objective, the rope/latent split swept."""
     pairs = {120: (32, 24), 72: (24, 16), 48: (16, 8)}[size]
-    return {f"mla-convert shared r={p}, output-aware, joint": dict(
-        rope_mode="shared", rope_strategy="high", rope_pairs=p, objective="output") for p in pairs}
+    return {
+        f"mla-convert shared r={p}, output-aware, joint, o_proj refit": dict(
+            rope_mode="shared", rope_strategy="high", rope_pairs=p, objective="output", refit_o_proj="teacher"
+        )
+        for p in pairs
+    }
 
 
 def full_grid(size: int) -> dict[str, dict[str, Any]]:
     rows = {}
     ropes = [("per-head", s, 4) for s in ("high", "low", "uniform", "2-norm", "rotation")]
-    ropes += [("shared", "high", {120: 32, 72: 16, 48: 8}[size]), ("shared", "2-norm", {120: 24, 72: 16, 48: 8}[size])]
-    for (mode, strat, r), obj, fac in itertools.product(ropes, ("weight", "activation", "output"), ("joint", "split")):
+    ropes += [
+        ("shared", "high", {120: 32, 72: 16, 48: 8}[size]),
+        ("shared", "2-norm", {120: 24, 72: 16, 48: 8}[size]),
+    ]
+    for (mode, strat, r), obj, fac in itertools.product(
+        ropes, ("weight", "activation", "output"), ("joint", "split")
+    ):
         rows[f"{mode} {strat} r={r}, {obj}, {fac}"] = dict(
-            rope_mode=mode, rope_strategy=strat, rope_pairs=r, objective=obj, factorization=fac)
+            rope_mode=mode, rope_strategy=strat, rope_pairs=r, objective=obj, factorization=fac
+        )
     return rows
 
 
@@ -74,11 +87,13 @@ def main() -> None:
         2048: token_windows(tok, splits["evaluation"], 2048, args.windows_2048, bos=False),
     }
     t0 = time.perf_counter()
-    stats, _ = collect_stats(model, src, calib)
+    stats, _ = collect_stats(model, src, calib, keep_calibration=True)
     base = {ctx: evaluate(model, ids).perplexity for ctx, ids in evals.items()}
-    print(f"calibration: {stats[0].tokens} tokens in {time.perf_counter() - t0:.0f} s; source perplexity "
-          f"{base[512]:.2f} @512 ({evals[512].numel()} tokens), {base[2048]:.2f} @2048 ({evals[2048].numel()} tokens)",
-          flush=True)
+    print(
+        f"calibration: {stats[0].tokens} tokens in {time.perf_counter() - t0:.0f} s; source perplexity "
+        f"{base[512]:.2f} @512 ({evals[512].numel()} tokens), {base[2048]:.2f} @2048 ({evals[2048].numel()} tokens)",
+        flush=True,
+    )
     lines = [
         f"Source SmolLM2-135M-Instruct: perplexity {base[512]:.2f} at 512 tokens ({evals[512].shape[0]} windows), "
         f"{base[2048]:.2f} at 2048 tokens ({evals[2048].shape[0]} windows), Wikipedia evaluation split; "

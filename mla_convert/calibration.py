@@ -35,6 +35,8 @@ class LayerStats:
     q_pair_norm: torch.Tensor  # [H, d/2] float64, E‖q pair‖
     k_pair_norm: torch.Tensor  # [G, d/2] float64, E‖k pair‖
     tokens: int
+    x: torch.Tensor | None = None  # [N, T, hidden] float32 calibration inputs (keep_calibration only)
+    out: torch.Tensor | None = None  # [N, T, hidden] float32 source attention outputs (keep_calibration only)
 
 
 @dataclass
@@ -62,6 +64,7 @@ def collect_stats(
     windows: torch.Tensor,
     held_out: torch.Tensor | None = None,
     progress: Callable[[int], None] | None = None,
+    keep_calibration: bool = False,
 ) -> tuple[list[LayerStats], list[HeldOut]]:
     """Run the source model over token windows and accumulate per-layer statistics.
 
@@ -71,6 +74,8 @@ def collect_stats(
         windows: ``[N, T]`` token ids used for statistics.
         held_out: ``[M, T]`` token ids whose attention inputs/outputs are kept (not in the statistics).
         progress: called with the number of windows just processed.
+        keep_calibration: also keep every calibration window's attention inputs and source outputs in
+            ``LayerStats.x`` / ``.out`` (float32, ``2 * N * T * hidden * 4`` bytes per layer) for refits.
 
     Returns:
         ``(stats, held)``: one :class:`LayerStats` per layer; one :class:`HeldOut` per layer (empty list
@@ -98,6 +103,8 @@ def collect_stats(
     capture: dict[int, list[torch.Tensor]] = {}
     outputs: dict[int, list[torch.Tensor]] = {}
     mode = {"held": False}
+    kept_x: dict[int, list[torch.Tensor]] = {}
+    kept_out: dict[int, list[torch.Tensor]] = {}
 
     def pre_hook(idx: int) -> Callable[..., None]:
         def fn(_mod: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -105,6 +112,8 @@ def collect_stats(
             if mode["held"]:
                 capture.setdefault(idx, []).append(x.detach().float().clone())
                 return
+            if keep_calibration:
+                kept_x.setdefault(idx, []).append(x.detach().float().clone())
             x64 = x.detach().reshape(-1, hid).double()
             a, w = acc[idx], weights[idx]
             a["xx"] += x64.T @ x64
@@ -119,9 +128,11 @@ def collect_stats(
 
     def post_hook(idx: int) -> Callable[..., None]:
         def fn(_mod: torch.nn.Module, _args: Any, _kwargs: Any, output: Any) -> None:
+            out = output[0] if isinstance(output, tuple) else output
             if mode["held"]:
-                out = output[0] if isinstance(output, tuple) else output
                 outputs.setdefault(idx, []).append(out.detach().float().clone())
+            elif keep_calibration:
+                kept_out.setdefault(idx, []).append(out.detach().float().clone())
 
         return fn
 
@@ -148,8 +159,10 @@ def collect_stats(
             q_pair_norm=a["q"] / a["n"],
             k_pair_norm=a["k"] / a["n"],
             tokens=int(a["n"]),
+            x=torch.cat(kept_x[i]) if i in kept_x else None,
+            out=torch.cat(kept_out[i]) if i in kept_out else None,
         )
-        for a in acc
+        for i, a in enumerate(acc)
     ]
     held = [HeldOut(torch.cat(capture[i]), torch.cat(outputs[i])) for i in sorted(capture)]
     return stats, held

@@ -133,13 +133,17 @@ def factor(
     rope_mode: str = typer.Option(
         "shared", help="per-head (one rope head per KV head) | shared (one PCA rope head)."
     ),
-    rope_strategy: str = typer.Option("high", help="high | low | uniform | 2-norm | rotation (ours)."),
-    rope_pairs: int = typer.Option(32, help="RoPE pairs kept per rope head."),
+    rope_strategy: str = typer.Option("2-norm", help="high | low | uniform | 2-norm | rotation (ours)."),
+    rope_pairs: int = typer.Option(24, help="RoPE pairs kept per rope head."),
     rope_basis: str = typer.Option("complex", help="complex | real basis of the shared-key PCA."),
     rope_context: int = typer.Option(2048, help="Context length T (tokens) for the rotation strategy."),
     factorization: str = typer.Option("joint", help="joint | split."),
     objective: str = typer.Option("output", help="weight | activation | output."),
     kv_balance: bool = typer.Option(True, help="Balance K and V energy before a joint factorization."),
+    refit_o_proj: str = typer.Option(
+        "teacher",
+        help="none | teacher: least-squares refit of o_proj to the source's attention outputs (no cache cost).",
+    ),
     kv_lora_rank: int = typer.Option(
         None, help="Latent width d_c for every layer (overrides --cache-budget)."
     ),
@@ -175,6 +179,7 @@ def factor(
             factorization=factorization,
             objective=objective,
             kv_balance=kv_balance,
+            refit_o_proj=refit_o_proj,
             kv_lora_rank=kv_lora_rank,
             cache_budget=None if kv_lora_rank else cache_budget,
             text=text,

@@ -19,13 +19,14 @@ from .assemble import layer_tensors, pad_plan
 from .calibration import HeldOut, LayerStats, collect_stats
 from .configuration_mla import MLAConfig
 from .factorize import FactorError, Factors, allocate_ranks, build_target, factor_layer, spectrum
-from .modeling_mla import MLAForCausalLM
+from .modeling_mla import MLAAttention, MLAForCausalLM
 from .rope import RopePlan, plan_layer
 from .sources import SourceModel, load_source_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+REFITS = ("none", "teacher")
 ProgressFn = Callable[[str, int, int], None]  # (stage, advance, total)
 
 
@@ -34,13 +35,18 @@ class ConvertOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     rope_mode: str = Field("shared", description="per-head | shared")
-    rope_strategy: str = Field("high", description="high | low | uniform | 2-norm | rotation")
-    rope_pairs: int = Field(32, description="RoPE pairs per rope head (per KV head in per-head mode)")
+    rope_strategy: str = Field("2-norm", description="high | low | uniform | 2-norm | rotation")
+    rope_pairs: int = Field(24, description="RoPE pairs per rope head (per KV head in per-head mode)")
     rope_basis: str = Field("complex", description="complex | real (shared mode PCA basis)")
     rope_context: int = Field(2048, description="context T in tokens for the rotation strategy")
     factorization: str = Field("joint", description="joint | split")
     objective: str = Field("output", description="weight | activation | output")
     kv_balance: bool = Field(True, description="balance K and V energy before a joint factorization")
+    refit_o_proj: str = Field(
+        "teacher",
+        description="none | teacher: ridge least-squares refit of o_proj so each converted layer's attention "
+        "output matches the source's on calibration tokens (source inputs; no cache cost)",
+    )
     kv_lora_rank: int | None = Field(None, description="latent width d_c for every layer")
     cache_budget: float | None = Field(120, description="cache values per token per layer (average)")
     text: str = Field("wikipedia", description="calibration/evaluation text: wikipedia | news | paths")
@@ -201,7 +207,60 @@ def build_mla(
         )
     if config.tie_word_embeddings:
         model.tie_weights()
+    if options.refit_o_proj not in REFITS:
+        raise FactorError(
+            f"unknown --refit-o-proj {options.refit_o_proj!r}; choose one of {', '.join(REFITS)}"
+        )
+    lossless = all(p.key_nope.shape[0] == 0 for p in plans) and all(f.rel_error < 1e-9 for f in factors)
+    if options.refit_o_proj != "none" and not lossless:  # a lossless conversion stays the same function
+        if any(st.x is None or st.out is None for st in stats):
+            raise FactorError(
+                "--refit-o-proj needs calibration inputs; collect statistics with keep_calibration"
+            )
+        for i, st in enumerate(stats):
+            attn = model.model.layers[i].self_attn
+            assert isinstance(attn, MLAAttention) and st.x is not None and st.out is not None
+            refit_o_proj(attn, st.x, st.out)
     return model, config, records, plans
+
+
+def _causal(t: int) -> torch.Tensor:
+    upper = torch.ones(t, t, dtype=torch.bool).triu(1)
+    return torch.zeros(1, 1, t, t).masked_fill(upper, torch.finfo(torch.float32).min)
+
+
+@torch.no_grad()
+def refit_o_proj(attn: MLAAttention, x: torch.Tensor, target: torch.Tensor, ridge: float = 1e-4) -> float:
+    """Refit ``o_proj.weight`` by ridge least squares so the converted layer's attention output matches the
+    source's on calibration tokens (teacher-forced inputs). ``o_proj`` is not part of the cache, so this
+    spends no cache; it absorbs value-reconstruction and attention-probability errors linearly.
+
+    Args:
+        attn: the converted layer's attention module; its ``o_proj.weight`` is replaced in place.
+        x: ``[N, T, hidden]`` source attention inputs; target: ``[N, T, hidden]`` source attention outputs.
+        ridge: Tikhonov weight relative to the mean diagonal of ``ZᵀZ``.
+
+    Returns:
+        Relative residual ``‖Z Wᵀ - Y‖ / ‖Y‖`` on the fitting tokens.
+    """
+    captured: list[torch.Tensor] = []
+    hook = attn.o_proj.register_forward_pre_hook(lambda _m, a: captured.append(a[0].detach()))
+    try:
+        t = x.shape[1]
+        pos = torch.arange(t)[None]
+        for row in x:
+            attn(row[None], pos, _causal(t), None)
+    finally:
+        hook.remove()
+    z = torch.cat(captured).reshape(-1, captured[0].shape[-1]).double()
+    y = target.reshape(-1, target.shape[-1]).double()
+    if attn.o_proj.bias is not None:
+        y = y - attn.o_proj.bias.double()
+    gram = z.T @ z
+    lam = ridge * float(torch.diagonal(gram).mean().clamp_min(1e-30))
+    w = torch.linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype), z.T @ y)
+    attn.o_proj.weight.copy_(w.T.to(attn.o_proj.weight.dtype))
+    return float((z @ w - y).norm() / y.norm().clamp_min(1e-30))
 
 
 @torch.no_grad()
@@ -213,10 +272,7 @@ def attention_errors(model: MLAForCausalLM, held: list[HeldOut]) -> list[float]:
         attn = model.model.layers[i].self_attn
         t = ho.x.shape[1]
         pos = torch.arange(t)[None].expand(ho.x.shape[0], t)
-        mask = torch.zeros(1, 1, t, t).masked_fill(
-            torch.ones(t, t, dtype=torch.bool).triu(1), torch.finfo(torch.float32).min
-        )
-        out = attn(ho.x, pos, mask, None)
+        out = attn(ho.x, pos, _causal(t), None)
         errs.append(float((out - ho.out).norm() / ho.out.norm().clamp_min(1e-30)))
     return errs
 
@@ -244,6 +300,7 @@ def convert(
         calib_windows,
         held_out,
         progress=(lambda n: progress("calibrate", n, len(calib_windows))) if progress else None,
+        keep_calibration=options.refit_o_proj != "none",
     )
     t2 = time.perf_counter()
     model, config, records, _ = build_mla(src, source_model, stats, options, progress)

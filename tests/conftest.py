@@ -59,7 +59,7 @@ def eval_ids(smol_tokenizer, wiki_splits) -> torch.Tensor:
 def smol_stats(smol, smol_model, calib_windows):
     from mla_convert.calibration import collect_stats
 
-    return collect_stats(smol_model, smol, calib_windows[:2], calib_windows[2:])
+    return collect_stats(smol_model, smol, calib_windows[:2], calib_windows[2:], keep_calibration=True)
 
 
 @pytest.fixture(scope="session")

@@ -69,3 +69,22 @@ def test_conversion_is_deterministic(smol, smol_model, smol_stats):
     b = build_mla(smol, smol_model, smol_stats[0], opts)[0].state_dict()
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_o_proj_refit_lowers_held_out_attention_error(smol, smol_model, smol_tokenizer, wiki_splits):
+    """The refit is fitted on calibration tokens and must help on tokens it never saw."""
+    from mla_convert.calibration import collect_stats
+    from mla_convert.convert import attention_errors
+    from mla_convert.text import token_windows
+
+    windows = token_windows(smol_tokenizer, wiki_splits["calibration"], 128, 13, bos=False)
+    stats, held = collect_stats(smol_model, smol, windows[:12], windows[12:], keep_calibration=True)
+
+    base = dict(
+        rope_mode="shared", rope_strategy="2-norm", rope_pairs=24, objective="output", cache_budget=120
+    )
+    errs = {}
+    for refit in ("none", "teacher"):
+        model = build_mla(smol, smol_model, stats, ConvertOptions(refit_o_proj=refit, **base))[0]
+        errs[refit] = sum(attention_errors(model, held)) / len(held)
+    assert errs["teacher"] < 0.9 * errs["none"], errs
