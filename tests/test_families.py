@@ -1,0 +1,60 @@
+"""Each supported family converts exactly at full rank: biases (Qwen2), static RoPE scalings (YaRN's
+attention factor, linear, llama3), Mistral. Tiny random models: the bundled real model has no biases
+and no RoPE scaling, so it cannot show these properties."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from mla_convert.calibration import collect_stats
+from mla_convert.convert import ConvertOptions, build_mla
+from mla_convert.sources import load_source_model, open_source
+
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=256, max_position_embeddings=512)
+
+
+def _tiny(tmp_path, model_type: str, **extra):
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(model_type, **TINY, **extra)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)  # non-zero biases so their handling is visible
+    model.save_pretrained(str(tmp_path))
+    return open_source(tmp_path)
+
+
+CASES = {
+    "qwen2-bias": ("qwen2", {}),
+    "mistral": ("mistral", {"sliding_window": None}),
+    "llama-yarn": ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                  "original_max_position_embeddings": 128}}),
+    "llama-linear": ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}),
+    "llama-bias": ("llama", {"attention_bias": True}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("mode,pairs", [("per-head", 8), ("shared", 16)])
+def test_family_full_rank_is_exact(tmp_path, case, mode, pairs):
+    model_type, extra = CASES[case]
+    src = _tiny(tmp_path, model_type, **extra)
+    source = load_source_model(src)
+    ids = torch.randint(0, 256, (3, 64), generator=torch.Generator().manual_seed(1))
+    stats, _ = collect_stats(source, src, ids[:2], keep_calibration=True)
+    opts = ConvertOptions(rope_mode=mode, rope_strategy="rotation" if mode == "shared" else "high", rope_pairs=pairs,
+                          kv_lora_rank=src.num_kv_heads * src.head_dim, cache_budget=None)
+    model = build_mla(src, source, stats, opts)[0]
+    with torch.no_grad():
+        ref = source(input_ids=ids[2:], use_cache=False).logits
+        for path in ("absorbed", "naive"):
+            model.set_attention_path(path)
+            got = model(input_ids=ids[2:], use_cache=False).logits
+            assert (got - ref).abs().max().item() < 1e-4, (case, mode, path)
+    if "bias" in case:
+        cfg = model.config
+        assert cfg.o_bias  # the value bias moved past attention into o_proj
