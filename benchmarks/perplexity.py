@@ -30,23 +30,33 @@ from mla_convert.text import load_documents, split_documents, token_windows
 SIZES = {120: "31.25 %", 72: "18.75 %", 48: "12.5 %"}
 ANCHORS: dict[str, dict[str, Any]] = {
     "MHA2MLA-style (per-head 2-norm r=4, weight SVD, joint)": dict(
-        rope_mode="per-head", rope_strategy="2-norm", rope_pairs=4, objective="weight", kv_balance=False
+        rope_mode="per-head",
+        rope_strategy="2-norm",
+        rope_pairs=4,
+        objective="weight",
+        kv_balance=False,
+        refit_o_proj="none",
     ),
     "per-head high r=4, activation PCA + K/V balance": dict(
-        rope_mode="per-head", rope_strategy="high", rope_pairs=4, objective="activation"
+        rope_mode="per-head", rope_strategy="high", rope_pairs=4, objective="activation", refit_o_proj="none"
     ),
     "TransMLA-style (shared RoRoPE head, activation PCA + K/V balance)": dict(
-        rope_mode="shared", rope_strategy="high", rope_pairs=32, objective="activation"
+        rope_mode="shared", rope_strategy="high", rope_pairs=32, objective="activation", refit_o_proj="none"
     ),
 }
 
 
 def ours(size: int) -> dict[str, dict[str, Any]]:
-    """mla-convert rows: shared complex-PCA rope head, output-aware objective, the rope/latent split swept."""
-    pairs = {120: (32, 24), 72: (24, 16), 48: (16, 8)}[size]
+    """mla-convert rows: shared complex-PCA rope head chosen by 2-norm, output-aware joint SVD, o_proj refit;
+    the split between RoPE pairs and latent rank is swept at each cache size."""
+    pairs = {120: (16, 20, 24, 28), 72: (8, 12, 16, 20), 48: (4, 8, 12)}[size]
     return {
-        f"mla-convert shared r={p}, output-aware, joint, o_proj refit": dict(
-            rope_mode="shared", rope_strategy="high", rope_pairs=p, objective="output", refit_o_proj="teacher"
+        f"mla-convert: shared 2-norm r={p}, output-aware, joint, o_proj refit": dict(
+            rope_mode="shared",
+            rope_strategy="2-norm",
+            rope_pairs=p,
+            objective="output",
+            refit_o_proj="teacher",
         )
         for p in pairs
     }
@@ -62,10 +72,24 @@ def full_grid(size: int) -> dict[str, dict[str, Any]]:
     for (mode, strat, r), obj, fac in itertools.product(
         ropes, ("weight", "activation", "output"), ("joint", "split")
     ):
-        rows[f"{mode} {strat} r={r}, {obj}, {fac}"] = dict(
-            rope_mode=mode, rope_strategy=strat, rope_pairs=r, objective=obj, factorization=fac
+        rows[f"{mode} {strat} r={r}, {obj}, {fac}, o_proj refit"] = dict(
+            rope_mode=mode,
+            rope_strategy=strat,
+            rope_pairs=r,
+            objective=obj,
+            factorization=fac,
+            refit_o_proj="teacher",
         )
     return rows
+
+
+def update_readme(table: str, readme: Path = Path(__file__).resolve().parents[1] / "README.md") -> None:
+    """Replace the text between ``<!-- perplexity:start -->`` and ``<!-- perplexity:end -->`` in the README."""
+    text = readme.read_text()
+    start, end = "<!-- perplexity:start -->", "<!-- perplexity:end -->"
+    head, rest = text.split(start, 1)
+    tail = rest.split(end, 1)[1]
+    readme.write_text(f"{head}{start}\n{table}\n{end}{tail}")
 
 
 def main() -> None:
@@ -74,6 +98,10 @@ def main() -> None:
     ap.add_argument("--calib-windows", type=int, default=16)
     ap.add_argument("--windows-512", type=int, default=8)
     ap.add_argument("--windows-2048", type=int, default=2)
+    ap.add_argument("--sizes", default="120,72,48", help="cache sizes (values per token per layer)")
+    ap.add_argument(
+        "--readme", action="store_true", help="also replace the table between the README's markers"
+    )
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "perplexity.md")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -102,7 +130,8 @@ def main() -> None:
         "| cache (values/token/layer) | method | x ppl @512 | x ppl @2048 | convert s |",
         "|---|---|---:|---:|---:|",
     ]
-    for size, label in SIZES.items():
+    for size in [int(x) for x in args.sizes.split(",")]:
+        label = SIZES[size]
         rows = full_grid(size) if args.full else {**ANCHORS, **ours(size)}
         for name, kw in rows.items():
             if kw["rope_mode"] == "shared" and 2 * kw["rope_pairs"] >= size:
@@ -122,6 +151,8 @@ def main() -> None:
             lines.append(line)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
+    if args.readme:
+        update_readme("\n".join(lines))
     print("\n".join(lines))
 
 

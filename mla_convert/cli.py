@@ -115,12 +115,22 @@ def inspect(source: str = typer.Argument(..., help=SOURCE_HELP)) -> None:
         t.add_row(escape(k), escape(json.dumps(v) if isinstance(v, dict | list) else str(v)))
     console.print(t)
     w = Table(title="KV cache per token per layer (values)")
-    for c in ("layout", "values", "ratio to source"):
+    for c in ("layout", "values", "bytes (fp16)", "ratio to source", "suggested split"):
         w.add_column(c, justify="right")
     base = src.kv_cache_width
-    w.add_row("source K+V", str(base), "1.000")
+    w.add_row(
+        "source K + V", str(base), str(2 * base), "1.000", f"{src.num_kv_heads} KV heads x {src.head_dim} x 2"
+    )
     for frac in (0.3125, 0.1875, 0.125):
-        w.add_row(f"MLA [c_kv | k_rope] at {frac:.2%}", str(round(base * frac)), f"{frac:.4f}")
+        size = round(base * frac)
+        rope = 2 * min(src.head_dim // 2, max(2, size // 5))
+        w.add_row(
+            escape(f"MLA [c_kv | k_rope] at {frac:.2%}"),
+            str(size),
+            str(2 * size),
+            f"{frac:.4f}",
+            f"--cache-budget {size} --rope-pairs {rope // 2} (latent {size - rope} + rope {rope})",
+        )
     console.print(w)
 
 

@@ -221,6 +221,8 @@ def build_mla(
             attn = model.model.layers[i].self_attn
             assert isinstance(attn, MLAAttention) and st.x is not None and st.out is not None
             refit_o_proj(attn, st.x, st.out)
+            if progress:
+                progress("refit", 1, len(stats))
     return model, config, records, plans
 
 

@@ -174,7 +174,11 @@ def factor_layer(t: LayerTarget, rank: int, factorization: str) -> Factors:
     if not 1 <= rank <= limit:
         raise FactorError(f"--kv-lora-rank {rank} is impossible: this layer's K/V map allows 1..{limit}")
     n = t.n_key
-    if factorization == "joint":
+    if (
+        rank == rows
+    ):  # no compression: keep the source rows as the latent (bit-exact weights, no SVD rounding)
+        down, up = t.w.clone(), torch.eye(rows, dtype=torch.float64)
+    elif factorization == "joint":
         down, up = _factor_block(t.w, t.left, t.right, rank)
     else:
         rk = min(rank // 2 if n else 0, n, hidden)

@@ -61,7 +61,9 @@ def check_options(options: ConvertOptions, src: SourceModel) -> None:
     from .convert import REFITS
 
     if options.refit_o_proj not in REFITS:
-        raise FactorError(f"unknown --refit-o-proj {options.refit_o_proj!r}; choose one of {', '.join(REFITS)}")
+        raise FactorError(
+            f"unknown --refit-o-proj {options.refit_o_proj!r}; choose one of {', '.join(REFITS)}"
+        )
     half, g = src.head_dim // 2, src.num_kv_heads
     limit = half * g if (options.rope_mode == "shared" and options.rope_strategy == "rotation") else half
     if not 0 <= options.rope_pairs <= limit:

@@ -12,8 +12,16 @@ from mla_convert.calibration import collect_stats
 from mla_convert.convert import ConvertOptions, build_mla
 from mla_convert.sources import load_source_model, open_source
 
-TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, vocab_size=256, max_position_embeddings=512)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    max_position_embeddings=512,
+)
 
 
 def _tiny(tmp_path, model_type: str, **extra):
@@ -31,9 +39,21 @@ def _tiny(tmp_path, model_type: str, **extra):
 CASES = {
     "qwen2-bias": ("qwen2", {}),
     "mistral": ("mistral", {"sliding_window": None}),
-    "llama-yarn": ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                                  "original_max_position_embeddings": 128}}),
-    "llama-linear": ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}),
+    "llama-yarn": (
+        "llama",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+            }
+        },
+    ),
+    "llama-linear": (
+        "llama",
+        {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}},
+    ),
     "llama-bias": ("llama", {"attention_bias": True}),
 }
 
@@ -46,8 +66,13 @@ def test_family_full_rank_is_exact(tmp_path, case, mode, pairs):
     source = load_source_model(src)
     ids = torch.randint(0, 256, (3, 64), generator=torch.Generator().manual_seed(1))
     stats, _ = collect_stats(source, src, ids[:2], keep_calibration=True)
-    opts = ConvertOptions(rope_mode=mode, rope_strategy="rotation" if mode == "shared" else "high", rope_pairs=pairs,
-                          kv_lora_rank=src.num_kv_heads * src.head_dim, cache_budget=None)
+    opts = ConvertOptions(
+        rope_mode=mode,
+        rope_strategy="rotation" if mode == "shared" else "high",
+        rope_pairs=pairs,
+        kv_lora_rank=src.num_kv_heads * src.head_dim,
+        cache_budget=None,
+    )
     model = build_mla(src, source, stats, opts)[0]
     with torch.no_grad():
         ref = source(input_ids=ids[2:], use_cache=False).logits

@@ -77,13 +77,13 @@ def test_reference_report_and_cli(reference):
         assert (reference / name).exists(), name
     runner = CliRunner()
     res = runner.invoke(app, ["manifest", "verify", str(reference)])
-    assert res.exit_code == 0 and "ok:" in res.output
+    assert res.exit_code == 0 and "ok:" in res.stdout
     res = runner.invoke(
         app, ["generate", str(reference), "The capital of France is", "--max-new-tokens", "8"]
     )
-    assert res.exit_code == 0 and res.output.startswith("The capital of France is")
+    assert res.exit_code == 0 and res.stdout.startswith("The capital of France is")
     res = runner.invoke(app, ["eval", str(reference), "--windows", "1", "--window", "256"])
-    assert res.exit_code == 0 and "perplexity" in res.output
+    assert res.exit_code == 0 and "perplexity" in res.stdout
 
 
 if __name__ == "__main__" and "--repin" in sys.argv:
