@@ -24,7 +24,7 @@ TINY = dict(
 )
 
 
-def _tiny(tmp_path, model_type: str, **extra):
+def _tiny(tmp_path, model_type: str, shard: str | None = None, **extra):
     torch.manual_seed(0)
     cfg = AutoConfig.for_model(model_type, **TINY, **extra)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -32,8 +32,13 @@ def _tiny(tmp_path, model_type: str, **extra):
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.5)  # non-zero biases so their handling is visible
-    model.save_pretrained(str(tmp_path))
-    return open_source(tmp_path)
+    model.save_pretrained(str(tmp_path), max_shard_size=shard) if shard else model.save_pretrained(
+        str(tmp_path)
+    )
+    src = open_source(tmp_path)
+    if shard:
+        assert (tmp_path / "model.safetensors.index.json").exists() and len(set(src.weight_map.values())) > 1
+    return src
 
 
 CASES = {
@@ -55,6 +60,7 @@ CASES = {
         {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}},
     ),
     "llama-bias": ("llama", {"attention_bias": True}),
+    "llama-sharded": ("llama", {"shard": "100KB"}),
 }
 
 
