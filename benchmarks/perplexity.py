@@ -62,7 +62,7 @@ def ours(size: int) -> dict[str, dict[str, Any]]:
     }
 
 
-def full_grid(size: int) -> dict[str, dict[str, Any]]:
+def full_grid(size: int, refit: str) -> dict[str, dict[str, Any]]:
     rows = {}
     ropes = [("per-head", s, 4) for s in ("high", "low", "uniform", "2-norm", "rotation")]
     ropes += [
@@ -72,7 +72,7 @@ def full_grid(size: int) -> dict[str, dict[str, Any]]:
     for (mode, strat, r), obj, fac in itertools.product(
         ropes, ("weight", "activation", "output"), ("joint", "split")
     ):
-        rows[f"{mode} {strat} r={r}, {obj}, {fac}, o_proj refit"] = dict(
+        rows[f"{mode} {strat} r={r}, {obj}, {fac}, refit {refit}"] = dict(
             rope_mode=mode,
             rope_strategy=strat,
             rope_pairs=r,
@@ -109,7 +109,8 @@ def main() -> None:
     model = load_source_model(src)
     tok = AutoTokenizer.from_pretrained(str(src.path))
     splits = split_documents(load_documents("wikipedia"))
-    calib = token_windows(tok, splits["calibration"], 512, args.calib_windows, bos=False)
+    calib = token_windows(tok, splits["calibration"], 512, args.calib_windows + 1, bos=False)
+    calib, held = calib[:-1], calib[-1:]
     evals = {
         512: token_windows(tok, splits["evaluation"], 512, args.windows_512, bos=False),
         2048: token_windows(tok, splits["evaluation"], 2048, args.windows_2048, bos=False),
@@ -132,7 +133,7 @@ def main() -> None:
     ]
     for size in [int(x) for x in args.sizes.split(",")]:
         label = SIZES[size]
-        rows = full_grid(size) if args.full else {**ANCHORS, **ours(size)}
+        rows = full_grid(size, args.refit) if args.full else {**ANCHORS, **ours(size)}
         for name, kw in rows.items():
             if kw["rope_mode"] == "shared" and 2 * kw["rope_pairs"] >= size:
                 kw = {**kw, "rope_pairs": {72: 16, 48: 8}.get(size, kw["rope_pairs"])}
@@ -140,7 +141,7 @@ def main() -> None:
             opts = ConvertOptions(cache_budget=size, **kw)
             t = time.perf_counter()
             try:
-                mla = build_mla(src, model, stats, opts)[0]
+                mla = build_mla(src, model, stats, opts, check_ids=held)[0]
             except ValueError as exc:
                 print(f"skip {name} @ {size}: {exc}")
                 continue

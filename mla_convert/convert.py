@@ -101,8 +101,13 @@ def build_mla(
     stats: list[LayerStats],
     options: ConvertOptions,
     progress: ProgressFn | None = None,
+    check_ids: torch.Tensor | None = None,
 ) -> tuple[MLAForCausalLM, MLAConfig, list[LayerRecord], list[RopePlan]]:
     """Convert with given calibration statistics (no text I/O): plans, factors, tensors, model.
+
+    ``check_ids [M, T]`` (held-out calibration tokens): when given, the ``o_proj`` refit is kept only if
+    it lowers the converted model's loss on them (a teacher-forced fit can amplify errors that compound
+    through layers); ``config.source["o_proj_refit"]`` records the losses and the decision.
 
     Raises:
         RopeError / FactorError: impossible options (before any tensor is built).
@@ -217,13 +222,31 @@ def build_mla(
             raise FactorError(
                 "--refit-o-proj needs calibration inputs; collect statistics with keep_calibration"
             )
+        before = _lm_loss(model, check_ids) if check_ids is not None else None
+        saved = {
+            i: layer.self_attn.o_proj.weight.detach().clone() for i, layer in enumerate(model.model.layers)
+        }
         for i, st in enumerate(stats):
             attn = model.model.layers[i].self_attn
             assert isinstance(attn, MLAAttention) and st.x is not None and st.out is not None
             refit_o_proj(attn, st.x, st.out)
             if progress:
                 progress("refit", 1, len(stats))
+        after = _lm_loss(model, check_ids) if check_ids is not None else None
+        kept = before is None or after is None or after < before
+        if not kept:
+            with torch.no_grad():
+                for i, layer in enumerate(model.model.layers):
+                    layer.self_attn.o_proj.weight.copy_(saved[i])
+        config.source["o_proj_refit"] = {"kept": kept, "loss_before": before, "loss_after": after}
     return model, config, records, plans
+
+
+@torch.no_grad()
+def _lm_loss(model: MLAForCausalLM, ids: torch.Tensor) -> float:
+    """Mean next-token loss (nats) of ``model`` on windows ``ids [M, T]``."""
+    losses = [float(model(input_ids=row[None], labels=row[None], use_cache=False).loss) for row in ids]
+    return sum(losses) / len(losses)
 
 
 def _causal(t: int) -> torch.Tensor:
@@ -240,7 +263,8 @@ def refit_o_proj(attn: MLAAttention, x: torch.Tensor, target: torch.Tensor, ridg
     Args:
         attn: the converted layer's attention module; its ``o_proj.weight`` is replaced in place.
         x: ``[N, T, hidden]`` source attention inputs; target: ``[N, T, hidden]`` source attention outputs.
-        ridge: Tikhonov weight relative to the mean diagonal of ``ZᵀZ``.
+        ridge: Tikhonov weight relative to the mean diagonal of ``ZᵀZ``; the fit is shrunk toward the
+            assembled ``o_proj`` (directions the calibration tokens do not excite keep their weights).
 
     Returns:
         Relative residual ``‖Z Wᵀ - Y‖ / ‖Y‖`` on the fitting tokens.
@@ -260,7 +284,8 @@ def refit_o_proj(attn: MLAAttention, x: torch.Tensor, target: torch.Tensor, ridg
         y = y - attn.o_proj.bias.double()
     gram = z.T @ z
     lam = ridge * float(torch.diagonal(gram).mean().clamp_min(1e-30))
-    w = torch.linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype), z.T @ y)
+    w0 = attn.o_proj.weight.detach().double().T  # shrink toward the assembled o_proj, not toward zero
+    w = torch.linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype), z.T @ y + lam * w0)
     attn.o_proj.weight.copy_(w.T.to(attn.o_proj.weight.dtype))
     return float((z @ w - y).norm() / y.norm().clamp_min(1e-30))
 
@@ -305,7 +330,7 @@ def convert(
         keep_calibration=options.refit_o_proj != "none",
     )
     t2 = time.perf_counter()
-    model, config, records, _ = build_mla(src, source_model, stats, options, progress)
+    model, config, records, _ = build_mla(src, source_model, stats, options, progress, check_ids=held_out)
     t3 = time.perf_counter()
     # strict=False: ``held`` is empty when there are no held-out windows
     for rec, err in zip(records, attention_errors(model, held), strict=False):
