@@ -39,6 +39,10 @@ SOURCE_HELP = (
 @app.callback()
 def _main(quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only results and errors.")) -> None:
     STATE["quiet"] = quiet
+    if quiet:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
 
 
 def fail(message: str) -> None:
@@ -70,8 +74,21 @@ def user_errors() -> Iterator[None]:
 @contextmanager
 def progress_bar() -> Iterator[Callable[[str, int, int], None]]:
     """A ``(stage, advance, total)`` callback drawing one rich bar per stage (silent off-terminal)."""
-    if STATE["quiet"] or not console.is_terminal:
+    if STATE["quiet"]:
         yield lambda stage, n, total: None
+        return
+    if not console.is_terminal:  # plain lines, so a log shows progress instead of silence
+        done: dict[str, int] = {}
+
+        def plain(stage: str, n: int, total: int) -> None:
+            if stage not in done:
+                console.print(f"{stage}: started ({total} steps)", markup=False, highlight=False)
+                done[stage] = 0
+            done[stage] += n
+            if done[stage] == total:
+                console.print(f"{stage}: done", markup=False, highlight=False)
+
+        yield plain
         return
     tasks: dict[str, Any] = {}
     with Progress(
@@ -115,11 +132,11 @@ def inspect(source: str = typer.Argument(..., help=SOURCE_HELP)) -> None:
         t.add_row(escape(k), escape(json.dumps(v) if isinstance(v, dict | list) else str(v)))
     console.print(t)
     w = Table(title="KV cache per token per layer (values)")
-    for c in ("layout", "values", "bytes (fp16)", "ratio to source", "suggested split"):
+    for c in ("layout", "values", "bytes (float32)", "ratio to source", "suggested split"):
         w.add_column(c, justify="right")
     base = src.kv_cache_width
     w.add_row(
-        "source K + V", str(base), str(2 * base), "1.000", f"{src.num_kv_heads} KV heads x {src.head_dim} x 2"
+        "source K + V", str(base), str(4 * base), "1.000", f"{src.num_kv_heads} KV heads x {src.head_dim} x 2"
     )
     for frac in (0.3125, 0.1875, 0.125):
         size = round(base * frac)
@@ -127,7 +144,7 @@ def inspect(source: str = typer.Argument(..., help=SOURCE_HELP)) -> None:
         w.add_row(
             escape(f"MLA [c_kv | k_rope] at {frac:.2%}"),
             str(size),
-            str(2 * size),
+            str(4 * size),
             f"{frac:.4f}",
             f"--cache-budget {size} --rope-pairs {rope // 2} (latent {size - rope} + rope {rope})",
         )
@@ -238,7 +255,7 @@ def _load_mla(ckpt: Path) -> Any:
 def eval_cmd(
     ckpt: Path = typer.Argument(..., help="A converted checkpoint folder (or any supported source)."),
     against: str = typer.Option(None, help="Source model to compare with: perplexity delta, KL, top-1."),
-    text: str = typer.Option("wikipedia", help="wikipedia | news | comma-separated .txt files."),
+    text: str = typer.Option("wikipedia", help="wikipedia | news | comma-separated .txt files or folders."),
     window: int = typer.Option(512, help="Tokens per window."),
     windows: int = typer.Option(8, help="Number of evaluation windows."),
 ) -> None:

@@ -143,7 +143,9 @@ def model_card(src: SourceModel, options: ConvertOptions, conv: Conversion, ev: 
         f"Method: partial RoPE `{options.rope_mode}` / `{options.rope_strategy}` with {options.rope_pairs} pairs "
         f"per rope head, `{options.factorization}` factorization with the `{options.objective}` objective.\n"
         f"KV cache: {sum(widths) / len(widths):.1f} values per token per layer (source: {src.kv_cache_width}).\n\n"
-        f"Held-out perplexity {ev.perplexity:.3f} (source {ev.reference_perplexity:.3f}) on {ev.tokens} tokens.\n\n"
+        f"Held-out perplexity {ev.perplexity:.3f} (source {ev.reference_perplexity:.3f}) on {ev.tokens} tokens "
+        f"of the {options.text} evaluation split ({ev.windows} windows of {ev.window}).\n\n"
+        f"Source weights: {src.describe()['weights']}.\n\n"
         "Load with `import mla_convert` then `AutoModelForCausalLM.from_pretrained(path)`.\n"
     )
 
@@ -197,6 +199,7 @@ def run_factor(
             "calibration": text.records["calibration"],
             "evaluation": text.records["evaluation"],
             "calibration_tokens": conv.calib_tokens,
+            "held_out_tokens": int(text.held_out.numel()),
             "window": options.window,
         },
         "layers": [asdict(r) for r in conv.layers],
@@ -268,8 +271,5 @@ def run_factor(
     with atomic_folder(out) as tmp:
         save_checkpoint(conv.model, tmp, tokenizer_files(src), model_card(src, options, conv, ev))
         write_report(tmp, report)
-        weights = sorted(
-            p.name for p in tmp.iterdir() if p.suffix == ".safetensors" or p.name.endswith(".index.json")
-        )
-        write_manifest(tmp, manifest, weights + ["config.json"])
+        write_manifest(tmp, manifest, sorted(p.name for p in tmp.iterdir() if p.is_file()))
     return report

@@ -69,6 +69,8 @@ def to_markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# MLA conversion report: {report['source']['origin']}",
         "",
+        f"Source weights: {report['source'].get('weights', '?')}.",
+        "",
         f"Options: `{json.dumps(report['options'], sort_keys=True)}`",
         "",
         f"Measured on {e['tokens']} held-out tokens ({e['windows']} windows of {e['window']}) of "
@@ -100,7 +102,15 @@ def to_markdown(report: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        f"Peak memory: {report['run']['peak_rss_mb']:.0f} MB; wall time {report['run']['wall_s']:.1f} s.",
+        "Columns: *rope pairs* = RoPE pairs kept (all rope heads); *rank d_c* = latent width; *cache* = values per "
+        "token cached by the layer (d_c + rope width); *energy* = share of the objective-weighted K/V energy the "
+        "rank keeps (singular values squared); *K/V rel err* = ‖W − W_up W_down‖/‖W‖ of the stacked NoPE-key and "
+        "value maps (plain, then weighted by the calibration activations C^½; energy is weighted by the "
+        "objective, so the two can differ a lot); *attn rel err* = ‖a_mla − a_src‖/‖a_src‖ of the layer's attention output on "
+        f"{report['text'].get('held_out_tokens', '?')} held-out calibration tokens, with the source's inputs.",
+        "",
+        f"Run: wall time {report['run']['wall_s']:.1f} s on {report['run']['threads']} CPU thread(s); peak resident "
+        f"memory {report['run']['peak_rss_mb']:.0f} MB (ru_maxrss); torch {report['run']['torch']}.",
         "",
     ]
     return "\n".join(lines)

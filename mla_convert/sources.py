@@ -126,8 +126,14 @@ class SourceModel:
 
     def describe(self) -> dict[str, Any]:
         """Plain facts about the source for reports, manifests and ``inspect``."""
+        weights = (
+            f"GGUF file {self.origin_files[0].name}, dequantized to float32 by transformers"
+            if self.origin_files and self.origin_files[0].suffix == ".gguf"
+            else f"safetensors in {self.path.name} ({len(set(self.weight_map.values()))} file(s))"
+        )
         return {
             "origin": self.origin,
+            "weights": weights,
             "family": self.family.name,
             "model_type": self.config.model_type,
             "num_hidden_layers": self.num_layers,
