@@ -2,7 +2,19 @@
 
 Importing this package registers the ``mla`` model type with transformers' ``AutoConfig`` and
 ``AutoModelForCausalLM``, so converted checkpoints load with ``from_pretrained`` and no remote code.
+
+On a machine without a CUDA GPU it also sets ``TRITON_INTERPRET=1`` (unless already set) before anything
+imports Triton: the bundled decode kernel can then only run in the Triton interpreter, and Triton reads
+that switch once, when it is first imported.
 """
+
+import os
+import sys
+
+import torch
+
+if "triton" not in sys.modules and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from transformers import AutoConfig, AutoModelForCausalLM
 

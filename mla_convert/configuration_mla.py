@@ -132,8 +132,8 @@ class MLAConfig(PretrainedConfig):
             raise ValueError("qk_rope_head_dim must be even (it holds RoPE pairs)")
         if len(self.rope_inv_freq) != L or any(len(r) != self.num_rope_heads for r in self.rope_inv_freq):
             raise ValueError("rope_inv_freq must be [num_hidden_layers][num_rope_heads][qk_rope_head_dim/2]")
-        if self.attn_implementation_mla not in ("absorbed", "naive"):
-            raise ValueError("attn_implementation_mla must be 'absorbed' or 'naive'")
+        if self.attn_implementation_mla not in ("absorbed", "naive", "triton"):
+            raise ValueError("attn_implementation_mla must be 'absorbed', 'naive' or 'triton'")
 
     @property
     def cache_width(self) -> list[int]:

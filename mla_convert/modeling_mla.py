@@ -8,15 +8,21 @@ checkpoints (per-layer ranks, several rope heads, exact per-pair source frequenc
     k_nope | v    = kv_b_proj(c_kv)           -> per KV head g [k_nope (d_N) | v (d_V)]
     score[h,t,j]  = (q_nope[h,t] . k_nope[g(h),j] + rope_t(q_rope[h,t]) . rope_j(k_rope[r(h),j])) * scale
 
-Two attention paths share these weights:
+Three attention paths share these weights:
 
 * ``absorbed`` (the product): the KV cache holds only ``[c_kv | rotated k_rope]`` per token per
   layer; queries are absorbed into the latent (``q_abs = W_UK[g]^T q_nope``) and the value
   up-projection runs after attention (``W_UV[g] @ latent_out``). ``generate()`` uses it.
+* ``triton``: like ``absorbed``, but decode steps (one new token) run the bundled Triton kernel
+  (:mod:`mla_convert.kernels`) over a :class:`~mla_convert.paged_cache.PagedLatentCache`; prefill runs
+  the absorbed torch math over the very rows it wrote to that cache. It needs a paged cache and never
+  falls back: the backend that ran is counted in the cache's ``backend_log``.
 * ``naive`` (a reference): expands K and V per KV head and caches them; never the product.
 
-The cache is a transformers ``DynamicCache``: on the absorbed path layer ``l`` stores ``c_kv`` in its
-key slot ``[B, 1, S, d_c]`` and the rotated ``k_rope`` in its value slot ``[B, 1, S, R * d_R]``.
+Two caches are accepted. A transformers ``DynamicCache`` (``generate()``): on the absorbed path layer
+``l`` stores ``c_kv`` in its key slot ``[B, 1, S, d_c]`` and the rotated ``k_rope`` in its value slot
+``[B, 1, S, R * d_R]``. A :class:`~mla_convert.paged_cache.PagedLatentCache` (``absorbed`` and
+``triton``): rows ``[c_kv | rotated k_rope]`` in pages, see :mod:`mla_convert.decode`.
 """
 
 from __future__ import annotations
@@ -32,8 +38,9 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 from .configuration_mla import MLAConfig
+from .paged_cache import PagedLatentCache
 
-ATTENTION_PATHS = ("absorbed", "naive")
+ATTENTION_PATHS = ("absorbed", "naive", "triton")
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -144,13 +151,52 @@ class MLAAttention(nn.Module):
         )
         return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
 
+    def head_to_rope(self, device: torch.device | None = None) -> torch.Tensor:
+        """``[H]`` int32: the rope head read by each query head (``h // (H / R)``)."""
+        return (torch.arange(self.num_heads, device=device) // (self.num_heads // self.num_rope_heads)).int()
+
+    def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """``q_abs [B, T, H, d_c] = W_UK[g(h)]^T q_nope[h]`` for ``q_nope [B, T, H, d_N]``."""
+        b, t, h, _ = q_nope.shape
+        g = self.num_kv_heads
+        w_uk, _ = self.up_weights()
+        return torch.einsum("btgnd,gdc->btgnc", q_nope.reshape(b, t, g, h // g, -1), w_uk).reshape(
+            b, t, h, -1
+        )
+
+    def latent_scores(
+        self, q_abs: torch.Tensor, q_rope: torch.Tensor, c_all: torch.Tensor, kr_all: torch.Tensor
+    ) -> torch.Tensor:
+        """Unscaled scores ``[B, H, T, S]`` of absorbed queries against latent rows.
+
+        Args:
+            q_abs: ``[B, T, H, d_c]``; q_rope: rotated ``[B, T, H, d_R]``.
+            c_all: ``[B, S, d_c]``; kr_all: rotated ``[B, S, R * d_R]``.
+        """
+        b, t, h, _ = q_abs.shape
+        r, s = self.num_rope_heads, c_all.shape[1]
+        scores = torch.einsum("bthc,bsc->bhts", q_abs, c_all)
+        if self.qk_rope_head_dim:
+            kr = kr_all.reshape(b, s, r, self.qk_rope_head_dim)
+            rope_scores = torch.einsum("btrnd,bsrd->brnts", q_rope.reshape(b, t, r, h // r, -1), kr)
+            scores = scores + rope_scores.reshape(b, h, t, s)
+        return scores
+
+    def output_from_latent(self, latent_out: torch.Tensor) -> torch.Tensor:
+        """``o_proj(W_UV[g(h)] latent_out[h])``: ``[B, T, H, d_c] -> [B, T, hidden]``."""
+        b, t, h, _ = latent_out.shape
+        g = self.num_kv_heads
+        _, w_uv = self.up_weights()
+        out = torch.einsum("btgnc,gvc->btgnv", latent_out.reshape(b, t, g, h // g, -1), w_uv)
+        return self.o_proj(out.reshape(b, t, h * self.v_head_dim))
+
     # ----------------------------------------------------------------------------- forward
     def forward(
         self,
         x: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        past_key_values: Cache | None = None,
+        past_key_values: Cache | PagedLatentCache | None = None,
     ) -> torch.Tensor:
         """Attention output ``[B, T, hidden]``.
 
@@ -158,12 +204,66 @@ class MLAAttention(nn.Module):
             x: normalised hidden states ``[B, T, hidden]``.
             position_ids: absolute positions ``[B, T]``.
             attention_mask: additive mask ``[B, 1, T, S]`` (S = cached + new tokens) or None (no mask).
-            past_key_values: a ``Cache``; updated in place with this layer's rows when given.
+            past_key_values: a ``Cache`` or bound ``PagedLatentCache``; this layer's rows are written to it.
+
+        Raises:
+            ValueError: the ``naive`` path with a paged cache, or the ``triton`` path with a ``DynamicCache``.
         """
         q_nope, q_rope, c_kv, k_rope = self.project(x, position_ids)
+        if isinstance(past_key_values, PagedLatentCache):
+            return self._paged(q_nope, q_rope, c_kv, k_rope, attention_mask, past_key_values)
         if self.path == "naive":
             return self._naive(q_nope, q_rope, c_kv, k_rope, attention_mask, past_key_values)
+        if self.path == "triton" and past_key_values is not None:
+            raise ValueError(
+                "attention path 'triton' decodes from a PagedLatentCache; use mla_convert.decode.generate "
+                "(or `mla-convert generate --backend triton`) instead of a DynamicCache"
+            )
         return self._absorbed(q_nope, q_rope, c_kv, k_rope, attention_mask, past_key_values)
+
+    def _paged(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        c_kv: torch.Tensor,
+        k_rope: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: PagedLatentCache,
+    ) -> torch.Tensor:
+        b, t, h, _ = q_nope.shape
+        if self.path == "naive":
+            raise ValueError("the naive path caches expanded K/V; it cannot use a PagedLatentCache")
+        cache.write(self.layer_idx, torch.cat([c_kv, k_rope.reshape(b, t, -1)], dim=-1))
+        q_abs = self.absorb_query(q_nope)
+        lens = cache.seq_lens(pending=t)
+        if self.path == "triton" and t == 1:
+            from .kernels import kernel_backend, load_kernel
+
+            kernel = load_kernel()
+            device = q_abs.device
+            latent, _ = kernel.latent_decode(
+                q_abs[:, 0].contiguous(),
+                q_rope[:, 0].contiguous(),
+                cache.pages[self.layer_idx],
+                cache.block_table(device),
+                lens.to(device),
+                self.head_to_rope(device),
+                softmax_scale=self.softmax_scale,
+            )
+            cache.backend_log[f"{kernel_backend()}:decode"] += 1
+            return self.output_from_latent(latent[:, None])
+        if bool((lens != lens[0]).any()):
+            raise ValueError(
+                "requests of different lengths need one token per step on the triton path; "
+                f"got {t} new tokens for lengths {lens.tolist()}"
+            )
+        rows = cache.gather(self.layer_idx, int(lens[0])).to(q_abs.dtype)
+        d_c = self.kv_lora_rank
+        scores = self.latent_scores(q_abs, q_rope, rows[..., :d_c], rows[..., d_c:])
+        probs = self._softmax(scores, mask)
+        latent = torch.einsum("bhts,bsc->bthc", probs, rows[..., :d_c])
+        cache.backend_log["absorbed-torch:" + ("decode" if t == 1 else "prefill")] += 1
+        return self.output_from_latent(latent)
 
     def _absorbed(
         self,
@@ -175,26 +275,15 @@ class MLAAttention(nn.Module):
         cache: Cache | None,
     ) -> torch.Tensor:
         b, t, h, _ = q_nope.shape
-        g, r = self.num_kv_heads, self.num_rope_heads
         if cache is not None:
             c_all, kr_all = cache.update(c_kv.unsqueeze(1), k_rope.reshape(b, 1, t, -1), self.layer_idx)
             c_all, kr_all = c_all[:, 0], kr_all[:, 0]
         else:
             c_all, kr_all = c_kv, k_rope.reshape(b, t, -1)
-        s = c_all.shape[1]
-        w_uk, w_uv = self.up_weights()
-        q_abs = torch.einsum("btgnd,gdc->btgnc", q_nope.reshape(b, t, g, h // g, -1), w_uk).reshape(
-            b, t, h, -1
-        )
-        scores = torch.einsum("bthc,bsc->bhts", q_abs, c_all)
-        if self.qk_rope_head_dim:
-            kr = kr_all.reshape(b, s, r, self.qk_rope_head_dim)
-            rope_scores = torch.einsum("btrnd,bsrd->brnts", q_rope.reshape(b, t, r, h // r, -1), kr)
-            scores = scores + rope_scores.reshape(b, h, t, s)
-        probs = self._softmax(scores, mask)
+        q_abs = self.absorb_query(q_nope)
+        probs = self._softmax(self.latent_scores(q_abs, q_rope, c_all, kr_all), mask)
         latent_out = torch.einsum("bhts,bsc->bthc", probs, c_all)
-        out = torch.einsum("btgnc,gvc->btgnv", latent_out.reshape(b, t, g, h // g, -1), w_uv)
-        return self.o_proj(out.reshape(b, t, h * self.v_head_dim))
+        return self.output_from_latent(latent_out)
 
     def _naive(
         self,
@@ -243,7 +332,7 @@ class MLADecoderLayer(nn.Module):
         hidden: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        past_key_values: Cache | None,
+        past_key_values: Cache | PagedLatentCache | None,
     ) -> torch.Tensor:
         """``[B, T, hidden] -> [B, T, hidden]``."""
         hidden = hidden + self.self_attn(
@@ -310,18 +399,24 @@ class MLAModel(MLAPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        past_key_values: Cache | PagedLatentCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         **kwargs: Any,
     ) -> BaseModelOutputWithPast:
-        """Hidden states ``[B, T, hidden]`` of ``input_ids [B, T]``; positions default to ``past + arange(T)``."""
+        """Hidden states ``[B, T, hidden]`` of ``input_ids [B, T]``; positions default to ``past + arange(T)``.
+
+        With a :class:`PagedLatentCache` (bound to ``B`` requests) the new rows are written to its pages
+        and committed after the last layer; positions default to each request's committed length.
+        """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         assert inputs_embeds is not None
         b, t, _ = inputs_embeds.shape
+        if isinstance(past_key_values, PagedLatentCache):
+            return self._forward_paged(inputs_embeds, position_ids, attention_mask, past_key_values)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
@@ -339,6 +434,31 @@ class MLAModel(MLAPreTrainedModel):
                 hidden = layer(hidden, position_ids, mask, cache)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), past_key_values=cache)
 
+    def _forward_paged(
+        self,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        cache: PagedLatentCache,
+    ) -> BaseModelOutputWithPast:
+        b, t, _ = hidden.shape
+        if b != len(cache.active):
+            raise ValueError(f"{b} batch rows but the paged cache is bound to {len(cache.active)} requests")
+        lens = cache.seq_lens().to(hidden.device)
+        if position_ids is None:
+            position_ids = lens[:, None].long() + torch.arange(t, device=hidden.device)[None]  # type: ignore[assignment]
+        assert position_ids is not None
+        mask = None
+        if bool((lens == lens[0]).all()):
+            mask = causal_mask(b, t, int(lens[0]), attention_mask, hidden.dtype, hidden.device)
+        elif t != 1 or attention_mask is not None:
+            raise ValueError("requests of different lengths take one token per step and no padding mask")
+        cache.reserve(t)
+        for layer in self.layers:
+            hidden = layer(hidden, position_ids, mask, cache)
+        cache.commit(t)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), past_key_values=None)
+
 
 class MLAForCausalLM(MLAPreTrainedModel, GenerationMixin):
     """Causal LM head on :class:`MLAModel`; ``generate()`` runs on the absorbed latent-cache path."""
@@ -353,7 +473,8 @@ class MLAForCausalLM(MLAPreTrainedModel, GenerationMixin):
         self.post_init()
 
     def set_attention_path(self, path: str) -> None:
-        """Switch every layer to ``absorbed`` (latent cache) or ``naive`` (expanded K/V reference).
+        """Switch every layer to ``absorbed`` (latent cache, torch), ``triton`` (latent paged cache, the
+        bundled kernel for decode steps) or ``naive`` (expanded K/V reference).
 
         Raises:
             ValueError: for any other name. A cache filled by one path must not be reused by the other.
@@ -369,7 +490,7 @@ class MLAForCausalLM(MLAPreTrainedModel, GenerationMixin):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        past_key_values: Cache | PagedLatentCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
