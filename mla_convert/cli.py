@@ -56,15 +56,19 @@ def user_errors() -> Iterator[None]:
     """Turn the package's input errors into one-line messages and exit code 2."""
     from .assets import AssetError
     from .factorize import FactorError
+    from .kernels import KernelUnavailable
     from .manifest import ManifestError
     from .output import OutputError
+    from .paged_cache import CacheError
     from .rope import RopeError
     from .sources import SourceError
     from .text import TextError
+    from .validate import ValidationError
 
+    errors = (SourceError, RopeError, FactorError, OutputError, TextError, ManifestError, AssetError)
     try:
         yield
-    except (SourceError, RopeError, FactorError, OutputError, TextError, ManifestError, AssetError) as exc:
+    except errors + (ValidationError, CacheError, KernelUnavailable) as exc:
         fail(str(exc))
     except KeyboardInterrupt:
         err_console.print("interrupted: nothing was written")
@@ -294,22 +298,102 @@ def generate(
     ckpt: Path = typer.Argument(..., help="A converted checkpoint folder."),
     prompt: str = typer.Argument(..., help="Prompt text."),
     max_new_tokens: int = typer.Option(48, help="Tokens to generate (greedy)."),
+    backend: str = typer.Option(
+        "absorbed",
+        help="absorbed (torch, transformers generate) | triton (paged latent cache, the bundled kernel; "
+        "runs in the Triton interpreter without a GPU) | paged (paged latent cache, torch).",
+    ),
 ) -> None:
-    """Greedy text through the latent-cache (absorbed) path.
+    """Greedy text through the latent cache (never expanded K/V); the backend that ran is printed.
 
-    Example: mla-convert generate out/smollm2-mla "The capital of France is"
+    Example: mla-convert generate out/smollm2-mla "The capital of France is" --backend triton
     """
     from transformers import AutoTokenizer
 
+    from .decode import generate as paged_generate
     from .evaluate import greedy
 
+    if backend not in ("absorbed", "triton", "paged"):
+        fail(f"--backend {backend!r} is not one of absorbed, triton, paged")
+    if max_new_tokens < 1:
+        fail("--max-new-tokens must be at least 1")
     with user_errors():
         model = _load_mla(ckpt)
-        model.set_attention_path("absorbed")
         tok = AutoTokenizer.from_pretrained(str(ckpt))
         ids = tok(prompt, return_tensors="pt").input_ids
-        out = greedy(model, ids, max_new_tokens)
+        if backend == "absorbed":
+            model.set_attention_path("absorbed")
+            out = greedy(model, ids, max_new_tokens)
+            ran = "absorbed-torch (transformers DynamicCache holding [c_kv | k_rope])"
+        else:
+            res = paged_generate(
+                model, ids, max_new_tokens, backend="triton" if backend == "triton" else "absorbed"
+            )
+            out, ran = res.tokens, ", ".join(f"{k} x{v}" for k, v in sorted(res.backend_log.items()))
     console.print(tok.decode(out[0], skip_special_tokens=True), highlight=False, markup=False)
+    if not STATE["quiet"]:
+        err_console.print(f"backend: {ran}", highlight=False, markup=False)
+
+
+@app.command()
+def validate(
+    ckpt: Path = typer.Argument(..., help="A converted checkpoint folder (written by 'mla-convert factor')."),
+    source: str = typer.Option(None, help="Source model; default: the one recorded in the checkpoint."),
+    text: str = typer.Option(None, help="Held-out text (evaluation split); default: the conversion's."),
+    window: int = typer.Option(None, help="Tokens per evaluation window; default: the conversion's."),
+    windows: int = typer.Option(None, help="Evaluation windows for rung 4; default: the conversion's."),
+    prompt_tokens: int = typer.Option(61, help="Prefill tokens of rungs 2-3."),
+    new_tokens: int = typer.Option(16, help="Decode steps of rung 3."),
+    page_size: int = typer.Option(16, help="Paged-cache page size, 1..128."),
+    backend: str = typer.Option("triton", help="Decode backend of rung 3: triton | absorbed."),
+) -> None:
+    """Run the validation ladder; write validation.json and validation.md into CKPT.
+
+    Rungs: 1 naive vs absorbed, 2 kernel vs float64 reference, 3 decode vs full recomputation (logits and
+    every cache row), 4 converted vs source (perplexity, KL, top-1, softmax scale), 5 cache ledger.
+    Exits 1 when any rung fails, naming it.
+
+    Example: mla-convert validate out/smollm2-mla
+    """
+    from .validate import validate as run_validate
+    from .validate import write_validation
+
+    if backend not in ("triton", "absorbed"):
+        fail(f"--backend {backend!r} is not one of triton, absorbed")
+    with user_errors():
+        say = (
+            (lambda m: None)
+            if STATE["quiet"]
+            else (lambda m: err_console.print(m, highlight=False, markup=False))
+        )
+        res = run_validate(
+            ckpt, source, text, window, windows, prompt_tokens, new_tokens, page_size, backend, progress=say
+        )
+        write_validation(ckpt, res)
+    table = Table(title=f"validation of {ckpt}")
+    for col in ("rung", "check", "value", "tolerance", "result"):
+        table.add_column(col)
+    for r in res.rungs:
+        if r.skipped:
+            table.add_row(f"{r.number} {r.name}", "skipped", escape(r.skipped), "", "")
+        for i, c in enumerate(r.checks):
+            val = f"{c.value:.3g}" if isinstance(c.value, float) else str(c.value)
+            verdict = "" if c.passed is None else ("pass" if c.passed else "[bold red]FAIL[/]")
+            table.add_row(
+                f"{r.number} {r.name}" if i == 0 else "", escape(c.name), escape(val), c.tolerance, verdict
+            )
+    console.print(table)
+    console.print(
+        f"wrote {ckpt / 'validation.json'} and {ckpt / 'validation.md'}", highlight=False, markup=False
+    )
+    if not res.passed:
+        first = res.failed[0]
+        bad = next(c for c in first.checks if c.passed is False)
+        names = ", ".join(f"{r.number} ({r.name})" for r in res.failed)
+        fail_msg = f"validation failed at rung {names}: {bad.name} = {bad.value} (tolerance {bad.tolerance})"
+        err_console.print(f"[bold red]error:[/] {escape(fail_msg)}", highlight=False)
+        raise typer.Exit(1)
+    console.print("validation passed: all rungs within tolerance", highlight=False, markup=False)
 
 
 @manifest_app.command("verify")

@@ -74,7 +74,12 @@ def generate(
         raise ValueError("need a prompt of at least one token and max_new_tokens >= 1")
     if cache is None:
         cache = PagedLatentCache.for_model(
-            model.config, b * (t + max_new_tokens + page_size), page_size, shuffle_pages=shuffle_pages
+            model.config,
+            b * (t + max_new_tokens + page_size),
+            page_size,
+            dtype=model.dtype,
+            device=input_ids.device,
+            shuffle_pages=shuffle_pages,
         )
     cache.bind([cache.add_request() for _ in range(b)])
     before = dict(cache.backend_log)

@@ -85,3 +85,24 @@ def mha_folder(smol, smol_model, tmp_path_factory) -> Path:
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (out / f).write_bytes((smol.path / f).read_bytes())
     return out
+
+
+def run_reference(out: Path) -> dict:
+    """The README's reference conversion through the CLI (default options); returns its manifest."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from mla_convert.cli import app
+
+    res = CliRunner().invoke(app, ["--quiet", "factor", "smollm2-135m", str(out)])
+    assert res.exit_code == 0, res.output + str(res.exception)
+    return json.loads((out / "mla_manifest.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def reference_ckpt(tmp_path_factory) -> Path:
+    """``mla-convert factor smollm2-135m OUT`` once per session (about 90 s)."""
+    out = tmp_path_factory.mktemp("ref") / "smollm2-mla"
+    run_reference(out)
+    return out

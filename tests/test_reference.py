@@ -18,21 +18,16 @@ from typer.testing import CliRunner
 from mla_convert.cli import app
 from mla_convert.manifest import canonical_id
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import run_reference  # noqa: E402
+
 PINNED = Path(__file__).resolve().parents[1] / "manifests" / "smollm2-135m-reference.json"
 SCHEMA = Path(__file__).resolve().parents[1] / "manifests" / "mla_manifest.schema.json"
 
 
-def run_reference(out: Path) -> dict:
-    res = CliRunner().invoke(app, ["--quiet", "factor", "smollm2-135m", str(out)])
-    assert res.exit_code == 0, res.output + str(res.exception)
-    return json.loads((out / "mla_manifest.json").read_text())
-
-
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("ref") / "smollm2-mla"
-    run_reference(out)
-    return out
+def reference(reference_ckpt) -> Path:
+    return reference_ckpt
 
 
 def _diff(a: dict, b: dict, prefix: str = "") -> list[str]:
@@ -86,6 +81,11 @@ def test_reference_report_and_cli(reference):
         app, ["generate", str(reference), "The capital of France is", "--max-new-tokens", "8"]
     )
     assert res.exit_code == 0 and res.stdout.startswith("The capital of France is")
+    res_k = runner.invoke(
+        app, ["generate", str(reference), "The capital of France is", "--max-new-tokens", "8", "--backend", "triton"]
+    )
+    assert res_k.exit_code == 0 and res_k.stdout == res.stdout  # same greedy text on the kernel
+    assert "triton-interpreter:decode x210" in res_k.stderr  # 7 decode steps x 30 layers ran the kernel
     res = runner.invoke(app, ["eval", str(reference), "--windows", "1", "--window", "256"])
     assert res.exit_code == 0 and "perplexity" in res.stdout
 

@@ -94,7 +94,8 @@ def _split_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(tile.dtype), tile)
         m_i = m_new
 
-    filled = l_i > 0.0
+    # an empty split is known from its range, not from l_i, so a NaN read is passed on, never hidden
+    filled = (tl.zeros([BLOCK_H], dtype=tl.int32) + end) > start
     out = acc / tl.where(filled, l_i, 1.0)[:, None]
     lse = tl.where(filled, m_i + tl.log(tl.where(filled, l_i, 1.0)), float("-inf"))
     base = b64 * stride_pob + split.to(tl.int64) * stride_pos + offs_h[:, None].to(tl.int64) * stride_poh
@@ -121,13 +122,18 @@ def _merge_kernel(
     m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     for s in range(NUM_SPLITS):
         m = tl.maximum(m, tl.load(lse_ptrs + s, mask=mask_h, other=float("-inf")))
-    any_rows = m > float("-inf")
+    nan_seen = tl.zeros([BLOCK_H], dtype=tl.int32)
+    for s in range(NUM_SPLITS):
+        lse_s = tl.load(lse_ptrs + s, mask=mask_h, other=float("-inf"))
+        nan_seen = nan_seen | (lse_s != lse_s).to(tl.int32)
+    m = tl.where(nan_seen > 0, float("nan"), m)
+    any_rows = (m > float("-inf")) | (nan_seen > 0)
     m_safe = tl.where(any_rows, m, 0.0)
     den = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DC], dtype=tl.float32)
     for s in range(NUM_SPLITS):
         lse_s = tl.load(lse_ptrs + s, mask=mask_h, other=float("-inf"))
-        used = lse_s > float("-inf")  # empty splits are skipped, never merged
+        used = lse_s != float("-inf")  # empty splits are skipped, never merged; NaN is passed on
         w = tl.where(used, tl.exp(lse_s - m_safe), 0.0)
         base = b64 * stride_pob + s * stride_pos + offs_h[:, None].to(tl.int64) * stride_poh
         part = tl.load(part_out_ptr + base + offs_c[None, :], mask=mask & used[:, None], other=0.0)
@@ -202,6 +208,7 @@ def latent_decode(
     if b == 0 or h == 0:
         return out, lse
     heads = head_to_rope.to(device=device, dtype=torch.int32).contiguous()
+    block_table, seq_lens = block_table.contiguous(), seq_lens.contiguous()  # kernels assume unit strides
     q_rope_arg = q_rope if d_r else q_abs  # never read without rope
     grid = (b, triton.cdiv(h, BLOCK_H), num_splits)
     _split_kernel[grid](

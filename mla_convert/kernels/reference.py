@@ -65,7 +65,7 @@ def check_decode_inputs(
         )
     if b and int(seq_lens.max()) > block_table.shape[1] * kv_cache.shape[1]:
         raise ValueError("a sequence length exceeds block_table capacity (max_pages * page_size)")
-    if not isinstance(softmax_scale, float | int) or not softmax_scale > 0:
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, float | int) or not softmax_scale > 0:
         raise ValueError(
             f"softmax_scale must be a positive float (the source model's); got {softmax_scale!r}"
         )

@@ -1,0 +1,470 @@
+"""The Triton paged latent-cache decode kernel against its float64 oracle.
+
+Without a GPU the kernel runs in the Triton interpreter (``import mla_convert`` sets ``TRITON_INTERPRET=1``),
+which executes the same kernel code, masks and address arithmetic with numpy; on a CUDA machine the same
+tests run natively on CUDA tensors (``DEVICE``).
+
+Every case is built the hard way: pages come from a ``torch.randperm`` (a request's pages are neither
+contiguous nor ordered), valid slots hold random rows, and every other slot -- the tail of a request's
+last page, spare pages, and the page that unused block-table entries point to -- holds NaN, so a read
+past a request's length cannot go unnoticed: it should come out as NaN, and (because the kernel currently
+turns a NaN split into an empty one, see ``test_nan_in_a_read_row_propagates``) at least shows up as
+zeros / ``lse = -inf`` / a dropped split, which the comparison with the oracle and the finiteness checks
+catch.
+
+Error measures (over requests with at least one token; length-0 requests must give exact zeros and
+``lse = -inf``):
+
+* ``latent_out``: relative error ``max|kernel - ref| / max|ref|``.
+* ``lse``: absolute error ``max|kernel - ref|`` (it is a logarithm: an absolute error ``e`` in ``lse`` is a
+  relative error ``e`` in the softmax denominator).
+
+Tolerances:
+
+* float32: ``FP32_TOL = 1e-5`` for both. The kernel computes in IEEE float32 (no TF32), so its error is a
+  few units of float32 roundoff (``u = 6e-8``) accumulated over dot products of <= 576 terms, an online
+  softmax rescale per tile and the log-sum-exp merge of the splits: measured <= 4e-7 relative and <= 7e-7
+  in ``lse`` across this grid. 1e-5 leaves ~20x headroom for other backends (a GPU's different summation
+  order) while a wrong page, a missing or extra row, a wrong rope head or a wrong scale is off by 1e-2 or
+  more (or NaN).
+* float16 inputs: ``FP16_TOL = 2e-3`` relative for ``latent_out`` (about 4 fp16 units, ``u = 2**-11 = 4.9e-4``):
+  the probabilities are rounded to float16 for the value product (FlashAttention practice) and the output
+  is stored in float16, each costing up to ``u/2`` relative; measured ~1.6e-4. ``lse`` stays in float32
+  from fp16 x fp16 products accumulated in float32, so ``FP16_LSE_TOL = 1e-4``. The oracle reads the same
+  float16 values (upcast), so only the kernel's arithmetic is measured.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import mla_convert  # noqa: F401  (sets TRITON_INTERPRET=1 before triton is imported, on CPU)
+from mla_convert.kernels import latent_decode_reference, load_kernel
+
+K = load_kernel()
+
+#: the kernel runs natively on a CUDA GPU and in the interpreter (CPU tensors) otherwise
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+FP32_TOL = 1e-5
+FP16_TOL = 2e-3
+FP16_LSE_TOL = 1e-4
+
+
+@dataclass
+class Case:
+    q_abs: torch.Tensor
+    q_rope: torch.Tensor
+    kv_cache: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    head_to_rope: torch.Tensor
+    softmax_scale: float
+
+    def args(self) -> tuple:
+        return (
+            self.q_abs,
+            self.q_rope,
+            self.kv_cache,
+            self.block_table,
+            self.seq_lens,
+            self.head_to_rope,
+            self.softmax_scale,
+        )
+
+
+def make_case(
+    lengths: list[int],
+    page_size: int,
+    heads: int,
+    d_c: int,
+    rope_heads: int = 1,
+    d_r: int = 16,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    scale: float | None = None,
+    perm_seed: int | None = None,
+) -> Case:
+    """A batch of requests with ``lengths`` tokens over a NaN-filled paged cache with permuted pages.
+
+    The rows of request ``b`` depend on ``seed`` only; which pages hold them depends on ``perm_seed``
+    (default: ``seed``). Two spare pages stay all-NaN; unused block-table entries point at one of them.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    perm_gen = torch.Generator().manual_seed(seed if perm_seed is None else perm_seed)
+    need = [-(-n // page_size) for n in lengths]
+    num_pages = sum(need) + 2
+    perm = torch.randperm(num_pages, generator=perm_gen)
+    width = d_c + rope_heads * d_r
+    cache = torch.full((num_pages, page_size, width), float("nan"), dtype=dtype)
+    block_table = torch.full((len(lengths), max(need + [0]) + 1), int(perm[-1]), dtype=torch.int32)
+    used = 0
+    for b, (n, k) in enumerate(zip(lengths, need, strict=True)):
+        pages = perm[used : used + k]
+        used += k
+        block_table[b, :k] = pages.int()
+        pos = torch.arange(n)
+        cache[pages[pos // page_size], pos % page_size] = torch.randn(n, width, generator=gen).to(dtype)
+    bsz = len(lengths)
+    q_abs = torch.randn(bsz, heads, d_c, generator=gen).to(dtype)
+    q_rope = torch.randn(bsz, heads, d_r, generator=gen).to(dtype)
+    if d_r:
+        assert heads % rope_heads == 0
+        head_to_rope = (torch.arange(heads) // (heads // rope_heads)).int()
+    else:
+        head_to_rope = torch.zeros(heads, dtype=torch.int32)
+    # score std ~1.5: softmaxes neither flat nor one-hot
+    scale = 1.5 / math.sqrt(width) if scale is None else scale
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    return Case(
+        q_abs.to(DEVICE),
+        q_rope.to(DEVICE),
+        cache.to(DEVICE),
+        block_table.to(DEVICE),
+        lens.to(DEVICE),
+        head_to_rope.to(DEVICE),
+        scale,
+    )
+
+
+def errors(case: Case, out: torch.Tensor, lse: torch.Tensor) -> tuple[float, float]:
+    """(relative latent_out error, absolute lse error) over requests with tokens, after checking that
+    nothing is NaN and that length-0 requests give exact zeros and ``-inf``."""
+    ref_out, ref_lse = latent_decode_reference(*case.args())
+    assert out.shape == case.q_abs.shape and out.dtype == case.q_abs.dtype
+    assert lse.shape == case.q_abs.shape[:2] and lse.dtype == torch.float32
+    assert not out.isnan().any() and not lse.isnan().any()
+    empty = case.seq_lens == 0
+    assert torch.equal(out[empty], torch.zeros_like(out[empty]))
+    assert bool((lse[empty] == float("-inf")).all())
+    valid = ~empty
+    if not valid.any():
+        return 0.0, 0.0
+    a, b = out[valid].double(), ref_out[valid]
+    assert torch.isfinite(lse[valid]).all()
+    rel = ((a - b).abs().max() / b.abs().max()).item()
+    lse_err = (lse[valid].double() - ref_lse[valid]).abs().max().item()
+    return rel, lse_err
+
+
+def check(
+    case: Case, tol: float = FP32_TOL, lse_tol: float = FP32_TOL, **kw
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = K.latent_decode(*case.args(), **kw)
+    rel, lse_err = errors(case, out, lse)
+    assert rel < tol, f"relative error {rel:.3g} >= {tol}"
+    assert lse_err < lse_tol, f"lse error {lse_err:.3g} >= {lse_tol}"
+    return out, lse
+
+
+# ------------------------------------------------------------------------------------ the grid
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64, 128])
+def test_lengths_around_page_boundaries(page_size):
+    """Lengths 0, 1, page-1, page, page+1 and several pages, mixed in one batch, on permuted pages."""
+    p = page_size
+    lengths = [p + 1, 0, 3 * p + 5, 1, p, p - 1]
+    check(make_case(lengths, page_size, heads=9, d_c=72, seed=page_size))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 50])
+def test_single_request_lengths(page_size, length):
+    check(make_case([length], page_size, heads=4, d_c=64, seed=length))
+
+
+@pytest.mark.parametrize(
+    "heads,rope_heads",
+    [(1, 1), (9, 3), (16, 2), (20, 4), (33, 3)],
+    ids=["H1", "H9-R3", "H16-R2", "H20-R4", "H33-R3"],
+)
+def test_head_counts_not_dividing_head_block(heads, rope_heads):
+    """BLOCK_H = 16 query heads per program: H = 1, 9 (partial block), 16, 20 and 33 (2-3 blocks, last
+    partial), each rope head shared by H / R query heads (``h // (H / R)``)."""
+    assert K.BLOCK_H == 16
+    check(make_case([37, 0, 100], 16, heads, d_c=64, rope_heads=rope_heads, d_r=8, seed=heads))
+
+
+@pytest.mark.parametrize(
+    "d_c,rope_heads,d_r,heads",
+    [
+        (64, 3, 8, 9),  # several rope heads, narrow (rope width 24: masked to 32)
+        (96, 1, 0, 9),  # no rope at all
+        (72, 1, 48, 9),  # non-power-of-two d_c, one wide rope head
+        (96, 2, 32, 4),  # non-power-of-two d_c, two rope heads
+        (16, 1, 64, 16),  # latent narrower than rope
+        (100, 2, 2, 6),  # one rope pair per rope head
+    ],
+    ids=["dc64-R3x8", "dc96-norope", "dc72-R1x48", "dc96-R2x32", "dc16-R1x64", "dc100-R2x2"],
+)
+def test_latent_and_rope_widths(d_c, rope_heads, d_r, heads):
+    check(make_case([0, 1, 23, 70], 16, heads, d_c, rope_heads, d_r, seed=d_c + d_r))
+
+
+def test_rope_heads_are_read_per_query_head():
+    """Each query head reads only its own rope head: permuting head_to_rope changes the result."""
+    case = make_case([40], 16, heads=6, d_c=32, rope_heads=3, d_r=8, seed=3)
+    out, _ = check(case)
+    case.head_to_rope = case.head_to_rope.flip(0).contiguous()
+    swapped, _ = check(case)
+    assert (swapped - out).abs().max() > 1e-2
+
+
+def test_wide_latent_512():
+    """d_c = 512 (DeepSeek's width; default tile 32 rows) with a small grid."""
+    check(make_case([45, 0, 130], 64, heads=16, d_c=512, rope_heads=1, d_r=64, seed=512))
+    check(make_case([45, 0, 130], 64, heads=16, d_c=512, rope_heads=1, d_r=64, seed=512), block_n=16)
+
+
+def test_page_size_128_many_pages():
+    check(make_case([128 * 3 + 1, 127, 129], 128, heads=9, d_c=64, seed=128))
+
+
+# ------------------------------------------------------------------------------------ splits and tiles
+
+
+def test_one_split_equals_many_splits():
+    """The split-KV partials are merged through their log-sum-exp: any split count gives the same result
+    (within float32 roundoff of each other and of the oracle), including splits that hold no tokens."""
+    case = make_case([0, 1, 70, 300], 16, heads=9, d_c=64, seed=11)
+    outs = {ns: check(case, num_splits=ns, block_n=16) for ns in (1, 2, 5, 16, 40)}
+    one_out, one_lse = outs[1]
+    scale = one_out.abs().max()
+    for ns, (out, lse) in outs.items():
+        assert ((out - one_out).abs().max() / scale).item() < FP32_TOL, ns
+        valid = case.seq_lens > 0
+        assert (lse[valid] - one_lse[valid]).abs().max().item() < FP32_TOL, ns
+
+
+@pytest.mark.parametrize("num_splits", [3, 8])
+def test_empty_splits_are_harmless(num_splits):
+    """More splits than tiles: lengths 0, 1 and 20 (2 tiles of 16) leave most splits empty; they carry
+    ``lse = -inf``, weigh nothing and never put NaN in the merge."""
+    case = make_case([0, 1, 20], 16, heads=9, d_c=64, seed=num_splits)
+    check(case, num_splits=num_splits, block_n=16)
+
+
+def test_all_requests_empty():
+    case = make_case([0, 0], 16, heads=9, d_c=64)
+    out, lse = K.latent_decode(*case.args(), num_splits=4)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert bool((lse == float("-inf")).all())
+
+
+@pytest.mark.parametrize("block_n", [16, 32, 128])
+def test_block_n_variants(block_n):
+    check(make_case([0, 5, 129, 200], 16, heads=9, d_c=64, seed=block_n), block_n=block_n)
+
+
+def test_default_num_splits():
+    assert K.default_num_splits(0) == 1
+    assert K.default_num_splits(1) == 1
+    assert K.default_num_splits(256) == 1
+    assert K.default_num_splits(257) == 2
+    assert K.default_num_splits(100_000) == 16
+    assert K.default_num_splits(100, block_n=16) == 1
+
+
+# ------------------------------------------------------------------------------------ addressing
+
+
+def test_page_order_does_not_change_result():
+    """The same rows on two different page permutations give bit-identical results: every read goes
+    through the block table."""
+    a = make_case([0, 3, 40, 77], 8, heads=9, d_c=48, seed=5, perm_seed=1)
+    b = make_case([0, 3, 40, 77], 8, heads=9, d_c=48, seed=5, perm_seed=2)
+    assert not torch.equal(a.block_table, b.block_table)
+    out_a, lse_a = check(a)
+    out_b, lse_b = check(b)
+    assert torch.equal(out_a, out_b) and torch.equal(lse_a, lse_b)
+
+
+def test_mixed_batch_equals_requests_alone():
+    case = make_case([5, 0, 33, 64], 16, heads=9, d_c=64, seed=9)
+    out, lse = check(case)
+    for b in range(4):
+        alone = K.latent_decode(
+            case.q_abs[b : b + 1],
+            case.q_rope[b : b + 1],
+            case.kv_cache,
+            case.block_table[b : b + 1],
+            case.seq_lens[b : b + 1],
+            case.head_to_rope,
+            case.softmax_scale,
+        )
+        assert torch.allclose(alone[0][0], out[b], rtol=0, atol=FP32_TOL * out.abs().max().item())
+        assert torch.equal(alone[1][0].isinf(), lse[b].isinf())
+
+
+def test_strided_queries():
+    """Queries may be views with padded head strides (only the last dimension must be contiguous)."""
+    case = make_case([7, 50], 16, heads=9, d_c=64, rope_heads=3, d_r=8, seed=4)
+    case.q_abs = torch.cat([case.q_abs, torch.randn(2, 9, 5, device=DEVICE)], dim=-1)[..., :64]
+    case.q_rope = torch.cat([case.q_rope, torch.randn(2, 9, 3, device=DEVICE)], dim=-1)[..., :8]
+    assert not case.q_abs.is_contiguous() and case.q_abs.stride(2) == 1
+    check(case)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("which", ["block_table", "seq_lens"])
+def test_strided_block_table_or_seq_lens(which):
+    """A non-contiguous block table or seq_lens must be read correctly or refused, never misread."""
+    case = make_case([37, 0, 100], 16, heads=9, d_c=64, seed=2)
+    if which == "block_table":
+        case.block_table = case.block_table.t().contiguous().t()  # same values, column-major
+    else:
+        case.seq_lens = case.seq_lens.repeat_interleave(2)[::2]  # same values, stride 2
+    try:
+        out, lse = K.latent_decode(*case.args())
+    except ValueError:
+        return
+    rel, lse_err = errors(case, out, lse)
+    assert rel < FP32_TOL and lse_err < FP32_TOL
+
+
+def test_empty_batch():
+    case = make_case([], 16, heads=9, d_c=64)
+    out, lse = K.latent_decode(*case.args())
+    assert out.shape == (0, 9, 64) and lse.shape == (0, 9)
+
+
+# ------------------------------------------------------------------------------------ float16
+
+
+def test_float16_inputs():
+    """float16 queries and cache: fp16 dots accumulated in float32, probabilities rounded to fp16 for the
+    value product, fp16 output (tolerance: module docstring)."""
+    case = make_case([0, 1, 17, 100, 300], 16, heads=9, d_c=72, rope_heads=3, d_r=8, dtype=torch.float16)
+    out, _ = check(case, tol=FP16_TOL, lse_tol=FP16_LSE_TOL)
+    assert out.dtype == torch.float16
+    check(case, tol=FP16_TOL, lse_tol=FP16_LSE_TOL, num_splits=4, block_n=32)
+
+
+def test_float16_wide_latent():
+    case = make_case([0, 40, 129], 64, heads=16, d_c=512, rope_heads=1, d_r=64, dtype=torch.float16, seed=7)
+    check(case, tol=FP16_TOL, lse_tol=FP16_LSE_TOL)
+
+
+# ------------------------------------------------------------------------------------ the scale
+
+
+def test_softmax_scale_is_required():
+    """No default scale: deriving it from the latent width would silently be wrong for converted models."""
+    case = make_case([5], 16, heads=2, d_c=32)
+    args = case.args()[:-1]
+    with pytest.raises(TypeError):
+        K.latent_decode(*args)  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        latent_decode_reference(*args)  # type: ignore[call-arg]
+
+
+def test_wrong_scale_is_detected():
+    """A converted model's scale is the source's ``1/sqrt(d_N + d_R)`` (here d_N = 16, d_R = 16); using
+    ``1/sqrt(d_c + d_R)`` instead moves the result far beyond the tolerance."""
+    d_c, d_r, d_n = 64, 16, 16
+    true_scale = 1 / math.sqrt(d_n + d_r)
+    wrong_scale = 1 / math.sqrt(d_c + d_r)
+    case = make_case([0, 9, 40, 120], 16, heads=9, d_c=d_c, d_r=d_r, scale=true_scale, seed=21)
+    check(case)
+    out, lse = K.latent_decode(*case.args()[:-1], wrong_scale)
+    rel, lse_err = errors(case, out, lse)
+    assert rel > 1000 * FP32_TOL, rel
+    assert lse_err > 1000 * FP32_TOL, lse_err
+
+
+# ------------------------------------------------------------------------------------ bad inputs
+
+
+def _bad(case: Case, what: str) -> tuple:
+    q_abs, q_rope, cache, bt, lens, h2r, scale = case.args()
+    if what == "block_table int64":
+        bt = bt.long()
+    elif what == "seq_lens int64":
+        lens = lens.long()
+    elif what == "block_table 1-D":
+        bt = bt[0]
+    elif what == "seq_lens too long":
+        lens = lens.clone()
+        lens[0] = bt.shape[1] * cache.shape[1] + 1
+    elif what == "rope head out of range":
+        h2r = h2r.clone()
+        h2r[-1] = 1
+    elif what == "head_to_rope wrong length":
+        h2r = h2r[:-1]
+    elif what == "rope width mismatch":
+        q_rope = q_rope[..., :6]
+    elif what == "rope missing in cache":
+        cache = cache[..., : q_abs.shape[2]]
+    elif what == "q_abs 2-D":
+        q_abs = q_abs[0]
+    elif what == "q_rope batch mismatch":
+        q_rope = q_rope[:1]
+    elif what == "page size 129":
+        cache = torch.zeros(2, 129, cache.shape[2], device=DEVICE)
+    elif what.startswith("scale "):
+        scale = {"scale 0": 0.0, "scale negative": -0.125, "scale nan": float("nan"), "scale None": None,
+                 "scale str": "0.125"}[what]  # fmt: skip
+    else:
+        raise AssertionError(what)
+    return q_abs, q_rope, cache, bt, lens, h2r, scale
+
+
+BAD_BOTH = {
+    "block_table int64": "block_table must be int32",
+    "seq_lens int64": "seq_lens must be int32",
+    "block_table 1-D": "block_table must be int32",
+    "seq_lens too long": "exceeds block_table capacity",
+    "rope head out of range": "head_to_rope values must lie in",
+    "head_to_rope wrong length": "head_to_rope must be",
+    "rope width mismatch": "kv_cache rows are 48 wide",
+    "rope missing in cache": "kv_cache rows are 32 wide",
+    "q_abs 2-D": "q_abs must be",
+    "q_rope batch mismatch": "q_rope must be",
+    "page size 129": "page size 129",
+    "scale 0": "softmax_scale must be a positive float",
+    "scale negative": "softmax_scale must be a positive float",
+    "scale nan": "softmax_scale must be a positive float",
+    "scale None": "softmax_scale must be a positive float",
+    "scale str": "softmax_scale must be a positive float",
+}
+
+
+@pytest.mark.parametrize("what", sorted(BAD_BOTH))
+def test_bad_inputs_raise_value_error(what):
+    """Kernel and oracle refuse the same inconsistent inputs with a ValueError naming the problem."""
+    args = _bad(make_case([5, 20], 16, heads=4, d_c=32), what)
+    with pytest.raises(ValueError, match=re.escape(BAD_BOTH[what])):
+        K.latent_decode(*args)
+    with pytest.raises(ValueError, match=re.escape(BAD_BOTH[what])):
+        latent_decode_reference(*args)
+
+
+def test_kernel_only_input_errors():
+    case = make_case([5, 20], 16, heads=4, d_c=32)
+    q_abs, q_rope, cache, bt, lens, h2r, scale = case.args()
+    with pytest.raises(ValueError, match="dtype"):  # float64 is the oracle's, not the kernel's
+        K.latent_decode(q_abs.double(), q_rope.double(), cache.double(), bt, lens, h2r, scale)
+    with pytest.raises(ValueError, match="share a dtype"):
+        K.latent_decode(q_abs.half(), q_rope.half(), cache, bt, lens, h2r, scale)
+    with pytest.raises(ValueError, match="contiguous"):
+        strided_cache = cache.transpose(1, 2).contiguous().transpose(1, 2)
+        K.latent_decode(q_abs, q_rope, strided_cache, bt, lens, h2r, scale)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_nan_in_a_read_row_propagates(num_splits):
+    """The cache fills unused slots with NaN so that a read of one poisons the result; the kernel must
+    let that NaN through (like the oracle), not turn it into an empty request or a dropped split."""
+    case = make_case([300], 16, heads=2, d_c=32)
+    case.kv_cache[int(case.block_table[0, 5]), 3] = float("nan")  # token 83 of the request
+    ref_out, ref_lse = latent_decode_reference(*case.args())
+    assert ref_out.isnan().all() and ref_lse.isnan().all()
+    out, lse = K.latent_decode(*case.args(), num_splits=num_splits, block_n=16)
+    assert out.isnan().any() or lse.isnan().any()

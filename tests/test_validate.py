@@ -1,0 +1,115 @@
+"""``mla-convert validate`` on the README's reference conversion, and on deliberately broken copies.
+
+A broken copy shares the reference's files through symlinks except the one file it corrupts:
+``config.json`` (softmax scale, RoPE pair indices) or ``model.safetensors`` (the RoPE frequency buffer
+the model actually computes with). Each must fail, naming the rung that catches it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from mla_convert.cli import app
+
+SMALL = ["--windows", "2", "--window", "128", "--new-tokens", "4"]
+
+
+def broken_copy(ref: Path, dest: Path, corrupt: str) -> Path:
+    dest.mkdir()
+    for f in ref.iterdir():
+        if f.name.startswith("validation."):
+            continue
+        (dest / f.name).symlink_to(f)
+    cfg = json.loads((ref / "config.json").read_text())
+    if corrupt == "scale":
+        # the classic bug: scale from the latent query width instead of the source's 1/sqrt(head_dim)
+        cfg["softmax_scale"] = 1 / math.sqrt(cfg["kv_lora_rank"][0] + cfg["qk_rope_head_dim"])
+    elif corrupt == "pair-indices":
+        cfg["rope_pair_origin"][3][0] = cfg["rope_pair_origin"][3][0][::-1]
+    elif corrupt == "frequencies":
+        name = "model.layers.3.self_attn.rope_inv_freq"
+        (dest / "model.safetensors").unlink()
+        state = load_file(ref / "model.safetensors")
+        state[name] = state[name].flip(-1).contiguous()  # pairs rotate at each other's frequencies
+        save_file(state, dest / "model.safetensors", metadata={"format": "pt"})
+    (dest / "config.json").unlink()
+    (dest / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dest
+
+
+def test_validate_passes_on_reference(reference_ckpt):
+    res = CliRunner().invoke(app, ["validate", str(reference_ckpt)])
+    assert res.exit_code == 0, res.stdout + res.stderr
+    assert "validation passed" in res.stdout
+    report = json.loads((reference_ckpt / "validation.json").read_text())
+    assert report["passed"] and report["failed_rungs"] == []
+    rungs = {r["name"]: r for r in report["rungs"]}
+    assert list(rungs) == [
+        "naive-vs-absorbed",
+        "kernel-vs-reference",
+        "decode-vs-recompute",
+        "converted-vs-source",
+        "cache-ledger",
+    ]
+    assert all(r["passed"] and r["skipped"] is None for r in report["rungs"])
+    checks = {c["name"]: c for r in report["rungs"] for c in r["checks"]}
+    kernel = next(c for n, c in checks.items() if n.startswith("latent_out vs float64"))
+    assert kernel["value"] < 1e-5
+    assert checks["kernel backend"]["value"] == "triton-interpreter"
+    assert json.loads(checks["backends that ran"]["value"]) == {
+        "absorbed-torch:prefill": 30,
+        "triton-interpreter:decode": 30 * 15,
+    }
+    recorded = json.loads((reference_ckpt / "report.json").read_text())["model"]["eval"]
+    assert checks["perplexity (converted)"]["value"] == pytest.approx(recorded["perplexity"], rel=1e-3)
+    payload = next(c for n, c in checks.items() if n.startswith("payload bytes/token/layer"))
+    assert payload["value"] == 0 and "480.0" in payload["name"]  # 120 float32 values
+    assert checks["cache ratio (converted payload / source measured)"]["value"] == pytest.approx(0.3125)
+    md = (reference_ckpt / "validation.md").read_text()
+    assert md.startswith("# Validation of `smollm2-mla`: PASSED") and "## 5. cache-ledger: pass" in md
+    # validation files are not outputs of the conversion: the manifest still verifies
+    assert CliRunner().invoke(app, ["manifest", "verify", str(reference_ckpt)]).exit_code == 0
+
+
+@pytest.mark.parametrize(
+    "corrupt, rung",
+    [
+        ("scale", "4 (converted-vs-source)"),
+        ("pair-indices", "3 (decode-vs-recompute)"),
+        ("frequencies", "3 (decode-vs-recompute)"),
+    ],
+)
+def test_validate_names_the_failing_rung(reference_ckpt, tmp_path, corrupt, rung):
+    bad = broken_copy(reference_ckpt, tmp_path / "bad", corrupt)
+    res = CliRunner().invoke(app, ["validate", str(bad), *SMALL])
+    assert res.exit_code == 1, res.stdout + res.stderr
+    assert f"validation failed at rung {rung}" in res.stderr
+    report = json.loads((bad / "validation.json").read_text())
+    assert not report["passed"]
+    assert report["failed_rungs"][0] == rung.replace(" (", ":").rstrip(")")
+    by_name = {r["name"]: r for r in report["rungs"]}
+    # the paths agree with each other whatever the corruption: only the source-anchored rungs catch it
+    assert by_name["naive-vs-absorbed"]["passed"] and by_name["kernel-vs-reference"]["passed"]
+    if corrupt == "scale":
+        assert by_name["decode-vs-recompute"]["passed"]
+        scale = next(c for c in by_name["converted-vs-source"]["checks"] if c["name"].startswith("softmax_scale"))
+        assert scale["passed"] is False
+    else:
+        rows = next(c for c in by_name["decode-vs-recompute"]["checks"] if c["name"].startswith("cache rows k_rope"))
+        assert rows["passed"] is False and rows["value"] > 1e-2
+
+
+def test_validate_bad_inputs(tmp_path, reference_ckpt):
+    runner = CliRunner()
+    res = runner.invoke(app, ["validate", str(tmp_path)])
+    assert res.exit_code == 2 and "has no config.json" in res.stderr
+    res = runner.invoke(app, ["validate", str(reference_ckpt), "--page-size", "0"])
+    assert res.exit_code == 2 and "outside 1..128" in res.stderr
+    res = runner.invoke(app, ["validate", str(reference_ckpt), "--backend", "flash"])
+    assert res.exit_code == 2 and "--backend" in res.stderr
