@@ -102,7 +102,13 @@ def run_reference(out: Path) -> dict:
 
 @pytest.fixture(scope="session")
 def reference_ckpt(tmp_path_factory) -> Path:
-    """``mla-convert factor smollm2-135m OUT`` once per session (about 90 s)."""
+    """``mla-convert factor smollm2-135m OUT`` once per session (about 90 s).
+
+    For quick local iteration ``MLA_CONVERT_TEST_REFERENCE=DIR`` reuses an existing default conversion
+    (CI never sets it, so CI always converts afresh)."""
+    reuse = os.environ.get("MLA_CONVERT_TEST_REFERENCE")
+    if reuse:
+        return Path(reuse)
     out = tmp_path_factory.mktemp("ref") / "smollm2-mla"
     run_reference(out)
     return out

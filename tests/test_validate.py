@@ -34,10 +34,12 @@ def broken_copy(ref: Path, dest: Path, corrupt: str) -> Path:
         cfg["rope_pair_origin"][3][0] = cfg["rope_pair_origin"][3][0][::-1]
     elif corrupt == "frequencies":
         name = "model.layers.3.self_attn.rope_inv_freq"
-        (dest / "model.safetensors").unlink()
-        state = load_file(ref / "model.safetensors")
+        index = ref / "model.safetensors.index.json"
+        shard = json.loads(index.read_text())["weight_map"][name] if index.exists() else "model.safetensors"
+        (dest / shard).unlink()
+        state = load_file(ref / shard)
         state[name] = state[name].flip(-1).contiguous()  # pairs rotate at each other's frequencies
-        save_file(state, dest / "model.safetensors", metadata={"format": "pt"})
+        save_file(state, dest / shard, metadata={"format": "pt"})
     (dest / "config.json").unlink()
     (dest / "config.json").write_text(json.dumps(cfg, indent=2))
     return dest
@@ -72,7 +74,7 @@ def test_validate_passes_on_reference(reference_ckpt):
     assert payload["value"] == 0 and "480.0" in payload["name"]  # 120 float32 values
     assert checks["cache ratio (converted payload / source measured)"]["value"] == pytest.approx(0.3125)
     md = (reference_ckpt / "validation.md").read_text()
-    assert md.startswith("# Validation of `smollm2-mla`: PASSED") and "## 5. cache-ledger: pass" in md
+    assert md.startswith(f"# Validation of `{reference_ckpt.name}`: PASSED") and "## 5. cache-ledger: pass" in md
     # validation files are not outputs of the conversion: the manifest still verifies
     assert CliRunner().invoke(app, ["manifest", "verify", str(reference_ckpt)]).exit_code == 0
 
