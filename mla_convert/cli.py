@@ -355,8 +355,8 @@ def validate(
 
     Example: mla-convert validate out/smollm2-mla
     """
+    from .validate import format_value, write_validation
     from .validate import validate as run_validate
-    from .validate import write_validation
 
     if backend not in ("triton", "absorbed"):
         fail(f"--backend {backend!r} is not one of triton, absorbed")
@@ -377,7 +377,7 @@ def validate(
         if r.skipped:
             table.add_row(f"{r.number} {r.name}", "skipped", escape(r.skipped), "", "")
         for i, c in enumerate(r.checks):
-            val = f"{c.value:.3g}" if isinstance(c.value, float) else str(c.value)
+            val = format_value(c.value)
             verdict = "" if c.passed is None else ("pass" if c.passed else "[bold red]FAIL[/]")
             table.add_row(
                 f"{r.number} {r.name}" if i == 0 else "", escape(c.name), escape(val), c.tolerance, verdict
@@ -390,7 +390,9 @@ def validate(
         first = res.failed[0]
         bad = next(c for c in first.checks if c.passed is False)
         names = ", ".join(f"{r.number} ({r.name})" for r in res.failed)
-        fail_msg = f"validation failed at rung {names}: {bad.name} = {bad.value} (tolerance {bad.tolerance})"
+        fail_msg = (
+            f"validation failed at rung {names}: {bad.name} = {format_value(bad.value)} (tolerance {bad.tolerance})"
+        )
         err_console.print(f"[bold red]error:[/] {escape(fail_msg)}", highlight=False)
         raise typer.Exit(1)
     console.print("validation passed: all rungs within tolerance", highlight=False, markup=False)

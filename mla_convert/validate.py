@@ -85,6 +85,13 @@ class ValidationError(ValueError):
     """The checkpoint or its source cannot be validated (missing files, wrong kind); one line."""
 
 
+def format_value(value: float | str) -> str:
+    """Integers as integers, other floats to 4 significant digits, text as is."""
+    if isinstance(value, float):
+        return str(int(value)) if value.is_integer() and abs(value) < 1e15 else f"{value:.4g}"
+    return str(value)
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """``max|a - b| / max|b|`` in float64 (0 when both are empty)."""
     if b.numel() == 0:
@@ -623,7 +630,7 @@ def validation_markdown(res: ValidationResult) -> str:
         if r.checks:
             lines += ["| check | value | tolerance | result |", "|---|---|---|---|"]
             for c in r.checks:
-                val = f"{c.value:.3g}" if isinstance(c.value, float) else str(c.value)
+                val = format_value(c.value)
                 res_s = "" if c.passed is None else ("pass" if c.passed else "FAIL")
                 lines.append(f"| {c.name} | {val} | {c.tolerance} | {res_s} |")
             lines.append("")
