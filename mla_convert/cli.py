@@ -390,12 +390,111 @@ def validate(
         first = res.failed[0]
         bad = next(c for c in first.checks if c.passed is False)
         names = ", ".join(f"{r.number} ({r.name})" for r in res.failed)
-        fail_msg = (
-            f"validation failed at rung {names}: {bad.name} = {format_value(bad.value)} (tolerance {bad.tolerance})"
-        )
+        fail_msg = f"validation failed at rung {names}: {bad.name} = {format_value(bad.value)} (tolerance {bad.tolerance})"
         err_console.print(f"[bold red]error:[/] {escape(fail_msg)}", highlight=False)
         raise typer.Exit(1)
     console.print("validation passed: all rungs within tolerance", highlight=False, markup=False)
+
+
+@app.command()
+def adapt(
+    ckpt: Path = typer.Argument(..., help="A converted checkpoint folder (from 'mla-convert factor')."),
+    out: Path = typer.Argument(..., help="Output folder for the adapted checkpoint."),
+    source: str = typer.Option(None, help="Teacher/reference model; default: the checkpoint's source."),
+    text: str = typer.Option("wikipedia", help="wikipedia | news | comma-separated .txt files or folders."),
+    tokens: int = typer.Option(100_000, help="Training token budget (all processes)."),
+    seq_len: int = typer.Option(512, help="Tokens per training sequence and validation window."),
+    batch_size: int = typer.Option(4, help="Sequences per micro-batch per process."),
+    grad_accum: int = typer.Option(1, help="Micro-batches per optimizer step."),
+    objective: str = typer.Option("distill", help="lm | distill (KL to the source) | mix."),
+    temperature: float = typer.Option(1.0, help="Distillation temperature."),
+    mix_weight: float = typer.Option(0.5, help="Weight of distillation in 'mix'."),
+    trainable: str = typer.Option("attention", help="attention | attention+norms | all."),
+    lr: float = typer.Option(3e-4, help="Peak learning rate (AdamW)."),
+    schedule: str = typer.Option("cosine", help="cosine | constant-decay."),
+    warmup: float = typer.Option(0.05, help="Fraction of steps of linear warmup."),
+    min_lr_ratio: float = typer.Option(0.1, help="Final learning rate / peak."),
+    weight_decay: float = typer.Option(0.0, help="AdamW weight decay."),
+    clip: float = typer.Option(1.0, help="Gradient-norm clip."),
+    eval_every: int = typer.Option(0, help="Steps between evaluations (0: start and end only)."),
+    eval_windows: int = typer.Option(8, help="Validation windows of seq-len tokens."),
+    also_eval: str = typer.Option(None, help="A second held-out text evaluated alongside (e.g. news)."),
+    checkpoint_every: int = typer.Option(25, help="Steps between resumable checkpoints (0: none)."),
+    seed: int = typer.Option(0, help="Seed of the data order."),
+    mixed_precision: str = typer.Option("no", help="no | bf16 | fp16 (where the hardware has it)."),
+    gradient_checkpointing: bool = typer.Option(False, help="Recompute activations in backward."),
+    resume: bool = typer.Option(False, help="Continue the stopped run for OUT from its newest checkpoint."),
+    stop_after: int = typer.Option(None, help="Stop (resumably) after this many steps of this invocation."),
+    overwrite: bool = typer.Option(False, help="Replace a non-empty OUT."),
+) -> None:
+    """Fine-tune a converted checkpoint (LM loss, distillation from the source, or a mix).
+
+    Runs on one CPU as is, or on several processes/machines with `accelerate launch -m mla_convert adapt ...`.
+    Checkpoints go to .OUT.adapt/ next to OUT; OUT appears complete at the end with metrics.jsonl,
+    training.png, adapt_report.json and a manifest whose parent is the input's canonical id.
+
+    Example: mla-convert adapt out/smollm2-mla out/smollm2-mla-adapted --tokens 100000 --objective distill
+    """
+    import pydantic
+
+    from .adapt import AdaptError, AdaptOptions, run_adapt
+
+    try:
+        options = AdaptOptions.model_validate(dict(
+            source=source, text=text, tokens=tokens, seq_len=seq_len, batch_size=batch_size,
+            grad_accum=grad_accum, objective=objective, temperature=temperature, mix_weight=mix_weight,
+            trainable=trainable, lr=lr, schedule=schedule, warmup=warmup, min_lr_ratio=min_lr_ratio,
+            weight_decay=weight_decay, clip=clip, eval_every=eval_every, eval_windows=eval_windows,
+            also_eval=also_eval, checkpoint_every=checkpoint_every, seed=seed, mixed_precision=mixed_precision,
+            gradient_checkpointing=gradient_checkpointing,
+        ))  # fmt: skip
+    except pydantic.ValidationError as exc:
+        fail(options_error(exc))
+    if stop_after is not None and stop_after < 1:
+        fail("--stop-after must be at least 1")
+    last = {"t": 0.0}
+
+    def show(entry: dict[str, Any]) -> None:
+        import time as _time
+
+        now = _time.perf_counter()
+        if STATE["quiet"] or (now - last["t"] < 10 and entry["step"] < entry["steps"]):
+            return
+        last["t"] = now
+        console.print(
+            f"step {entry['step']}/{entry['steps']}  tokens {entry['tokens']}  loss {entry['loss']:.4f}  "
+            f"{entry['tokens_per_s']:.0f} tok/s  ETA {entry['eta_s'] / 60:.1f} min",
+            highlight=False,
+            markup=False,
+        )
+
+    with user_errors():
+        try:
+            report = run_adapt(ckpt, out, options, overwrite, resume, stop_after, progress=show)
+        except AdaptError as exc:
+            fail(str(exc))
+    if report is None:
+        console.print(
+            f"stopped after {stop_after} steps; continue with --resume", highlight=False, markup=False
+        )
+        return
+    b, a = report["before"], report["after"]
+    console.print(
+        f"wrote {out}: perplexity {b['perplexity']:.3f} -> {a['perplexity']:.3f} (source {a['source_perplexity']:.3f}) "
+        f"on {a['eval_tokens']} held-out tokens; KL {b['kl']:.4f} -> {a['kl']:.4f}; "
+        f"{report['tokens_trained']} tokens at {report['tokens_per_s']:.0f} tok/s",
+        highlight=False,
+        markup=False,
+    )
+
+
+def options_error(exc: Any) -> str:
+    """One line listing every invalid option of a pydantic ValidationError."""
+    parts = []
+    for e in exc.errors():
+        name = "--" + "-".join(str(x) for x in e["loc"]).replace("_", "-")
+        parts.append(f"{name}: {e['msg']}")
+    return "; ".join(parts)
 
 
 @manifest_app.command("verify")

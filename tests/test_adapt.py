@@ -1,0 +1,144 @@
+"""``mla-convert adapt`` on the reference conversion: gradients, resume, two processes, outputs, errors.
+
+Runs are tiny (6 optimizer steps of 2 x 64 tokens on Wikipedia's adaptation split): they check the
+mechanics exactly; the quality figures live in ``benchmarks/adapt.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from mla_convert.cli import app
+
+TINY = [
+    "--tokens", "768", "--seq-len", "64", "--eval-windows", "1", "--objective", "mix",
+    "--trainable", "attention+norms", "--lr", "1e-3", "--checkpoint-every", "0", "--warmup", "0.2",
+]  # fmt: skip
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def adapt(*args: str) -> object:
+    res = CliRunner().invoke(app, ["--quiet", "adapt", *args])
+    return res
+
+
+@pytest.fixture(scope="module")
+def one_process(reference_ckpt, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("adapt") / "one"
+    res = adapt(str(reference_ckpt), str(out), *TINY, "--batch-size", "2")
+    assert res.exit_code == 0, res.stdout + res.stderr
+    return out
+
+
+def test_gradients_reach_every_trainable_factor(reference_ckpt, eval_ids):
+    from transformers import AutoModelForCausalLM
+
+    from mla_convert.adapt import select_trainable
+
+    model = AutoModelForCausalLM.from_pretrained(str(reference_ckpt), dtype=torch.float32)
+    inv = select_trainable(model, "attention")
+    assert inv["trainable_parameters"] > 0 and inv["frozen_parameters"] > 0
+    assert all(".self_attn." in n for n in inv["trainable"])
+    ids = eval_ids[:1, :64]
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None and float(p.grad.abs().max()) > 0, name  # kv_b_proj included
+        else:
+            assert p.grad is None, name
+    assert {"kv_b_proj", "kv_a_proj_with_mqa", "q_proj", "o_proj"} <= {n.split(".")[-2] for n in inv["trainable"]}
+
+
+def test_adapt_outputs_and_manifest(one_process, reference_ckpt):
+    out = one_process
+    for name in ("metrics.jsonl", "training.png", "adapt_report.json", "mla_manifest.json", "config.json"):
+        assert (out / name).is_file(), name
+    assert not (out.parent / f".{out.name}.adapt").exists()  # work folder removed on success
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [m for m in metrics if m["kind"] == "train"]
+    evals = [m for m in metrics if m["kind"] == "eval"]
+    assert [m["step"] for m in train] == [1, 2, 3, 4, 5, 6] and train[-1]["tokens"] == 768
+    assert [e["step"] for e in evals] == [0, 6] and all(e["kl"] is not None for e in evals)
+    manifest = json.loads((out / "mla_manifest.json").read_text())
+    parent = json.loads((reference_ckpt / "mla_manifest.json").read_text())
+    assert manifest["parent"]["canonical_id"] == parent["canonical_id"] != manifest["canonical_id"]
+    ad = manifest["adaptation"]
+    assert ad["objective"]["name"] == "mix" and ad["tokens_trained"] == 768
+    assert ad["trainable"]["set"] == "attention+norms" and "model.norm.weight" in ad["trainable"]["trainable"]
+    assert "model.embed_tokens.weight" in ad["trainable"]["frozen"]
+    assert ad["data"]["train_sha256"] and ad["data"]["train_documents"][0]["sha256"]
+    train_ids = {d["id"] for d in ad["data"]["train_documents"]}
+    assert not train_ids & {d["id"] for d in ad["data"]["validation_documents"]}
+    assert CliRunner().invoke(app, ["manifest", "verify", str(out)]).exit_code == 0
+    # frozen weights are untouched, trainable ones moved
+    before, after = weights(reference_ckpt), weights(out)
+    assert torch.equal(before["model.embed_tokens.weight"], after["model.embed_tokens.weight"])
+    assert not torch.equal(before["model.layers.0.self_attn.kv_b_proj.weight"], after["model.layers.0.self_attn.kv_b_proj.weight"])
+
+
+def test_stopped_and_resumed_run_is_bitwise_identical(one_process, reference_ckpt, tmp_path):
+    out = tmp_path / "resumed"
+    res = adapt(str(reference_ckpt), str(out), *TINY, "--batch-size", "2", "--stop-after", "3")
+    assert res.exit_code == 0 and "--resume" in res.stdout, res.stdout + res.stderr
+    assert not out.exists()  # a stopped run never leaves a partial OUT
+    work = tmp_path / ".resumed.adapt"
+    assert (work / "step-000003" / "state.json").is_file()
+    res = adapt(str(reference_ckpt), str(out), *TINY, "--batch-size", "4")
+    assert res.exit_code == 2 and "--resume" in res.stderr  # a stopped run is never wiped silently
+    res = adapt(str(reference_ckpt), str(out), *TINY, "--batch-size", "4", "--resume")
+    assert res.exit_code == 2 and "batch_size" in res.stderr
+    res = adapt(str(reference_ckpt), str(out), *TINY, "--batch-size", "2", "--resume")
+    assert res.exit_code == 0, res.stdout + res.stderr
+    a, b = weights(one_process), weights(out)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:3]
+    losses = lambda f: [m["loss"] for m in map(json.loads, (f / "metrics.jsonl").read_text().splitlines()) if m["kind"] == "train"]  # noqa: E731
+    assert losses(one_process) == losses(out)
+
+
+def test_two_processes_follow_the_same_curve(one_process, reference_ckpt, tmp_path):
+    """accelerate launch with 2 CPU processes x batch 1 sees the same global batches as 1 process x 2."""
+    out = tmp_path / "two"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "-m", "mla_convert", "--quiet", "adapt", str(reference_ckpt), str(out), *TINY, "--batch-size", "1",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    report = json.loads((out / "adapt_report.json").read_text())
+    assert report["processes"] == 2 and report["tokens_trained"] == 768
+    curve = lambda f: [m["loss"] for m in map(json.loads, (f / "metrics.jsonl").read_text().splitlines()) if m["kind"] == "train"]  # noqa: E731
+    one, two = curve(one_process), curve(out)
+    assert len(one) == len(two) == 6
+    assert max(abs(x - y) / abs(x) for x, y in zip(one, two, strict=True)) < 1e-3, (one, two)
+
+
+def test_adapt_bad_inputs(reference_ckpt, tmp_path):
+    res = adapt(str(tmp_path), str(tmp_path / "o"))
+    assert res.exit_code == 2 and "has no config.json" in res.stderr
+    res = adapt(str(reference_ckpt), str(tmp_path / "o"), "--objective", "magic", "--tokens", "0")
+    assert res.exit_code == 2 and "--objective" in res.stderr and "--tokens" in res.stderr
+    res = adapt(str(reference_ckpt), str(tmp_path / "o"), "--resume")
+    assert res.exit_code == 2 and "nothing to resume" in res.stderr
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("keep")
+    res = adapt(str(reference_ckpt), str(tmp_path / "full"))
+    assert res.exit_code == 2 and "--overwrite" in res.stderr
+    assert (tmp_path / "full" / "x").read_text() == "keep"
