@@ -51,7 +51,7 @@ def run_setting(base: Path, objective: str, trainable: str, tokens: int, seq_len
         "adapt", str(base), str(out), "--tokens", str(tokens), "--seq-len", str(seq_len),
         "--batch-size", str(batch), "--objective", objective, "--trainable", trainable,
         "--eval-every", str(steps_100k), "--eval-windows", "8", "--also-eval", "news",
-        "--checkpoint-every", "10", "--lr", "3e-4" if trainable == "attention" else "1e-4",
+        "--checkpoint-every", "10", "--lr", "1e-4" if trainable == "attention" else "5e-5",
     ]  # fmt: skip
     work = RUNS / f".{name}.adapt"
     if any(work.glob("step-*")):

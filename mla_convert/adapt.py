@@ -213,7 +213,8 @@ def run_adapt(
         progress: called with a dict (step, steps, tokens, loss, tokens_per_s, eta_s) after each step.
 
     Returns:
-        The report dict, or None when stopped early by ``stop_after`` (nothing written to ``out``).
+        The report dict (empty on processes other than the main one), or None when stopped early by
+        ``stop_after`` (nothing written to ``out``).
 
     Raises:
         AdaptError, OutputError, TextError, SourceError: bad input, before training starts.

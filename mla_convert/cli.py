@@ -478,6 +478,8 @@ def adapt(
             f"stopped after {stop_after} steps; continue with --resume", highlight=False, markup=False
         )
         return
+    if "before" not in report:  # a non-main process of a multi-process run: the main one reports
+        return
     b, a = report["before"], report["after"]
     console.print(
         f"wrote {out}: perplexity {b['perplexity']:.3f} -> {a['perplexity']:.3f} (source {a['source_perplexity']:.3f}) "
@@ -508,6 +510,205 @@ def manifest_verify(out: Path = typer.Argument(..., help="An mla-convert output 
     with user_errors():
         res = verify(out)
     console.print(f"ok: {res['files']} files match; canonical id {res['canonical_id']}", highlight=False)
+
+
+# --------------------------------------------------------------------------------------------- recipes
+def _recipe_fail(exc: Any) -> None:
+    """Print a RecipeError (one line, or a count and one indented line per problem) and exit 2."""
+    lines = exc.lines()
+    err_console.print(f"[bold red]error:[/] {escape(lines[0])}", highlight=False, soft_wrap=True)
+    for line in lines[1:]:
+        err_console.print(line, markup=False, highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def _recipe_path(recipe: str) -> Path:
+    """RECIPE as a file, or the bundled recipe of that name when no such file exists."""
+    from .recipes import bundled_path
+
+    p = Path(recipe).expanduser()
+    if not p.exists():
+        bundled = bundled_path(recipe)
+        if bundled is not None:
+            return bundled
+    return p
+
+
+def _plain(text: str) -> None:
+    console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command("run")
+def run_recipe_cmd(
+    recipe: str = typer.Argument(..., help="A recipe YAML file (or the name of a bundled recipe)."),
+    overrides: list[str] = typer.Argument(
+        None, help="key=value / section.key=value, values read as YAML (factor.rope_pairs=16, adapt=null)."
+    ),
+    dry_run: bool = typer.Option(
+        False,
+        "--dry-run",
+        help="Check the recipe, source architecture, shapes and memory estimate without loading weights; "
+        "print the plan; write nothing.",
+    ),
+    overwrite: bool = typer.Option(
+        False,
+        help="Replace stage folders (OUTPUT/factor, OUTPUT/adapt) whose outputs do not match the recipe.",
+    ),
+) -> None:
+    """Run a recipe: factor -> adapt -> validate, skipping stages whose outputs already match.
+
+    Prints the resolved recipe and the plan, saves OUTPUT/recipe.resolved.yaml, runs the stages into
+    OUTPUT/factor and OUTPUT/adapt (a stage whose manifest matches the recipe is skipped), and ends with the
+    validation ladder (exit 1 naming the failing rung). Every recipe problem is listed at once with its
+    YAML path (exit 2, nothing written).
+
+    Examples:
+
+      mla-convert run smollm2-135m-quickstart.yaml --dry-run
+
+      mla-convert run smollm2-135m-quickstart.yaml factor.rope_pairs=20 adapt=null
+    """
+    from .adapt import AdaptError
+    from .recipes import (
+        RecipeError,
+        blocked,
+        load_recipe,
+        make_plan,
+        memory_lines,
+        plan_lines,
+        resolved_yaml,
+        run_recipe,
+        shape_lines,
+    )
+    from .validate import format_value
+
+    path = _recipe_path(recipe)
+    try:
+        res = load_recipe(path, overrides or [])
+    except RecipeError as exc:
+        _recipe_fail(exc)
+    r, src = res.recipe, res.src
+    assert src is not None
+    plan = make_plan(r)
+    show = dry_run or not STATE["quiet"]
+    if show:
+        _plain(f"# recipe {path}" + (f" with {' '.join(overrides)}" if overrides else "") + ", resolved:")
+        _plain(resolved_yaml(res).rstrip())
+        _plain(
+            f"\nsource {r.source}: {src.family.name}"
+            + (f" ({src.config.model_type})" if src.config.model_type != src.family.name else "")
+            + f", {src.num_layers} layers, "
+            f"{src.num_heads} query / {src.num_kv_heads} KV heads, head_dim {src.head_dim}, hidden {src.hidden_size}"
+        )
+        _plain(f"\nplan (output {r.out}):")
+        for line in plan_lines(plan, overwrite):
+            _plain(line)
+    if dry_run:
+        _plain("\nshapes per layer (from the config; no weights loaded):")
+        for line in shape_lines(r, src):
+            _plain(line)
+        _plain("\nmemory (rough estimate, float32, GB):")
+        for line in memory_lines(r, src):
+            _plain(line)
+    stop = blocked(plan)
+    if stop and not overwrite:
+        _recipe_fail(
+            RecipeError(
+                res.file,
+                [
+                    f"{s.name} stage: {s.folder} is not empty ({s.why}); pass --overwrite to replace it"
+                    for s in stop
+                ],
+            )
+        )
+    if dry_run:
+        _plain(
+            f"\ndry run: recipe, source and options check out; nothing was loaded or written "
+            f"(the run writes {r.out / 'recipe.resolved.yaml'} and the stage folders)"
+        )
+        return
+
+    last = {"t": 0.0}
+
+    def adapt_progress(entry: dict[str, Any]) -> None:
+        import time as _time
+
+        now = _time.perf_counter()
+        if STATE["quiet"] or (now - last["t"] < 10 and entry["step"] < entry["steps"]):
+            return
+        last["t"] = now
+        _plain(
+            f"step {entry['step']}/{entry['steps']}  tokens {entry['tokens']}  loss {entry['loss']:.4f}  "
+            f"{entry['tokens_per_s']:.0f} tok/s  ETA {entry['eta_s'] / 60:.1f} min"
+        )
+
+    def note(msg: str) -> None:
+        if not STATE["quiet"]:
+            err_console.print(msg, highlight=False, markup=False)
+
+    with user_errors():
+        try:
+            result = run_recipe(
+                res,
+                overwrite=overwrite,
+                say=note,
+                factor_progress=progress_bar,
+                adapt_progress=adapt_progress,
+                validate_progress=note,
+            )
+        except RecipeError as exc:
+            _recipe_fail(exc)
+        except AdaptError as exc:
+            fail(str(exc))
+    summary = ", ".join(f"{k} {v}" for k, v in result.stages.items())
+    vres = result.validation
+    if vres is not None and not STATE["quiet"]:
+        for rung in vres.rungs:
+            verdict = f"skipped ({rung.skipped})" if rung.skipped else ("pass" if rung.passed else "FAIL")
+            _plain(f"  rung {rung.number} {rung.name}: {verdict}")
+    where = f"; report {result.target / 'validation.md'}" if vres is not None else ""
+    _plain(f"recipe {r.name}: {summary}; checkpoint {result.target}{where}")
+    if vres is not None and not vres.passed:
+        first = vres.failed[0]
+        bad = next((c for c in first.checks if c.passed is False), None)
+        names = ", ".join(f"{x.number} ({x.name})" for x in vres.failed)
+        detail = f": {bad.name} = {format_value(bad.value)} (tolerance {bad.tolerance})" if bad else ""
+        err_console.print(
+            f"[bold red]error:[/] {escape(f'validation failed at rung {names}{detail}')}", highlight=False
+        )
+        raise typer.Exit(1)
+
+
+@app.command("init-recipe")
+def init_recipe_cmd(
+    name: str = typer.Argument(None, help="A bundled recipe; omit it to list them."),
+    dest: Path = typer.Argument(
+        None, help="Where to write it (default ./NAME.yaml; a folder gets NAME.yaml)."
+    ),
+    overwrite: bool = typer.Option(False, help="Replace an existing DEST."),
+) -> None:
+    """Copy a bundled recipe to edit and run.
+
+    Example: mla-convert init-recipe smollm2-135m-quickstart && mla-convert run smollm2-135m-quickstart.yaml --dry-run
+    """
+    from .recipes import bundled_description, bundled_names, bundled_path, write_atomic
+
+    names = bundled_names()
+    if name is None:
+        for n in names:
+            _plain(f"{n:<26} {bundled_description(n)}")
+        return
+    src = bundled_path(name)
+    if src is None:
+        fail(f"no bundled recipe {name!r}; bundled: {', '.join(names)}")
+    assert src is not None
+    target = dest if dest is not None else Path(f"{src.stem}.yaml")
+    if target.is_dir():
+        target = target / f"{src.stem}.yaml"
+    if target.exists() and not overwrite:
+        fail(f"{target} exists; pass --overwrite to replace it")
+    write_atomic(target, src.read_text())
+    _plain(f"wrote {target}; edit it, then: mla-convert run {target} --dry-run")
 
 
 def main() -> None:
