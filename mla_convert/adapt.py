@@ -55,7 +55,7 @@ class AdaptOptions(BaseModel):
     temperature: float = Field(1.0, gt=0, description="distillation temperature")
     mix_weight: float = Field(0.5, ge=0, le=1, description="weight of distillation in 'mix'")
     trainable: Literal["attention", "attention+norms", "all"] = "attention"
-    lr: float = Field(3e-4, gt=0, description="peak learning rate")
+    lr: float = Field(1e-4, gt=0, description="peak learning rate")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final learning rate / peak")
     warmup: float = Field(0.05, ge=0, lt=1, description="fraction of steps of linear warmup")
     schedule: Literal["cosine", "constant-decay"] = "cosine"

@@ -410,7 +410,7 @@ def adapt(
     temperature: float = typer.Option(1.0, help="Distillation temperature."),
     mix_weight: float = typer.Option(0.5, help="Weight of distillation in 'mix'."),
     trainable: str = typer.Option("attention", help="attention | attention+norms | all."),
-    lr: float = typer.Option(3e-4, help="Peak learning rate (AdamW)."),
+    lr: float = typer.Option(1e-4, help="Peak learning rate (AdamW)."),
     schedule: str = typer.Option("cosine", help="cosine | constant-decay."),
     warmup: float = typer.Option(0.05, help="Fraction of steps of linear warmup."),
     min_lr_ratio: float = typer.Option(0.1, help="Final learning rate / peak."),

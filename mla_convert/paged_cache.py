@@ -168,9 +168,9 @@ class PagedLatentCache:
     def rows(self, layer: int, rid: int, length: int | None = None) -> torch.Tensor:
         """``[n, row_width]`` the first ``length`` rows of a request (default: committed length)."""
         n = self.lengths[self._known(rid)] if length is None else length
-        pos = torch.arange(n)
-        pages = torch.tensor(self.tables[rid], dtype=torch.long)[pos // self.page_size]
-        return self.pages[layer][pages, pos % self.page_size]
+        used = -(-n // self.page_size)
+        pages = torch.tensor(self.tables[rid][:used], dtype=torch.long, device=self.pages[layer].device)
+        return self.pages[layer][pages].reshape(-1, self.row_widths[layer])[:n]  # whole pages, then trim
 
     def gather(self, layer: int, length: int) -> torch.Tensor:
         """``[B, length, row_width]`` the first ``length`` rows of every bound request."""

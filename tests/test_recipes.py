@@ -103,7 +103,7 @@ def test_quickstart_is_the_readme_job():
         100_000,
         512,
         4,
-        3e-4,
+        1e-4,
     )
     assert r.validation.enabled
 
@@ -450,11 +450,11 @@ def test_run_skips_stages_whose_outputs_match(tmp_path, fakes):
 
     # an adapt option changes: only adapt re-runs, and replacing its folder needs --overwrite
     fakes.calls.clear()
-    r = run("run", p, "adapt.lr=1.0e-4")
+    r = run("run", p, "adapt.lr=3.0e-4")
     assert r.exit_code == 2 and fakes.calls == []
-    assert "adapt stage:" in r.stderr and "options differ: lr 0.0003 -> 0.0001" in r.stderr
+    assert "adapt stage:" in r.stderr and "options differ: lr 0.0001 -> 0.0003" in r.stderr
     assert "pass --overwrite" in r.stderr
-    r = run("run", p, "adapt.lr=1.0e-4", "--overwrite")
+    r = run("run", p, "adapt.lr=3.0e-4", "--overwrite")
     assert r.exit_code == 0, r.stderr
     assert fakes.calls == ["adapt", "validate:adapt"]
 
