@@ -264,6 +264,8 @@ def run_adapt(
         cpu=not torch.cuda.is_available(),
         mixed_precision=options.mixed_precision,
     )
+    if options.mixed_precision == "fp16" and accelerator.device.type == "cpu":
+        raise AdaptError("--mixed-precision fp16 needs a GPU; on the CPU use bf16 or no")
     world, rank = accelerator.num_processes, accelerator.process_index
     main = accelerator.is_main_process
     set_seed(options.seed)

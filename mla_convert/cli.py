@@ -244,7 +244,7 @@ def factor(
     )
 
 
-def _load_mla(ckpt: Path) -> Any:
+def _load_mla(ckpt: Path, require_mla: bool = False) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -252,7 +252,13 @@ def _load_mla(ckpt: Path) -> Any:
 
     if not (ckpt / "config.json").exists():
         fail(f"{ckpt} has no config.json; pass a folder written by 'mla-convert factor'")
-    return AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    kind = json.loads((ckpt / "config.json").read_text()).get("model_type")
+    if require_mla and kind != "mla":
+        fail(f"{ckpt} holds a {kind!r} model, not a converted MLA checkpoint; run 'mla-convert factor' first")
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    except (OSError, ValueError) as exc:
+        fail(f"{ckpt} cannot be loaded as a checkpoint: {str(exc).splitlines()[0]}")
 
 
 @app.command("eval")
@@ -318,7 +324,7 @@ def generate(
     if max_new_tokens < 1:
         fail("--max-new-tokens must be at least 1")
     with user_errors():
-        model = _load_mla(ckpt)
+        model = _load_mla(ckpt, require_mla=True)
         tok = AutoTokenizer.from_pretrained(str(ckpt))
         ids = tok(prompt, return_tensors="pt").input_ids
         if backend == "absorbed":
@@ -329,7 +335,8 @@ def generate(
             res = paged_generate(
                 model, ids, max_new_tokens, backend="triton" if backend == "triton" else "absorbed"
             )
-            out, ran = res.tokens, ", ".join(f"{k} x{v}" for k, v in sorted(res.backend_log.items()))
+            log = ", ".join(f"{k} x{v}" for k, v in sorted(res.backend_log.items()))
+            out, ran = res.tokens, f"paged latent cache: {log}"
     console.print(tok.decode(out[0], skip_special_tokens=True), highlight=False, markup=False)
     if not STATE["quiet"]:
         err_console.print(f"backend: {ran}", highlight=False, markup=False)
@@ -386,6 +393,9 @@ def validate(
     console.print(
         f"wrote {ckpt / 'validation.json'} and {ckpt / 'validation.md'}", highlight=False, markup=False
     )
+    if res.passed and res.partial:
+        console.print(f"validation passed, but {res.partial}", highlight=False, markup=False)
+        return
     if not res.passed:
         first = res.failed[0]
         bad = next(c for c in first.checks if c.passed is False)
@@ -414,6 +424,9 @@ def adapt(
     schedule: str = typer.Option("cosine", help="cosine | constant-decay."),
     warmup: float = typer.Option(0.05, help="Fraction of steps of linear warmup."),
     min_lr_ratio: float = typer.Option(0.1, help="Final learning rate / peak."),
+    decay_fraction: float = typer.Option(0.2, help="constant-decay: final fraction of steps that decays."),
+    beta1: float = typer.Option(0.9, help="AdamW beta1."),
+    beta2: float = typer.Option(0.95, help="AdamW beta2."),
     weight_decay: float = typer.Option(0.0, help="AdamW weight decay."),
     clip: float = typer.Option(1.0, help="Gradient-norm clip."),
     eval_every: int = typer.Option(0, help="Steps between evaluations (0: start and end only)."),
@@ -423,7 +436,11 @@ def adapt(
     seed: int = typer.Option(0, help="Seed of the data order."),
     mixed_precision: str = typer.Option("no", help="no | bf16 | fp16 (where the hardware has it)."),
     gradient_checkpointing: bool = typer.Option(False, help="Recompute activations in backward."),
-    resume: bool = typer.Option(False, help="Continue the stopped run for OUT from its newest checkpoint."),
+    resume: bool = typer.Option(
+        False,
+        help="Continue the stopped run for OUT from its newest checkpoint; repeat the stopped run's options "
+        "(they are checked against .OUT.adapt/options.json).",
+    ),
     stop_after: int = typer.Option(None, help="Stop (resumably) after this many steps of this invocation."),
     overwrite: bool = typer.Option(False, help="Replace a non-empty OUT."),
 ) -> None:
@@ -444,6 +461,7 @@ def adapt(
             source=source, text=text, tokens=tokens, seq_len=seq_len, batch_size=batch_size,
             grad_accum=grad_accum, objective=objective, temperature=temperature, mix_weight=mix_weight,
             trainable=trainable, lr=lr, schedule=schedule, warmup=warmup, min_lr_ratio=min_lr_ratio,
+            decay_fraction=decay_fraction, beta1=beta1, beta2=beta2,
             weight_decay=weight_decay, clip=clip, eval_every=eval_every, eval_windows=eval_windows,
             also_eval=also_eval, checkpoint_every=checkpoint_every, seed=seed, mixed_precision=mixed_precision,
             gradient_checkpointing=gradient_checkpointing,

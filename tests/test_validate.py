@@ -40,6 +40,9 @@ def broken_copy(ref: Path, dest: Path, corrupt: str) -> Path:
         state = load_file(ref / shard)
         state[name] = state[name].flip(-1).contiguous()  # pairs rotate at each other's frequencies
         save_file(state, dest / shard, metadata={"format": "pt"})
+    if corrupt == "scale-no-source":
+        cfg["softmax_scale"] = 0.1
+        cfg["source"]["origin"] = "/nonexistent/source"
     (dest / "config.json").unlink()
     (dest / "config.json").write_text(json.dumps(cfg, indent=2))
     return dest
@@ -107,10 +110,26 @@ def test_validate_names_the_failing_rung(reference_ckpt, tmp_path, corrupt, rung
         assert rows["passed"] is False and rows["value"] > 1e-2
 
 
+def test_validate_without_the_source_still_checks_the_scale(reference_ckpt, tmp_path):
+    bad = broken_copy(reference_ckpt, tmp_path / "bad", "scale-no-source")
+    res = CliRunner().invoke(app, ["validate", str(bad), *SMALL])
+    assert res.exit_code == 1 and "rung 4 (converted-vs-source): softmax_scale 0.1 vs 1/sqrt(head_dim)" in res.stderr
+    report = json.loads((bad / "validation.json").read_text())
+    assert "source not available" in report["not_measured"]
+
+
 def test_validate_bad_inputs(tmp_path, reference_ckpt):
     runner = CliRunner()
+    res = runner.invoke(app, ["validate", str(reference_ckpt), "--source", str(tmp_path / "typo")])
+    assert res.exit_code == 2 and "error:" in res.stderr and "typo" in res.stderr
     res = runner.invoke(app, ["validate", str(tmp_path)])
     assert res.exit_code == 2 and "has no config.json" in res.stderr
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text('{"model_type": "llama"}')
+    for cmd in (["validate"], ["generate"], ["generate", "--backend", "triton"]):
+        args = [cmd[0], str(tmp_path / "llama")] + (["hi"] if cmd[0] == "generate" else []) + cmd[1:]
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2 and "not a converted MLA checkpoint" in res.stderr, (args, res.stderr)
     res = runner.invoke(app, ["validate", str(reference_ckpt), "--page-size", "0"])
     assert res.exit_code == 2 and "outside 1..128" in res.stderr
     res = runner.invoke(app, ["validate", str(reference_ckpt), "--backend", "flash"])
