@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check mla_convert tests benchmarks
 .venv/bin/mypy mla_convert
-.venv/bin/python -m pytest -q tests "$@"
+.venv/bin/python -m pytest -q --durations=15 tests "$@"
