@@ -51,9 +51,15 @@ class AdaptOptions(BaseModel):
     seq_len: int = Field(512, ge=8, description="tokens per training sequence and validation window")
     batch_size: int = Field(4, ge=1, description="sequences per micro-batch per process")
     grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
-    objective: Literal["lm", "distill", "mix"] = "distill"
+    objective: Literal["lm", "distill", "mix", "attention-transfer"] = "distill"
     temperature: float = Field(1.0, gt=0, description="distillation temperature")
     mix_weight: float = Field(0.5, ge=0, le=1, description="weight of distillation in 'mix'")
+    hidden_weight: float = Field(
+        0.0,
+        ge=0,
+        description="weight of per-layer hidden-state matching to the source (RMS-normalised MSE of every "
+        "decoder layer's output), added to the objective; 0: off",
+    )
     trainable: Literal["attention", "attention+norms", "all"] = "attention"
     lr: float = Field(1e-4, gt=0, description="peak learning rate")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final learning rate / peak")
@@ -128,28 +134,154 @@ def select_trainable(model: torch.nn.Module, which: str) -> dict[str, Any]:
     }
 
 
+def hidden_loss(student: list[torch.Tensor], teacher: list[torch.Tensor]) -> torch.Tensor:
+    """Mean over layers and tokens of ``mean_d (n(h_mla) - n(h_src))^2`` with ``n(x) = x / rms(x)``.
+
+    Args:
+        student, teacher: one ``[B, T, hidden]`` output per decoder layer, same length.
+
+    Normalising each token's vector (what the next layer's RMSNorm sees) keeps the few massive-activation
+    tokens from dominating; 0 for identical directions, 2 for orthogonal ones. Intermediate-layer
+    distillation in the manner of TinyBERT (Jiao et al. 2020).
+    """
+
+    def n(x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    return torch.stack([(n(s) - n(t)).pow(2).mean() for s, t in zip(student, teacher, strict=True)]).mean()
+
+
 def objective_loss(
-    o: AdaptOptions, logits: torch.Tensor, ids: torch.Tensor, teacher_logits: torch.Tensor | None
+    o: AdaptOptions,
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    teacher_logits: torch.Tensor | None,
+    hidden: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss of one micro-batch ``ids [B, T]``, logits ``[B, T, V]``; next-token positions ``0..T-2``.
 
+    Args:
+        teacher_logits: the source's ``[B, T, V]`` (needed by ``distill`` and ``mix``).
+        hidden: per-layer outputs (MLA, source) for the ``hidden_weight`` term (:func:`hidden_loss`).
+
     Returns:
-        the scalar loss and its parts (``lm``, ``kl`` in nats/token) as floats.
+        the scalar loss and its parts (``lm``, ``kl`` in nats/token, ``hidden``) as floats.
     """
     s = logits[:, :-1].float()
     parts: dict[str, float] = {}
     lm = F.cross_entropy(s.reshape(-1, s.shape[-1]), ids[:, 1:].reshape(-1))
     parts["lm"] = float(lm.detach())
-    if teacher_logits is None:
-        return lm, parts
-    t = teacher_logits[:, :-1].float() / o.temperature
-    log_p_t = F.log_softmax(t, -1)
-    log_p_s = F.log_softmax(s / o.temperature, -1)
-    kl = (log_p_t.exp() * (log_p_t - log_p_s)).sum(-1).mean() * o.temperature**2
-    parts["kl"] = float(kl.detach())
-    if o.objective == "distill":
-        return kl, parts
-    return o.mix_weight * kl + (1 - o.mix_weight) * lm, parts
+    loss = lm
+    if o.objective != "lm":
+        if teacher_logits is None:
+            raise ValueError(f"objective {o.objective!r} needs the source's logits")
+        t = teacher_logits[:, :-1].float() / o.temperature
+        log_p_t = F.log_softmax(t, -1)
+        log_p_s = F.log_softmax(s / o.temperature, -1)
+        kl = (log_p_t.exp() * (log_p_t - log_p_s)).sum(-1).mean() * o.temperature**2
+        parts["kl"] = float(kl.detach())
+        loss = kl if o.objective == "distill" else o.mix_weight * kl + (1 - o.mix_weight) * lm
+    if o.hidden_weight > 0:
+        if hidden is None:
+            raise ValueError("hidden_weight > 0 needs the per-layer outputs of both models")
+        h = hidden_loss(*hidden)
+        parts["hidden"] = float(h.detach())
+        loss = loss + o.hidden_weight * h
+    return loss, parts
+
+
+class AttentionIO:
+    """Forward hooks recording each source attention block's input and output in one forward pass.
+
+    ``take()`` returns one ``(x [B, T, hidden], y [B, T, hidden])`` per layer: ``x`` the normalised hidden
+    states the attention read, ``y`` its output (after ``o_proj``). Hugging Face Llama/Mistral/Qwen2 layout
+    (``model.model.layers[i].self_attn``). Raises AdaptError when the model has no such modules.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        if layers is None:
+            raise AdaptError(f"{type(model).__name__} has no model.layers[*].self_attn for attention transfer")
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.enabled = False
+        for layer in layers:
+            layer.self_attn.register_forward_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+        if self.enabled:
+            x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            self.pairs.append((x, output[0] if isinstance(output, tuple) else output))
+
+    def take(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The recorded (input, output) pairs (and forget them)."""
+        out, self.pairs = self.pairs, []
+        return out
+
+
+def attention_transfer_loss(
+    model: torch.nn.Module, pairs: list[tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Attention transfer (LoLCATs, Zhang et al. 2024, applied to MLA): every MLA attention block is fed
+    the source's normalised hidden states of its layer and trained to reproduce the source attention's
+    output, ``mean_l ||attn_l(x_l) - y_l||^2 / ||y_l||^2`` (relative squared error, each layer alone).
+
+    Args:
+        model: the MLA model (``model.model.layers[l].self_attn``).
+        pairs: ``(x_l, y_l)`` per layer from :class:`AttentionIO`, ``[B, T, hidden]`` each, positions
+            ``0..T-1`` (packed windows, causal, no padding).
+
+    Returns:
+        the scalar loss and its parts (``transfer``: the mean relative error; ``transfer_first`` and
+        ``transfer_last`` for the first and last layer).
+    """
+    from .modeling_mla import causal_mask
+
+    layers: list[torch.nn.Module] = list(model.model.layers)  # type: ignore[union-attr,arg-type]
+    if len(pairs) != len(layers):
+        raise ValueError(f"{len(pairs)} recorded source layers for {len(layers)} MLA layers")
+    b, t, _ = pairs[0][0].shape
+    device = pairs[0][0].device
+    positions = torch.arange(t, device=device)[None].expand(b, t)
+    mask = causal_mask(b, t, 0, None, torch.float32, device)
+    errs = []
+    for layer, (x, y) in zip(layers, pairs, strict=True):
+        pred = layer.self_attn(x.detach(), positions, mask)  # type: ignore[operator]
+        y = y.detach().float()
+        errs.append((pred.float() - y).pow(2).sum() / y.pow(2).sum().clamp_min(1e-12))
+    loss = torch.stack(errs).mean()
+    parts = {
+        "transfer": float(loss.detach()),
+        "transfer_first": float(errs[0].detach()),
+        "transfer_last": float(errs[-1].detach()),
+    }
+    return loss, parts
+
+
+class LayerOutputs:
+    """Forward hooks recording each decoder layer's output ``[B, T, hidden]`` of one forward pass.
+
+    Works on the MLA model and on Hugging Face Llama/Mistral/Qwen2 models (``model.model.layers``).
+    Raises AdaptError when the model has no ``model.layers``.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        if layers is None:
+            raise AdaptError(f"{type(model).__name__} has no model.layers; hidden_weight needs decoder layers")
+        self.outputs: list[torch.Tensor] = []
+        self.enabled = False
+        for layer in layers:
+            layer.register_forward_hook(self._hook)
+
+    def _hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self.enabled:
+            self.outputs.append(output[0] if isinstance(output, tuple) else output)
+
+    def take(self) -> list[torch.Tensor]:
+        """The recorded outputs (and forget them)."""
+        out, self.outputs = self.outputs, []
+        return out
 
 
 def work_dir(out: Path) -> Path:
@@ -235,12 +367,18 @@ def run_adapt(
         raise AdaptError(
             f"{ckpt} holds a {cfg.get('model_type')!r} model; adapt takes a converted MLA checkpoint"
         )
+    if options.objective == "attention-transfer" and (options.trainable != "attention" or options.hidden_weight):
+        raise AdaptError(
+            "--objective attention-transfer trains each layer's attention alone: use --trainable attention "
+            "and no --hidden-weight"
+        )
     work = work_dir(out)
     state_opts = work / "options.json"
     if resume:
         if not state_opts.is_file():
             raise AdaptError(f"nothing to resume: {work} holds no adaptation run for {out}; drop --resume")
-        saved = json.loads(state_opts.read_text())
+        # options added since the stopped run started take their defaults (unknown keys still refused)
+        saved = json.loads(AdaptOptions.model_validate_json(state_opts.read_text()).model_dump_json())
         if saved != json.loads(options.model_dump_json()):
             diff = sorted(k for k in saved if saved[k] != options.model_dump().get(k))
             raise AdaptError(
@@ -267,6 +405,8 @@ def run_adapt(
     if options.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise AdaptError("--mixed-precision fp16 needs a GPU; on the CPU use bf16 or no")
     world, rank = accelerator.num_processes, accelerator.process_index
+    if options.objective == "attention-transfer" and world > 1:
+        raise AdaptError("--objective attention-transfer runs in one process; launch it without accelerate")
     main = accelerator.is_main_process
     set_seed(options.seed)
     tokenizer = AutoTokenizer.from_pretrained(str(ckpt))
@@ -287,6 +427,10 @@ def run_adapt(
         params, lr=options.lr, betas=(options.beta1, options.beta2), weight_decay=options.weight_decay
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(options, steps))
+    transfer = AttentionIO(teacher) if options.objective == "attention-transfer" else None
+    rec = None
+    if options.hidden_weight > 0:
+        rec = (LayerOutputs(model), LayerOutputs(teacher))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
 
     start_step = 0
@@ -369,13 +513,31 @@ def run_adapt(
             sync = m == len(micro) - 1
             ctx = accelerator.no_sync(model) if not sync else _null()
             with ctx:
+                if transfer is not None:
+                    with torch.no_grad(), accelerator.autocast():
+                        transfer.enabled = True
+                        teacher(input_ids=ids, use_cache=False)
+                        transfer.enabled = False
+                    with accelerator.autocast():
+                        loss, parts = attention_transfer_loss(accelerator.unwrap_model(model), transfer.take())
+                    accelerator.backward(loss / len(micro))
+                    loss_sum += loss.detach() / len(micro)
+                    for k, v in parts.items():
+                        totals[k] = totals.get(k, 0.0) + v / len(micro)
+                    continue
                 t_logits = None
-                if options.objective != "lm":
-                    with torch.no_grad():
+                hidden = None
+                if rec is not None:
+                    rec[0].enabled = rec[1].enabled = True
+                if options.objective != "lm" or options.hidden_weight > 0:
+                    with torch.no_grad(), accelerator.autocast():
                         t_logits = teacher(input_ids=ids, use_cache=False).logits
                 with accelerator.autocast():
                     logits = model(input_ids=ids, use_cache=False).logits
-                loss, parts = objective_loss(options, logits, ids, t_logits)
+                if rec is not None:
+                    hidden = (rec[0].take(), rec[1].take())
+                    rec[0].enabled = rec[1].enabled = False
+                loss, parts = objective_loss(options, logits, ids, t_logits, hidden)
                 accelerator.backward(loss / len(micro))
             loss_sum += loss.detach() / len(micro)
             for k, v in parts.items():

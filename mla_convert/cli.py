@@ -416,9 +416,14 @@ def adapt(
     seq_len: int = typer.Option(512, help="Tokens per training sequence and validation window."),
     batch_size: int = typer.Option(4, help="Sequences per micro-batch per process."),
     grad_accum: int = typer.Option(1, help="Micro-batches per optimizer step."),
-    objective: str = typer.Option("distill", help="lm | distill (KL to the source) | mix."),
+    objective: str = typer.Option(
+        "distill", help="lm | distill (KL to the source) | mix | attention-transfer (each layer alone)."
+    ),
     temperature: float = typer.Option(1.0, help="Distillation temperature."),
     mix_weight: float = typer.Option(0.5, help="Weight of distillation in 'mix'."),
+    hidden_weight: float = typer.Option(
+        0.0, help="Add per-layer hidden-state matching to the source with this weight (0: off)."
+    ),
     trainable: str = typer.Option("attention", help="attention | attention+norms | all."),
     lr: float = typer.Option(1e-4, help="Peak learning rate (AdamW)."),
     schedule: str = typer.Option("cosine", help="cosine | constant-decay."),
@@ -460,6 +465,7 @@ def adapt(
         options = AdaptOptions.model_validate(dict(
             source=source, text=text, tokens=tokens, seq_len=seq_len, batch_size=batch_size,
             grad_accum=grad_accum, objective=objective, temperature=temperature, mix_weight=mix_weight,
+            hidden_weight=hidden_weight,
             trainable=trainable, lr=lr, schedule=schedule, warmup=warmup, min_lr_ratio=min_lr_ratio,
             decay_fraction=decay_fraction, beta1=beta1, beta2=beta2,
             weight_decay=weight_decay, clip=clip, eval_every=eval_every, eval_windows=eval_windows,

@@ -148,3 +148,75 @@ def test_adapt_bad_inputs(reference_ckpt, tmp_path):
     res = adapt(str(reference_ckpt), str(tmp_path / "full"))
     assert res.exit_code == 2 and "--overwrite" in res.stderr
     assert (tmp_path / "full" / "x").read_text() == "keep"
+
+
+def test_hidden_state_term_matches_layers_and_trains(reference_ckpt, eval_ids, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from mla_convert.adapt import LayerOutputs, hidden_loss, select_trainable
+    from mla_convert.sources import load_source_model, open_source
+
+    model = AutoModelForCausalLM.from_pretrained(str(reference_ckpt), dtype=torch.float32)
+    select_trainable(model, "attention")
+    teacher = load_source_model(open_source("smollm2-135m"))
+    rec_s, rec_t = LayerOutputs(model), LayerOutputs(teacher)
+    ids = eval_ids[:1, :64]
+    rec_t.enabled = rec_s.enabled = True
+    with torch.no_grad():
+        teacher(input_ids=ids, use_cache=False)
+    model(input_ids=ids, use_cache=False)
+    h_s, h_t = rec_s.take(), rec_t.take()
+    assert len(h_s) == len(h_t) == model.config.num_hidden_layers
+    assert float(hidden_loss(h_t, h_t)) == 0.0
+    # the conversion drops information: every layer's output moves, and more with depth
+    per_layer = [float(hidden_loss([s], [t])) for s, t in zip(h_s, h_t, strict=True)]
+    assert all(v > 0 for v in per_layer) and per_layer[-1] > per_layer[0]
+    assert 0 < float(hidden_loss(h_s, h_t)) < 2
+    hidden_loss(h_s, h_t).backward()
+    attn = [p for n, p in model.named_parameters() if p.requires_grad]
+    assert all(p.grad is not None and float(p.grad.abs().max()) > 0 for p in attn)
+    # through the CLI: the term is logged per step
+    out = tmp_path / "hidden"
+    res = adapt(str(reference_ckpt), str(out), *TINY[:6], "--objective", "lm", "--hidden-weight", "2",
+                "--checkpoint-every", "0", "--batch-size", "2", "--stop-after", "2")  # fmt: skip
+    assert res.exit_code == 0, res.stdout + res.stderr
+    rows = [json.loads(line) for line in (tmp_path / ".hidden.adapt" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    assert len(train) == 2 and all(0 < r["hidden_rank0"] < 2 for r in train)
+    assert all(abs(r["loss"] - (r["lm_rank0"] + 2 * r["hidden_rank0"])) < 1e-4 for r in train)
+
+
+def test_attention_transfer_is_zero_at_full_rank_and_trains(smol, smol_model, smol_stats, eval_ids, reference_ckpt):
+    """Attention transfer feeds each MLA block the source's layer inputs: an exact conversion scores 0."""
+    from transformers import AutoModelForCausalLM
+
+    from mla_convert.adapt import AttentionIO, attention_transfer_loss, select_trainable
+    from mla_convert.convert import ConvertOptions, build_mla
+
+    exact = ConvertOptions(rope_mode="per-head", rope_strategy="high", rope_pairs=32, cache_budget=None,
+                           kv_lora_rank=192)  # fmt: skip
+    full, _, _, _ = build_mla(smol, smol_model, smol_stats[0], exact)
+    io = AttentionIO(smol_model)
+    ids = eval_ids[:1, :128]
+    io.enabled = True
+    with torch.no_grad():
+        smol_model(input_ids=ids, use_cache=False)
+    io.enabled = False
+    pairs = io.take()
+    assert len(pairs) == smol_model.config.num_hidden_layers and pairs[0][0].shape == (1, 128, 576)
+    with torch.no_grad():
+        loss, parts = attention_transfer_loss(full, pairs)
+    assert float(loss) < 1e-9, parts  # same function, positions 0..T-1, same mask
+    model = AutoModelForCausalLM.from_pretrained(str(reference_ckpt), dtype=torch.float32)
+    select_trainable(model, "attention")
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    first = None
+    for _ in range(4):
+        loss, parts = attention_transfer_loss(model, pairs)
+        first = first if first is not None else float(loss)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert 0.01 < first < 1 and parts["transfer_last"] > parts["transfer_first"]
+    assert float(attention_transfer_loss(model, pairs)[0]) < 0.8 * first
+    io.handles = None  # hooks stay on the session model but are disabled
