@@ -33,12 +33,12 @@ FACTOR = ["--cache-budget", "72", "--rope-pairs", "20"]
 # The issue's grid (objective x trainable set), bf16 autocast (2x faster than fp32 on this CPU), lr from the
 # 40k-token probes in the README (3e-4 beat 1e-4 and 1e-3 for attention-only), plus named extra settings.
 GRID = {
-    f"{o}-{t}-bf16": {"objective": o, "trainable": t, "lr": 3e-4 if t == "attention" else 1e-4}
+    f"{o}-{t}-bf16": {"objective": o, "trainable": t, "lr": 3e-4}
     for o in ("lm", "distill", "mix")
     for t in ("attention", "all")
 }
 EXTRA = {
-    "lm-attention-bf16-hidden5": {"objective": "lm", "trainable": "attention", "lr": 3e-4, "hidden_weight": 5.0},
+    "lm-all-bf16-hidden5": {"objective": "lm", "trainable": "all", "lr": 3e-4, "hidden_weight": 5.0},
 }
 SETTINGS = {**GRID, **EXTRA}
 
@@ -52,10 +52,20 @@ def ensure_base(base: Path) -> None:
         cli("--quiet", "factor", "smollm2-135m", str(base), *FACTOR, "--overwrite")
 
 
-def run_setting(base: Path, name: str, setting: dict, tokens: int, seq_len: int, batch: int) -> None:
+def run_setting(
+    base: Path, name: str, setting: dict, tokens: int, seq_len: int, batch: int, until: int | None
+) -> None:
+    """Run (or continue) one setting; with ``until``, stop resumably once that many tokens are trained."""
     out = RUNS / name
     if (out / "adapt_report.json").is_file():
         return
+    setting = dict(setting)
+    if "after" in setting:  # a second stage: starts from another setting's finished output
+        base = RUNS / setting.pop("after")
+        tokens -= setting.pop("offset")
+        if not (base / "adapt_report.json").is_file():
+            raise SystemExit(f"{name} starts from {base.name}, which has not finished; run that first")
+    tokens = setting.pop("tokens", tokens)
     steps_100k = max(1, 100_000 // (seq_len * batch))
     args = [
         "adapt", str(base), str(out), "--tokens", str(tokens), "--seq-len", str(seq_len),
@@ -65,8 +75,18 @@ def run_setting(base: Path, name: str, setting: dict, tokens: int, seq_len: int,
     for key, value in setting.items():
         args += ["--" + key.replace("_", "-"), str(value)]
     work = RUNS / f".{name}.adapt"
+    done = 0
     if any(work.glob("step-*")):
         args.append("--resume")
+        done = max(json.loads(p.read_text())["step"] for p in work.glob("step-*/state.json"))
+    if until is not None:
+        step_tokens = seq_len * batch
+        steps = -(-until // step_tokens)  # the step that reaches `until`, then the next checkpoint
+        steps = -(-steps // 10) * 10
+        if steps <= done:
+            return
+        if steps * step_tokens < tokens:
+            args += ["--stop-after", str(steps - done)]
     cli(*args)
 
 
@@ -153,6 +173,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=500_000)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument(
+        "--until", type=int, help="stop each run (resumably) once it has trained this many tokens"
+    )
     ap.add_argument("--collect", action="store_true", help="only tabulate existing runs")
     ap.add_argument("--readme", action="store_true", help="write the table into README.md")
     args = ap.parse_args()
@@ -169,7 +192,7 @@ def main() -> None:
         if unknown:
             ap.error(f"unknown setting(s) {', '.join(unknown)}; --list shows them")
         for name in names:
-            run_setting(base, name, SETTINGS[name], args.tokens, args.seq_len, args.batch_size)
+            run_setting(base, name, SETTINGS[name], args.tokens, args.seq_len, args.batch_size, args.until)
     text = table()
     print(text)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
