@@ -432,6 +432,9 @@ def run_adapt(
     if options.hidden_weight > 0:
         rec = (LayerOutputs(model), LayerOutputs(teacher))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    # accelerate wraps forward in autocast for mixed precision; training enters accelerator.autocast()
+    # itself, and evaluation must stay float32 (comparable across runs), so drop the wrapper.
+    accelerator.unwrap_model(model, keep_fp32_wrapper=False)
 
     start_step = 0
     metrics: list[dict[str, Any]] = []

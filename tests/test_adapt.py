@@ -150,7 +150,7 @@ def test_adapt_bad_inputs(reference_ckpt, tmp_path):
     assert (tmp_path / "full" / "x").read_text() == "keep"
 
 
-def test_hidden_state_term_matches_layers_and_trains(reference_ckpt, eval_ids, tmp_path):
+def test_hidden_state_term_matches_layers_and_trains(reference_ckpt, eval_ids, tmp_path, one_process):
     from transformers import AutoModelForCausalLM
 
     from mla_convert.adapt import LayerOutputs, hidden_loss, select_trainable
@@ -175,12 +175,15 @@ def test_hidden_state_term_matches_layers_and_trains(reference_ckpt, eval_ids, t
     hidden_loss(h_s, h_t).backward()
     attn = [p for n, p in model.named_parameters() if p.requires_grad]
     assert all(p.grad is not None and float(p.grad.abs().max()) > 0 for p in attn)
-    # through the CLI: the term is logged per step
+    # through the CLI (bf16 autocast training): the term is logged per step; evaluation stays float32
     out = tmp_path / "hidden"
     res = adapt(str(reference_ckpt), str(out), *TINY[:6], "--objective", "lm", "--hidden-weight", "2",
-                "--checkpoint-every", "0", "--batch-size", "2", "--stop-after", "2")  # fmt: skip
+                "--checkpoint-every", "0", "--batch-size", "2", "--stop-after", "2",
+                "--mixed-precision", "bf16")  # fmt: skip
     assert res.exit_code == 0, res.stdout + res.stderr
     rows = [json.loads(line) for line in (tmp_path / ".hidden.adapt" / "metrics.jsonl").read_text().splitlines()]
+    fp32 = json.loads((one_process / "metrics.jsonl").read_text().splitlines()[0])
+    assert rows[0]["kind"] == fp32["kind"] == "eval" and rows[0]["perplexity"] == fp32["perplexity"]
     train = [r for r in rows if r["kind"] == "train"]
     assert len(train) == 2 and all(0 < r["hidden_rank0"] < 2 for r in train)
     assert all(abs(r["loss"] - (r["lm_rank0"] + 2 * r["hidden_rank0"])) < 1e-4 for r in train)
