@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from . import __version__
 from .adapt_data import AdaptData, build_data, step_rows
@@ -79,6 +79,25 @@ class AdaptOptions(BaseModel):
     seed: int = 0
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     gradient_checkpointing: bool = False
+
+    @model_validator(mode="after")
+    def _transfer_alone(self) -> AdaptOptions:
+        if self.objective != "attention-transfer":
+            return self
+        problems = []
+        if self.trainable != "attention":
+            problems.append(f"it needs trainable 'attention' (got {self.trainable!r})")
+        if self.hidden_weight:
+            problems.append(f"it has no end-to-end forward for the hidden-state term: hidden_weight must be 0 "
+                            f"(got {self.hidden_weight:g})")  # fmt: skip
+        if problems:
+            raise ValueError("objective attention-transfer fits each attention block alone: " + "; ".join(problems))
+        return self
+
+    def describe(self) -> str:
+        """Short label of the objective, e.g. ``lm + 2 x hidden, attention``."""
+        obj = self.objective + (f" + {self.hidden_weight:g} x hidden" if self.hidden_weight else "")
+        return f"{obj}, {self.trainable}"
 
 
 def tokens_per_step(o: AdaptOptions, world: int) -> int:
@@ -367,11 +386,6 @@ def run_adapt(
         raise AdaptError(
             f"{ckpt} holds a {cfg.get('model_type')!r} model; adapt takes a converted MLA checkpoint"
         )
-    if options.objective == "attention-transfer" and (options.trainable != "attention" or options.hidden_weight):
-        raise AdaptError(
-            "--objective attention-transfer trains each layer's attention alone: use --trainable attention "
-            "and no --hidden-weight"
-        )
     work = work_dir(out)
     state_opts = work / "options.json"
     if resume:
@@ -613,8 +627,9 @@ def run_adapt(
             "data": data.record,
             "objective": {
                 "name": options.objective,
-                "temperature": options.temperature,
-                "mix_weight": options.mix_weight,
+                "temperature": options.temperature if options.objective in ("distill", "mix") else None,
+                "mix_weight": options.mix_weight if options.objective == "mix" else None,
+                "hidden_weight": options.hidden_weight,
                 "teacher": src.origin if not Path(src.origin).exists() else Path(src.origin).name,
             },
             "optimizer": {
@@ -642,6 +657,10 @@ def run_adapt(
             "trainable": inventory,
             "checkpoints": {"every": options.checkpoint_every, "kept_in": work.name},
             "seed": options.seed,
+            "precision": {
+                "mixed_precision": options.mixed_precision,
+                "gradient_checkpointing": options.gradient_checkpointing,
+            },
             "result": {
                 "perplexity_before": round(evals[0]["perplexity"], 4),
                 "perplexity_after": round(final["perplexity"], 4),
@@ -654,7 +673,7 @@ def run_adapt(
             extra = [p for p in ckpt.iterdir() if p.name.startswith("tokenizer") or p.suffix == ".jinja"]
             save_checkpoint(unwrapped, tmp, extra, _card(ckpt, options, report))
             (tmp / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
-            _plot(metrics, tmp / "training.png", f"{ckpt.name}: {options.objective}, {options.trainable}")
+            _plot(metrics, tmp / "training.png", f"{ckpt.name}: {options.describe()}")
             (tmp / "adapt_report.json").write_text(json.dumps(report, indent=2) + "\n")
             write_manifest(tmp, manifest, sorted(p.name for p in tmp.iterdir() if p.is_file()))
         shutil.rmtree(work, ignore_errors=True)
@@ -673,7 +692,7 @@ class _null:
 def _card(ckpt: Path, o: AdaptOptions, report: dict[str, Any]) -> str:
     b, a = report["before"], report["after"]
     return (
-        f"# {ckpt.name} adapted ({o.objective}, {o.trainable})\n\n"
+        f"# {ckpt.name} adapted ({o.describe()})\n\n"
         f"MLA checkpoint from `mla-convert adapt`: {report['tokens_trained']} training tokens of {o.text} "
         f"(adaptation split). Held-out perplexity ({a['eval_tokens']} tokens of the evaluation split): "
         f"{b['perplexity']:.3f} before, {a['perplexity']:.3f} after; source {a['source_perplexity']:.3f}.\n\n"

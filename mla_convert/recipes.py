@@ -233,7 +233,7 @@ def _pydantic_problems(exc: ValidationError, doc: _Doc) -> set[tuple[Any, ...]]:
         elif e["type"] == "missing":
             msg = "required key is missing"
         else:
-            msg = e["msg"]
+            msg = str(e["msg"]).removeprefix("Value error, ")
             if not isinstance(e.get("input"), dict):
                 msg += f" (got {e.get('input')!r})"
         doc.add(loc, msg)
