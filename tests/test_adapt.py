@@ -223,3 +223,18 @@ def test_attention_transfer_is_zero_at_full_rank_and_trains(smol, smol_model, sm
     assert 0.01 < first < 1 and parts["transfer_last"] > parts["transfer_first"]
     assert float(attention_transfer_loss(model, pairs)[0]) < 0.8 * first
     io.handles = None  # hooks stay on the session model but are disabled
+
+
+def test_attention_transfer_rules_live_in_the_options_schema():
+    """So the CLI, the recipes' --dry-run and a real run all refuse the same combinations, all at once."""
+    import pydantic
+
+    from mla_convert.adapt import AdaptOptions
+
+    with pytest.raises(pydantic.ValidationError) as err:
+        AdaptOptions(objective="attention-transfer", trainable="all", hidden_weight=1.0)
+    msg = str(err.value)
+    assert "trainable 'attention' (got 'all')" in msg and "hidden_weight must be 0 (got 1)" in msg
+    ok = AdaptOptions(objective="attention-transfer", trainable="attention")
+    assert ok.describe() == "attention-transfer, attention"
+    assert AdaptOptions(objective="lm", hidden_weight=5).describe() == "lm + 5 x hidden, attention"
