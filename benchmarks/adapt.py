@@ -38,6 +38,12 @@ GRID = {
     for t in ("attention", "all")
 }
 EXTRA = {
+    "lm-attention-bf16-hidden5": {
+        "objective": "lm",
+        "trainable": "attention",
+        "lr": 3e-4,
+        "hidden_weight": 5.0,
+    },
     "lm-all-bf16-hidden5": {"objective": "lm", "trainable": "all", "lr": 3e-4, "hidden_weight": 5.0},
 }
 SETTINGS = {**GRID, **EXTRA}

@@ -224,8 +224,12 @@ class AttentionIO:
             raise AdaptError(f"{type(model).__name__} has no model.layers[*].self_attn for attention transfer")
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.enabled = False
-        for layer in layers:
-            layer.self_attn.register_forward_hook(self._hook, with_kwargs=True)
+        self.handles = [layer.self_attn.register_forward_hook(self._hook, with_kwargs=True) for layer in layers]
+
+    def remove(self) -> None:
+        """Detach the hooks from the model."""
+        for h in self.handles:
+            h.remove()
 
     def _hook(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
         if self.enabled:
@@ -290,8 +294,12 @@ class LayerOutputs:
             raise AdaptError(f"{type(model).__name__} has no model.layers; hidden_weight needs decoder layers")
         self.outputs: list[torch.Tensor] = []
         self.enabled = False
-        for layer in layers:
-            layer.register_forward_hook(self._hook)
+        self.handles = [layer.register_forward_hook(self._hook) for layer in layers]
+
+    def remove(self) -> None:
+        """Detach the hooks from the model."""
+        for h in self.handles:
+            h.remove()
 
     def _hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self.enabled:
@@ -546,9 +554,12 @@ def run_adapt(
                 hidden = None
                 if rec is not None:
                     rec[0].enabled = rec[1].enabled = True
-                if options.objective != "lm" or options.hidden_weight > 0:
+                if options.objective != "lm":
                     with torch.no_grad(), accelerator.autocast():
                         t_logits = teacher(input_ids=ids, use_cache=False).logits
+                elif rec is not None:  # only the layer outputs are needed: skip the source's LM head
+                    with torch.no_grad(), accelerator.autocast():
+                        teacher.model(input_ids=ids, use_cache=False)
                 with accelerator.autocast():
                     logits = model(input_ids=ids, use_cache=False).logits
                 if rec is not None:

@@ -166,6 +166,8 @@ def test_hidden_state_term_matches_layers_and_trains(reference_ckpt, eval_ids, t
         teacher(input_ids=ids, use_cache=False)
     model(input_ids=ids, use_cache=False)
     h_s, h_t = rec_s.take(), rec_t.take()
+    rec_s.remove()
+    rec_t.remove()
     assert len(h_s) == len(h_t) == model.config.num_hidden_layers
     assert float(hidden_loss(h_t, h_t)) == 0.0
     # the conversion drops information: every layer's output moves, and more with depth
@@ -206,6 +208,7 @@ def test_attention_transfer_is_zero_at_full_rank_and_trains(smol, smol_model, sm
         smol_model(input_ids=ids, use_cache=False)
     io.enabled = False
     pairs = io.take()
+    io.remove()  # the source model is shared by the session's tests
     assert len(pairs) == smol_model.config.num_hidden_layers and pairs[0][0].shape == (1, 128, 576)
     with torch.no_grad():
         loss, parts = attention_transfer_loss(full, pairs)
@@ -222,7 +225,6 @@ def test_attention_transfer_is_zero_at_full_rank_and_trains(smol, smol_model, sm
         opt.zero_grad()
     assert 0.01 < first < 1 and parts["transfer_last"] > parts["transfer_first"]
     assert float(attention_transfer_loss(model, pairs)[0]) < 0.8 * first
-    io.handles = None  # hooks stay on the session model but are disabled
 
 
 def test_attention_transfer_rules_live_in_the_options_schema():
