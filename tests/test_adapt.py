@@ -179,10 +179,14 @@ def test_hidden_state_term_matches_layers_and_trains(reference_ckpt, eval_ids, t
     assert all(p.grad is not None and float(p.grad.abs().max()) > 0 for p in attn)
     # through the CLI (bf16 autocast training): the term is logged per step; evaluation stays float32
     out = tmp_path / "hidden"
-    res = adapt(str(reference_ckpt), str(out), *TINY[:6], "--objective", "lm", "--hidden-weight", "2",
-                "--checkpoint-every", "0", "--batch-size", "2", "--stop-after", "2",
-                "--mixed-precision", "bf16")  # fmt: skip
-    assert res.exit_code == 0, res.stdout + res.stderr
+    # (a process of its own: accelerate's state is per process and this one already ran in float32)
+    res = subprocess.run(
+        [sys.executable, "-m", "mla_convert", "--quiet", "adapt", str(reference_ckpt), str(out), *TINY[:6],
+         "--objective", "lm", "--hidden-weight", "2", "--checkpoint-every", "0", "--batch-size", "2",
+         "--stop-after", "2", "--mixed-precision", "bf16"],
+        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"},
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
     rows = [json.loads(line) for line in (tmp_path / ".hidden.adapt" / "metrics.jsonl").read_text().splitlines()]
     fp32 = json.loads((one_process / "metrics.jsonl").read_text().splitlines()[0])
     assert rows[0]["kind"] == fp32["kind"] == "eval" and rows[0]["perplexity"] == fp32["perplexity"]

@@ -103,7 +103,7 @@ def test_quickstart_is_the_readme_job():
         100_000,
         512,
         4,
-        1e-4,
+        3e-4,
     )
     assert r.validation.enabled
 
