@@ -164,7 +164,8 @@ def at(evals: list[dict], tokens: int) -> dict | None:
 def run_names() -> list[str]:
     skip = {"base-72", "probes"}
     found = {p.name.removeprefix(".").removesuffix(".adapt") for p in RUNS.iterdir() if p.name not in skip}
-    return sorted(found, key=lambda n: (list(SETTINGS).index(n) if n in SETTINGS else -1, n))
+    # the grid in its order, then the extra settings, then older runs (fp32, lr 1e-4) kept for reference
+    return sorted(found, key=lambda n: (list(SETTINGS).index(n) if n in SETTINGS else len(SETTINGS), n))
 
 
 def table() -> str:
