@@ -78,7 +78,7 @@ def full_grid(size: int, refit: str) -> dict[str, dict[str, Any]]:
             rope_pairs=r,
             objective=obj,
             factorization=fac,
-            refit_o_proj="teacher",
+            refit_o_proj=refit,
         )
     return rows
 
@@ -96,6 +96,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--full", action="store_true", help="the whole strategy x objective x factorization grid")
     ap.add_argument("--calib-windows", type=int, default=16)
+    ap.add_argument("--refit", default="teacher", choices=["none", "teacher"], help="o_proj refit in --full")
     ap.add_argument("--windows-512", type=int, default=8)
     ap.add_argument("--windows-2048", type=int, default=2)
     ap.add_argument("--sizes", default="120,72,48", help="cache sizes (values per token per layer)")

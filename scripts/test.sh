@@ -5,4 +5,11 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check mla_convert tests benchmarks
 .venv/bin/mypy mla_convert
+# The suite writes real 135M checkpoints (~0.5 GB each, about 2 GB at its peak) under the temp folder.
+tmp=${TMPDIR:-/tmp}
+free_mb=$(df -Pm "$tmp" | awk 'NR==2 {print $4}')
+echo "free disk under $tmp: ${free_mb} MB (the tests need about 3000 MB)"
+if [ "${free_mb:-0}" -lt 3000 ]; then
+    echo "warning: less than 3000 MB free under $tmp; tests that save checkpoints may fail (set TMPDIR elsewhere)" >&2
+fi
 .venv/bin/python -m pytest -q --durations=15 tests "$@"
