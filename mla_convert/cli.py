@@ -196,6 +196,7 @@ def factor(
       mla-convert factor ./Llama-3.2-1B out/l1b --rope-mode per-head --rope-strategy 2-norm --rope-pairs 4 --kv-lora-rank 256
     """
     from .convert import ConvertOptions
+    from .output import check_output
     from .pipeline import run_factor
     from .report import layer_table, summary_table
     from .sources import open_source
@@ -218,6 +219,7 @@ def factor(
             window=window,
             eval_windows=eval_windows,
         )
+        check_output(out, overwrite)  # refuse an occupied OUT before the source is read (seconds)
         src = open_source(source)
         say(
             f"source: {src.origin} ({src.family.name}, {src.num_layers} layers, {src.num_heads}/{src.num_kv_heads} heads)"

@@ -314,6 +314,16 @@ def test_non_empty_out_without_overwrite(src: Path, good_text: Path, tmp_path: P
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
 
 
+def test_occupied_out_is_refused_before_the_source_is_read(good_text: Path, tmp_path: Path) -> None:
+    """The OUT check comes first: a missing source is not even looked at when OUT is occupied."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious results\n")
+    missing = tmp_path / "no-such-model"
+    run_bad_factor(missing, out, good_text, needles=(f"output folder {out} is not empty",))
+    assert (out / "keep.txt").read_text() == "precious results\n"
+
+
 def test_out_is_a_file(src: Path, good_text: Path, tmp_path: Path) -> None:
     out = tmp_path / "out.bin"
     out.write_bytes(b"\x00\x01")
