@@ -734,7 +734,11 @@ def init_recipe_cmd(
         return
     src = bundled_path(name)
     if src is None:
-        fail(f"no bundled recipe {name!r}; bundled: {', '.join(names)}")
+        hint = ""
+        if name.endswith((".yaml", ".yml")) or "/" in name:  # a destination given as the first argument
+            example = "smollm2-135m-quickstart" if "smollm2-135m-quickstart" in names else names[0]
+            hint = f"; NAME comes first, then DEST: mla-convert init-recipe {example} {name}"
+        fail(f"no bundled recipe {name!r}; bundled: {', '.join(names)}{hint}")
     assert src is not None
     target = dest if dest is not None else Path(f"{src.stem}.yaml")
     if target.is_dir():

@@ -336,6 +336,9 @@ def test_init_recipe_copies_and_refuses_overwrite(tmp_path, monkeypatch):
     assert r.exit_code == 2 and "no bundled recipe 'gpt2'" in r.stderr
     for n in bundled_names():
         assert n in r.stderr
+    r = run("init-recipe", tmp_path / "mine.yaml")  # a destination where the name goes
+    assert r.exit_code == 2 and "NAME comes first, then DEST" in r.stderr
+    assert not (tmp_path / "mine.yaml").exists()
     r = run("init-recipe")
     assert r.exit_code == 0 and all(n in r.stdout for n in bundled_names())
 
