@@ -44,6 +44,8 @@ def pad_plan(plan: RopePlan, d_nope: int) -> RopePlan:
         plan.origin,
         plan.kept,
         plan.rope_energy,
+        plan.basis,
+        plan.slots,
     )
 
 

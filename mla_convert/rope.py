@@ -58,6 +58,11 @@ class RopePlan:
         origin: ``[R][P]`` labels such as ``"kv1.p3"`` (per-head) or ``"f3.c0"`` (frequency 3, PCA
             component 0) for reports and manifests.
         kept: per rope head the source pair (frequency) indices kept.
+        basis: ``[d/2, G, G]`` complex128 unitary per frequency (rows = components ``m``); the identity
+            for every frequency that keeps no RoPE component (per-head mode: the identity everywhere).
+        slots: per rope head the kept components ``(k, m)`` (frequency ``k``, component ``m`` of ``basis[k]``).
+            Together with ``basis`` this is the plan's whole choice; the oracle tests rebuild the function
+            from these two and the source weights alone.
     """
 
     key_nope: torch.Tensor
@@ -69,6 +74,8 @@ class RopePlan:
     origin: list[list[str]]
     kept: list[list[int]] = field(default_factory=list)
     rope_energy: float = 0.0  # share of the key's per-frequency energy kept as RoPE (shared mode)
+    basis: torch.Tensor | None = None
+    slots: list[list[tuple[int, int]]] = field(default_factory=list)
 
 
 def rotation_weight(inv_freq: torch.Tensor, context: int) -> torch.Tensor:
@@ -213,6 +220,12 @@ def plan_layer(
             energy_kept += float(energies[k][m])
             mixed[k] = True
         energy_kept /= max(total_energy, 1e-30)
+        # A frequency that keeps no RoPE component stays in the source basis: each KV group reads its own
+        # pair as NoPE dims. (Its PCA basis would mix the groups' keys while only component m is read by
+        # group m: a wrong score function, caught by tests/test_oracle.py.)
+        for k in range(half):
+            if not mixed[k]:
+                unitary[k] = torch.eye(g, dtype=torch.complex128)
     return _assemble(h, g, d, inv_freq, unitary, mixed, slots, group, energy_kept, mode)
 
 
@@ -292,4 +305,16 @@ def _assemble(
         for pi, (k, m) in enumerate(slots[ri] if r else []):
             a, b = _rows(complex(unitary[k][m, gi]), k, d, 0, d)
             q_rope[hi, pi], q_rope[hi, p + pi] = a, b
-    return RopePlan(key_nope, nope_index, key_rope, q_nope, q_rope, inv, origin, kept, energy_kept)
+    return RopePlan(
+        key_nope,
+        nope_index,
+        key_rope,
+        q_nope,
+        q_rope,
+        inv,
+        origin,
+        kept,
+        energy_kept,
+        torch.stack(unitary),
+        [list(head) for head in slots],
+    )

@@ -1,0 +1,229 @@
+"""Every lossy step against an oracle computed from the source weights without our assembly (issue 10).
+
+* partial RoPE at full latent rank == the source with the un-kept rotary components left unrotated;
+* low rank with every RoPE component kept == the source with its values projected on the latent;
+* both combined (the default conversion, refit included) == the source with both changes, on the real
+  model, through the naive, absorbed and Triton paths.
+
+The oracles live in ``tests/oracle.py``; they read only the plan's *choice* (per-frequency basis and
+kept components), the source weights, transformers' own ``cos``/``sin`` and the saved latent rows.
+Float32 logits, max |Δ| <= 1e-4 (the exactness tolerance of ``test_exact.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from oracle import layer_oracles, oracle_model
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from mla_convert.calibration import collect_stats
+from mla_convert.convert import ConvertOptions, build_mla
+from mla_convert.sources import load_source_model, open_source
+
+TOL = 1e-4
+
+
+def _logits(model, ids, path=None):
+    if path:
+        model.set_attention_path(path)
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+def _full_rank(mode: str, pairs: int, g: int, d: int) -> int:
+    """Latent width that keeps every NoPE key row and every value row (no compression)."""
+    half = d // 2
+    nope_components = g * (half - pairs) if mode == "per-head" else g * half - pairs
+    return 2 * nope_components + g * d
+
+
+def _opts(**kw) -> ConvertOptions:
+    base = dict(cache_budget=None, refit_o_proj="none", objective="output")
+    base.update(kw)
+    return ConvertOptions(**base)
+
+
+def _check(src, source_model, stats, ids, opts, full_rank, paths=("absorbed",), tol=TOL, o_proj_from_mla=False):
+    mla, _, _, plans = build_mla(src, source_model, stats, opts)
+    oracles = layer_oracles(
+        mla, plans, stats, opts.objective, opts.factorization, full_rank, o_proj_from_mla=o_proj_from_mla
+    )
+    with oracle_model(source_model, oracles) as om:
+        want = _logits(om, ids)
+    source = _logits(source_model, ids)
+    errs = {p: (_logits(mla, ids, p) - want).abs().max().item() for p in paths}
+    assert all(e <= tol for e in errs.values()), errs
+    return mla, plans, want, source
+
+
+# --- partial RoPE at full rank, the real model ---------------------------------------------------------
+
+REAL_PARTIAL = [
+    ("shared", "2-norm", 24, "complex"),  # the default: the shared-basis fault lived here
+    ("shared", "rotation", 20, "complex"),
+    ("shared", "high", 12, "real"),
+    ("per-head", "2-norm", 20, "complex"),
+    ("per-head", "uniform", 8, "complex"),
+]
+
+
+@pytest.mark.parametrize(("mode", "strategy", "pairs", "basis"), REAL_PARTIAL)
+def test_partial_rope_full_rank_equals_unrotated_source(
+    smol, smol_model, smol_stats, eval_ids, mode, strategy, pairs, basis
+):
+    opts = _opts(
+        rope_mode=mode,
+        rope_strategy=strategy,
+        rope_pairs=pairs,
+        rope_basis=basis,
+        kv_lora_rank=_full_rank(mode, pairs, smol.num_kv_heads, smol.head_dim),
+    )
+    _, plans, want, source = _check(
+        smol, smol_model, smol_stats[0], eval_ids, opts, full_rank=True, paths=("absorbed", "naive")
+    )
+    # The oracle is not the source: dropping rotations is a real change (so the comparison can fail).
+    assert (want - source).abs().max().item() > 0.1
+    assert all(sum(len(h) for h in p.slots) == len(p.slots) * pairs for p in plans)
+
+
+# --- low rank with every RoPE component kept, the real model --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mode", "pairs", "objective", "factorization"),
+    [
+        ("per-head", 32, "output", "joint"),
+        ("per-head", 32, "activation", "split"),
+        ("shared", 96, "output", "joint"),
+    ],
+)
+def test_low_rank_all_rope_equals_projected_values(
+    smol, smol_model, smol_stats, eval_ids, mode, pairs, objective, factorization
+):
+    # 96 < the rank of E[x xᵀ] on the 256 calibration tokens in every layer (layer 0: 138), so the
+    # activation-weighted projection is determined.
+    opts = _opts(
+        rope_mode=mode,
+        rope_strategy="high" if mode == "per-head" else "rotation",
+        rope_pairs=pairs,
+        objective=objective,
+        factorization=factorization,
+        kv_lora_rank=96,
+    )
+    _, _, want, source = _check(
+        smol, smol_model, smol_stats[0], eval_ids, opts, full_rank=False, paths=("absorbed", "naive")
+    )
+    assert (want - source).abs().max().item() > 0.1
+
+
+# --- both combined: the default conversion on the real model --------------------------------------------
+
+
+def test_default_conversion_equals_oracle_on_every_path(smol, smol_model, smol_stats, eval_ids):
+    """Default options (shared 2-norm r=24, output-aware joint SVD at a 120-value budget, o_proj refit):
+    the oracle takes the refitted ``o_proj`` from the checkpoint; naive, absorbed and the Triton decode
+    path over the paged latent cache all equal it."""
+    from mla_convert.decode import generate
+
+    opts = ConvertOptions()  # every default
+    mla, plans, _, _ = _check(
+        smol,
+        smol_model,
+        smol_stats[0],
+        eval_ids,
+        opts,
+        full_rank=False,
+        paths=("absorbed", "naive"),
+        o_proj_from_mla=True,
+    )
+    prompt = eval_ids[:, :40]
+    run = generate(mla, prompt, max_new_tokens=4, backend="triton", page_size=16, shuffle_pages=True)
+    assert run.backend_log.get("triton-interpreter:decode", 0) + run.backend_log.get("triton:decode", 0) > 0
+    with oracle_model(smol_model, layer_oracles(mla, plans, smol_stats[0], o_proj_from_mla=True)) as om:
+        full = _logits(om, run.tokens)
+    steps = full[:, prompt.shape[1] - 1 : run.tokens.shape[1] - 1]
+    assert (run.step_logits - steps).abs().max().item() <= TOL
+
+
+# --- tiny models: families, head layouts, every strategy and basis ---------------------------------------
+
+FAMILIES = {
+    "llama-gqa": ("llama", dict(num_key_value_heads=2)),
+    "llama-mha": ("llama", dict(num_key_value_heads=4)),
+    "llama-mqa": ("llama", dict(num_key_value_heads=1)),
+    "qwen2-bias": ("qwen2", dict(num_key_value_heads=2)),
+    "mistral": ("mistral", dict(num_key_value_heads=2, sliding_window=None)),
+    "llama-head-dim": ("llama", dict(num_key_value_heads=2, head_dim=12)),  # H*d = 48 != hidden 128
+}
+
+
+def _tiny_source(folder: Path, model_type: str, **extra):
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(
+        model_type,
+        hidden_size=128,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=49152,
+        max_position_embeddings=512,
+        initializer_range=0.15,  # sharp enough attention that a wrong score shows in the logits
+        tie_word_embeddings=True,
+        **extra,
+    )
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(str(folder))
+    src = open_source(folder)
+    return src, load_source_model(src)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def tiny(request, tmp_path_factory, calib_windows):
+    model_type, extra = FAMILIES[request.param]
+    extra = {"head_dim": 16, **extra}
+    src, model = _tiny_source(tmp_path_factory.mktemp(request.param), model_type, **extra)
+    stats, _ = collect_stats(model, src, calib_windows)
+    return src, model, stats
+
+
+TINY_PLANS = [
+    ("per-head", s, 3, "complex") for s in ("high", "low", "uniform", "2-norm", "rotation")
+] + [("shared", s, 3, b) for s in ("high", "low", "uniform", "2-norm", "rotation") for b in ("complex", "real")]
+
+
+def test_tiny_partial_rope_full_rank(tiny, eval_ids):
+    src, model, stats = tiny
+    for mode, strategy, pairs, basis in TINY_PLANS:
+        opts = _opts(
+            rope_mode=mode,
+            rope_strategy=strategy,
+            rope_pairs=pairs,
+            rope_basis=basis,
+            kv_lora_rank=_full_rank(mode, pairs, src.num_kv_heads, src.head_dim),
+        )
+        _, _, want, source = _check(src, model, stats, eval_ids, opts, full_rank=True, paths=("absorbed", "naive"))
+        assert (want - source).abs().max().item() > 1e-3, (mode, strategy, basis)
+
+
+@pytest.mark.parametrize("objective", ["weight", "activation", "output"])
+@pytest.mark.parametrize("factorization", ["joint", "split"])
+def test_tiny_partial_rope_and_low_rank(tiny, eval_ids, objective, factorization):
+    src, model, stats = tiny
+    for mode, strategy, pairs in (("per-head", "2-norm", 3), ("shared", "rotation", 3)):
+        full = _full_rank(mode, pairs, src.num_kv_heads, src.head_dim)
+        opts = _opts(
+            rope_mode=mode,
+            rope_strategy=strategy,
+            rope_pairs=pairs,
+            objective=objective,
+            factorization=factorization,
+            kv_lora_rank=full // 2,
+        )
+        _check(src, model, stats, eval_ids, opts, full_rank=False, paths=("absorbed", "naive"))
