@@ -6,7 +6,7 @@ activation PCA with K/V balance) and mla-convert's options, all on the same mode
 (Wikipedia calibration split) and held-out text (Wikipedia evaluation split), measured at 512- and
 2048-token windows. Prints a Markdown table and writes it to ``benchmarks/results/perplexity.md``.
 
-    .venv/bin/python benchmarks/perplexity.py            # quick grid (anchors + best splits), ~15 min here
+    .venv/bin/python benchmarks/perplexity.py            # quick grid (anchors + best splits), ~60 min here
     .venv/bin/python benchmarks/perplexity.py --full     # strategy x objective x joint/split at each size
 """
 
@@ -24,6 +24,7 @@ from transformers import AutoTokenizer
 from mla_convert.calibration import collect_stats
 from mla_convert.convert import ConvertOptions, build_mla
 from mla_convert.evaluate import evaluate
+from mla_convert.pipeline import HELD_OUT_WINDOWS
 from mla_convert.sources import load_source_model, open_source
 from mla_convert.text import load_documents, split_documents, token_windows
 
@@ -97,8 +98,11 @@ def main() -> None:
     ap.add_argument("--full", action="store_true", help="the whole strategy x objective x factorization grid")
     ap.add_argument("--calib-windows", type=int, default=16)
     ap.add_argument("--refit", default="teacher", choices=["none", "teacher"], help="o_proj refit in --full")
-    ap.add_argument("--windows-512", type=int, default=8)
-    ap.add_argument("--windows-2048", type=int, default=2)
+    ap.add_argument("--windows-512", type=int, default=40, help="Wikipedia evaluation windows of 512 tokens")
+    ap.add_argument("--windows-2048", type=int, default=4, help="Wikipedia evaluation windows of 2048 tokens")
+    ap.add_argument(
+        "--news-windows", type=int, default=16, help="news evaluation windows of 512 (never calibrated on)"
+    )
     ap.add_argument("--sizes", default="120,72,48", help="cache sizes (values per token per layer)")
     ap.add_argument(
         "--readme", action="store_true", help="also replace the table between the README's markers"
@@ -110,27 +114,32 @@ def main() -> None:
     model = load_source_model(src)
     tok = AutoTokenizer.from_pretrained(str(src.path))
     splits = split_documents(load_documents("wikipedia"))
-    calib = token_windows(tok, splits["calibration"], 512, args.calib_windows + 1, bos=False)
-    calib, held = calib[:-1], calib[-1:]
+    calib = token_windows(tok, splits["calibration"], 512, args.calib_windows + HELD_OUT_WINDOWS, bos=False)
+    calib, held = calib[:-HELD_OUT_WINDOWS], calib[-HELD_OUT_WINDOWS:]
+    news = split_documents(load_documents("news"))["evaluation"]
     evals = {
-        512: token_windows(tok, splits["evaluation"], 512, args.windows_512, bos=False),
-        2048: token_windows(tok, splits["evaluation"], 2048, args.windows_2048, bos=False),
+        "wiki@512": token_windows(tok, splits["evaluation"], 512, args.windows_512, bos=False),
+        "wiki@2048": token_windows(tok, splits["evaluation"], 2048, args.windows_2048, bos=False),
+        "news@512": token_windows(tok, news, 512, args.news_windows, bos=False),
     }
     t0 = time.perf_counter()
     stats, _ = collect_stats(model, src, calib, keep_calibration=True)
     base = {ctx: evaluate(model, ids).perplexity for ctx, ids in evals.items()}
+    described = ", ".join(
+        f"{base[k]:.2f} on {k} ({ids.shape[0]} windows, {ids.numel():,} tokens)" for k, ids in evals.items()
+    )
     print(
-        f"calibration: {stats[0].tokens} tokens in {time.perf_counter() - t0:.0f} s; source perplexity "
-        f"{base[512]:.2f} @512 ({evals[512].numel()} tokens), {base[2048]:.2f} @2048 ({evals[2048].numel()} tokens)",
-        flush=True,
+        f"calibration: {stats[0].tokens} tokens in {time.perf_counter() - t0:.0f} s; source perplexity {described}"
     )
     lines = [
-        f"Source SmolLM2-135M-Instruct: perplexity {base[512]:.2f} at 512 tokens ({evals[512].shape[0]} windows), "
-        f"{base[2048]:.2f} at 2048 tokens ({evals[2048].shape[0]} windows), Wikipedia evaluation split; "
-        f"calibration {stats[0].tokens} tokens of the disjoint calibration split. Cells: perplexity ratio to the source.",
+        f"Source SmolLM2-135M-Instruct: perplexity {described}; wiki = the Wikipedia evaluation split, news = the "
+        f"news corpus's evaluation split (never calibrated on). Calibration: {stats[0].tokens} tokens of the "
+        f"disjoint Wikipedia calibration split; the o_proj refit is kept only if it lowers the mean loss on "
+        f"{held.shape[0]} further held-out calibration windows. Cells: perplexity ratio to the source "
+        f"(`python benchmarks/perplexity.py --readme`).",
         "",
-        "| cache (values/token/layer) | method | x ppl @512 | x ppl @2048 | convert s |",
-        "|---|---|---:|---:|---:|",
+        "| cache (values/token/layer) | method | x wiki @512 | x wiki @2048 | x news @512 | refit kept | convert s |",
+        "|---|---|---:|---:|---:|---|---:|",
     ]
     for size in [int(x) for x in args.sizes.split(",")]:
         label = SIZES[size]
@@ -147,8 +156,11 @@ def main() -> None:
                 print(f"skip {name} @ {size}: {exc}")
                 continue
             secs = time.perf_counter() - t
-            ratio = {ctx: evaluate(mla, ids).perplexity / base[ctx] for ctx, ids in evals.items()}
-            line = f"| {size} ({label}) | {name} | {ratio[512]:.2f} | {ratio[2048]:.2f} | {secs:.0f} |"
+            ratio = {k: evaluate(mla, ids).perplexity / base[k] for k, ids in evals.items()}
+            refit = mla.config.source.get("o_proj_refit")
+            kept = "n/a" if refit is None else ("yes" if refit["kept"] else "no")
+            cells = " | ".join(f"{ratio[k]:.2f}" for k in evals)
+            line = f"| {size} ({label}) | {name} | {cells} | {kept} | {secs:.0f} |"
             print(line, flush=True)
             lines.append(line)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -106,7 +106,7 @@ def build_mla(
     """Convert with given calibration statistics (no text I/O): plans, factors, tensors, model.
 
     ``check_ids [M, T]`` (held-out calibration tokens): when given, the ``o_proj`` refit is kept only if
-    it lowers the converted model's loss on them (a teacher-forced fit can amplify errors that compound
+    it lowers the converted model's mean loss over the M windows (a teacher-forced fit can amplify errors that compound
     through layers); ``config.source["o_proj_refit"]`` records the losses and the decision.
 
     Raises:
@@ -222,7 +222,7 @@ def build_mla(
             raise FactorError(
                 "--refit-o-proj needs calibration inputs; collect statistics with keep_calibration"
             )
-        before = _lm_loss(model, check_ids) if check_ids is not None else None
+        before = _lm_losses(model, check_ids) if check_ids is not None else None
         saved = {
             i: layer.self_attn.o_proj.weight.detach().clone() for i, layer in enumerate(model.model.layers)
         }
@@ -232,21 +232,28 @@ def build_mla(
             refit_o_proj(attn, st.x, st.out)
             if progress:
                 progress("refit", 1, len(stats))
-        after = _lm_loss(model, check_ids) if check_ids is not None else None
-        kept = before is None or after is None or after < before
+        after = _lm_losses(model, check_ids) if check_ids is not None else None
+        mean_before = sum(before) / len(before) if before else None
+        mean_after = sum(after) / len(after) if after else None
+        kept = mean_before is None or mean_after is None or mean_after < mean_before
         if not kept:
             with torch.no_grad():
                 for i, layer in enumerate(model.model.layers):
                     layer.self_attn.o_proj.weight.copy_(saved[i])
-        config.source["o_proj_refit"] = {"kept": kept, "loss_before": before, "loss_after": after}
+        config.source["o_proj_refit"] = {
+            "kept": kept,
+            "loss_before": mean_before,
+            "loss_after": mean_after,
+            "window_losses_before": before,
+            "window_losses_after": after,
+        }
     return model, config, records, plans
 
 
 @torch.no_grad()
-def _lm_loss(model: MLAForCausalLM, ids: torch.Tensor) -> float:
-    """Mean next-token loss (nats) of ``model`` on windows ``ids [M, T]``."""
-    losses = [float(model(input_ids=row[None], labels=row[None], use_cache=False).loss) for row in ids]
-    return sum(losses) / len(losses)
+def _lm_losses(model: MLAForCausalLM, ids: torch.Tensor) -> list[float]:
+    """Next-token loss (nats) of ``model`` on each window of ``ids [M, T]``."""
+    return [float(model(input_ids=row[None], labels=row[None], use_cache=False).loss) for row in ids]
 
 
 def _causal(t: int) -> torch.Tensor:

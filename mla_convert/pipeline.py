@@ -26,6 +26,10 @@ from .rope import BASES, MODES, STRATEGIES, RopeError
 from .sources import SourceModel, sha256_file, tokenizer_digest, tokenizer_files
 from .text import TextError, documents_record, load_documents, split_documents, token_windows
 
+#: Held-out calibration windows: per-layer attention error and the o_proj refit's keep/revert check
+#: (several, so one window's noise cannot decide it; every window's loss is recorded).
+HELD_OUT_WINDOWS = 4
+
 
 @dataclass
 class TextSplit:
@@ -33,7 +37,7 @@ class TextSplit:
 
     name: str
     calibration: torch.Tensor  # [N, T] statistics windows
-    held_out: torch.Tensor  # [1, T] held-out calibration window (attention error)
+    held_out: torch.Tensor  # [M, T] held-out calibration windows (attention error, o_proj refit check), M <= 4
     evaluation: torch.Tensor  # [M, T]
     records: dict[str, list[dict[str, Any]]]
 
@@ -107,21 +111,23 @@ def prepare_text(tokenizer: Any, options: ConvertOptions) -> TextSplit:
     docs = load_documents(spec)
     splits = split_documents(docs)
     calib = token_windows(
-        tokenizer, splits["calibration"], options.window, options.calib_windows + 1, bos=False
+        tokenizer, splits["calibration"], options.window, options.calib_windows + HELD_OUT_WINDOWS, bos=False
     )
     if calib.shape[0] < 2:
         raise TextError(
             f"calibration text gives {calib.shape[0]} window(s) of {options.window} tokens; need at least 2 "
             "(use more text or a shorter --window)"
         )
+    # Up to HELD_OUT_WINDOWS windows after the calibration ones are held out (at least 1).
+    held = min(HELD_OUT_WINDOWS, max(1, calib.shape[0] - options.calib_windows))
     evaluation = token_windows(
         tokenizer, splits["evaluation"], options.window, options.eval_windows, bos=False
     )
     name = options.text if isinstance(spec, str) else "local files"
     return TextSplit(
         name,
-        calib[:-1],
-        calib[-1:],
+        calib[:-held],
+        calib[-held:],
         evaluation,
         {role: documents_record(d) for role, d in splits.items()},
     )

@@ -181,7 +181,9 @@ def layer_oracles(
             lo.latent = attn.kv_a_proj_with_mqa.weight.detach().double()[:rank]
             hidden = lo.latent.shape[1]
             lo.metric = (
-                torch.eye(hidden, dtype=torch.float64) if objective == "weight" or stats is None else stats[i].xx
+                torch.eye(hidden, dtype=torch.float64)
+                if objective == "weight" or stats is None
+                else stats[i].xx
             )
             if factorization == "split":
                 n_key = plan.key_nope.shape[0]

@@ -46,7 +46,9 @@ def _opts(**kw) -> ConvertOptions:
     return ConvertOptions(**base)
 
 
-def _check(src, source_model, stats, ids, opts, full_rank, paths=("absorbed",), tol=TOL, o_proj_from_mla=False):
+def _check(
+    src, source_model, stats, ids, opts, full_rank, paths=("absorbed",), tol=TOL, o_proj_from_mla=False
+):
     mla, _, _, plans = build_mla(src, source_model, stats, opts)
     oracles = layer_oracles(
         mla, plans, stats, opts.objective, opts.factorization, full_rank, o_proj_from_mla=o_proj_from_mla
@@ -193,9 +195,9 @@ def tiny(request, tmp_path_factory, calib_windows):
     return src, model, stats
 
 
-TINY_PLANS = [
-    ("per-head", s, 3, "complex") for s in ("high", "low", "uniform", "2-norm", "rotation")
-] + [("shared", s, 3, b) for s in ("high", "low", "uniform", "2-norm", "rotation") for b in ("complex", "real")]
+TINY_PLANS = [("per-head", s, 3, "complex") for s in ("high", "low", "uniform", "2-norm", "rotation")] + [
+    ("shared", s, 3, b) for s in ("high", "low", "uniform", "2-norm", "rotation") for b in ("complex", "real")
+]
 
 
 def test_tiny_partial_rope_full_rank(tiny, eval_ids):
@@ -208,7 +210,9 @@ def test_tiny_partial_rope_full_rank(tiny, eval_ids):
             rope_basis=basis,
             kv_lora_rank=_full_rank(mode, pairs, src.num_kv_heads, src.head_dim),
         )
-        _, _, want, source = _check(src, model, stats, eval_ids, opts, full_rank=True, paths=("absorbed", "naive"))
+        _, _, want, source = _check(
+            src, model, stats, eval_ids, opts, full_rank=True, paths=("absorbed", "naive")
+        )
         assert (want - source).abs().max().item() > 1e-3, (mode, strategy, basis)
 
 
