@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from readme import replace_block
 from transformers import AutoTokenizer
 from transformers.cache_utils import DynamicCache
 
@@ -357,25 +358,6 @@ def gpu_bench(args: argparse.Namespace) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------- output
-def update_readme(table: str, readme: Path = ROOT / "README.md") -> None:
-    """Replace the text between ``<!-- decode:start -->`` and ``<!-- decode:end -->`` in the README
-    (adding a "Decode speed" section with the markers before "## Layout" when they are absent)."""
-    text = readme.read_text()
-    start, end = "<!-- decode:start -->", "<!-- decode:end -->"
-    if start not in text:
-        section = (
-            f"### Decode speed\n\n`benchmarks/decode.py --readme` wrote this block.\n\n{start}\n{end}\n\n"
-        )
-        text = (
-            text.replace("## Layout", section + "## Layout", 1)
-            if "## Layout" in text
-            else text + "\n" + section
-        )
-    head, rest = text.split(start, 1)
-    tail = rest.split(end, 1)[1]
-    readme.write_text(f"{head}{start}\n{table}\n{end}{tail}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", type=Path, help="converted MLA checkpoint (made here when missing)")
@@ -428,7 +410,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text + "\n")
     if args.readme:
-        update_readme(text)
+        replace_block("decode", text)
     print()
     print(text)
 

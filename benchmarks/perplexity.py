@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from readme import replace_block
 from transformers import AutoTokenizer
 
 from mla_convert.calibration import collect_stats
@@ -82,15 +83,6 @@ def full_grid(size: int, refit: str) -> dict[str, dict[str, Any]]:
             refit_o_proj=refit,
         )
     return rows
-
-
-def update_readme(table: str, readme: Path = Path(__file__).resolve().parents[1] / "README.md") -> None:
-    """Replace the text between ``<!-- perplexity:start -->`` and ``<!-- perplexity:end -->`` in the README."""
-    text = readme.read_text()
-    start, end = "<!-- perplexity:start -->", "<!-- perplexity:end -->"
-    head, rest = text.split(start, 1)
-    tail = rest.split(end, 1)[1]
-    readme.write_text(f"{head}{start}\n{table}\n{end}{tail}")
 
 
 def main() -> None:
@@ -166,7 +158,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     if args.readme:
-        update_readme("\n".join(lines))
+        replace_block("perplexity", "\n".join(lines))
     print("\n".join(lines))
 
 

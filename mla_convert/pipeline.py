@@ -37,7 +37,9 @@ class TextSplit:
 
     name: str
     calibration: torch.Tensor  # [N, T] statistics windows
-    held_out: torch.Tensor  # [M, T] held-out calibration windows (attention error, o_proj refit check), M <= 4
+    held_out: (
+        torch.Tensor
+    )  # [M, T] held-out calibration windows (attention error, o_proj refit check), M <= 4
     evaluation: torch.Tensor  # [M, T]
     records: dict[str, list[dict[str, Any]]]
 
@@ -260,6 +262,7 @@ def run_factor(
             "mean_attn_rel_error": round(
                 sum(r.attn_rel_error or 0 for r in conv.layers) / len(conv.layers), 5
             ),
+            **_refit_record(conv.config.source.get("o_proj_refit")),
         },
         "cache_schema": {
             "row_layout": ["c_kv", "k_rope"],
@@ -279,3 +282,21 @@ def run_factor(
         write_report(tmp, report)
         write_manifest(tmp, manifest, sorted(p.name for p in tmp.iterdir() if p.is_file()))
     return report
+
+
+def _refit_record(refit: dict[str, Any] | None) -> dict[str, Any]:
+    """The o_proj refit's decision for the manifest: kept or not, mean held-out loss (nats) before/after and
+    its spread over the held-out windows (min and max of after - before); empty without a refit."""
+    if not refit or refit.get("loss_before") is None:
+        return {}
+    deltas = [a - b for a, b in zip(refit["window_losses_after"], refit["window_losses_before"], strict=True)]
+    return {
+        "o_proj_refit": {
+            "kept": refit["kept"],
+            "held_out_windows": len(deltas),
+            "loss_before": round(refit["loss_before"], 5),
+            "loss_after": round(refit["loss_after"], 5),
+            "delta_min": round(min(deltas), 5),
+            "delta_max": round(max(deltas), 5),
+        }
+    }

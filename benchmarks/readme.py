@@ -1,0 +1,120 @@
+"""Write README.md's generated blocks from recorded artifacts, so no figure there is typed by hand.
+
+    .venv/bin/python benchmarks/readme.py reference            # reference table <- manifests/smollm2-135m-reference.json
+    .venv/bin/python benchmarks/readme.py validate out/smollm2-mla   # validate block <- CKPT/validation.json
+
+The other blocks are written by the benchmarks themselves (``perplexity.py --readme``, ``decode.py
+--readme``, ``adapt.py --collect --readme``); they use :func:`replace_block` from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PINNED = ROOT / "manifests" / "smollm2-135m-reference.json"
+
+
+def replace_block(name: str, body: str, readme: Path = README) -> None:
+    """Replace the text between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` in ``readme``.
+
+    Raises:
+        SystemExit: when the markers are missing (the README section was renamed or removed).
+    """
+    text = readme.read_text()
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    if start not in text or end not in text:
+        raise SystemExit(f"error: {readme} has no {start} ... {end} block; add the markers where it belongs")
+    head, rest = text.split(start, 1)
+    tail = rest.split(end, 1)[1]
+    readme.write_text(f"{head}{start}\n{body.rstrip()}\n{end}{tail}")
+
+
+def reference_block(manifest: dict[str, Any]) -> str:
+    """The reference conversion's table, every figure read from its pinned manifest."""
+    rec, run, cache = manifest["reconstruction"], manifest["run"], manifest["cache_schema"]
+    cal = manifest["calibration"]
+    opts = manifest["options"]
+    widths = cache["values_per_token_per_layer"]
+    mean_width = sum(widths) / len(widths)
+    t = run["timings"]
+    refit = rec.get("o_proj_refit")
+    lines = [
+        f"Pinned manifest `manifests/smollm2-135m-reference.json` (canonical id `{manifest['canonical_id'][:16]}…`), "
+        f"written by `mla-convert factor smollm2-135m out/smollm2-mla` with default options; this table by "
+        f"`python benchmarks/readme.py reference`. Perplexity on {opts['eval_windows']} x {opts['window']} tokens "
+        f"of the Wikipedia evaluation split (one article; see below for 40 windows).",
+        "",
+        "| | source | MLA |",
+        "|---|---:|---:|",
+        f"| KV cache values / token / layer (mean over layers) | 384 | {mean_width:g} ({mean_width / 384:.2%}) |",
+        f"| perplexity | {rec['perplexity_source']:.2f} | {rec['perplexity']:.2f} "
+        f"(x{rec['perplexity'] / rec['perplexity_source']:.2f}) |",
+        f"| KL(source ‖ MLA), nats/token | | {rec['kl']:.3f} |",
+        f"| top-1 agreement | | {rec['top1']:.1%} |",
+        f"| mean held-out attention-output error per layer | | {rec['mean_attn_rel_error']:.3f} |",
+        f"| calibration | | {cal['tokens']:,} tokens, {len(cal['documents'])} documents |",
+        f"| time: calibration / factorization + refit / whole command ({run['threads']} threads) | | "
+        f"{t['calibrate_s']:.0f} s / {t['factorize_s']:.0f} s / {run['wall_s']:.0f} s |",
+        f"| peak resident memory | | {run['peak_rss_mb'] / 1024:.1f} GB |",
+    ]
+    if refit:
+        lines.append(
+            f"| o_proj refit: mean loss on {refit['held_out_windows']} held-out calibration windows, before -> "
+            f"after (per-window change) | | {refit['loss_before']:.3f} -> {refit['loss_after']:.3f} nats "
+            f"({refit['delta_min']:+.3f} .. {refit['delta_max']:+.3f}), {'kept' if refit['kept'] else 'reverted'} |"
+        )
+    return "\n".join(lines)
+
+
+def validate_block(result: dict[str, Any], ckpt: str) -> str:
+    """The validation ladder's README block from ``validation.json`` (one row per rung)."""
+    env = result["environment"]
+    lines = [
+        f"Measured by `mla-convert validate {ckpt}` on the reference conversion; this block by "
+        f"`python benchmarks/readme.py validate {ckpt}`. Backend {env.get('kernel_backend')} (triton "
+        f"{env.get('triton')}, torch {env.get('torch')}), float32. Verdict: "
+        f"{'PASSED' if result['passed'] else 'FAILED'}.",
+        "",
+        "| rung | data | measured (tolerance) | s |",
+        "|---|---|---|---:|",
+    ]
+    for r in result["rungs"]:
+        checks = "; ".join(
+            f"{c['name']} {_fmt(c['value'])}" + (f" ({c['tolerance']})" if c["tolerance"] else "")
+            for c in r["checks"]
+        )
+        verdict = "" if r["passed"] else " **FAIL**"
+        lines.append(f"| {r['number']} {r['name']}{verdict} | {r['data']} | {checks} | {r['seconds']:.1f} |")
+    return "\n".join(lines)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return str(int(value)) if value.is_integer() and abs(value) < 1e15 else f"{value:.2g}"
+    return str(value)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="block", required=True)
+    sub.add_parser("reference", help="the reference conversion table from the pinned manifest")
+    v = sub.add_parser("validate", help="the validation block from CKPT/validation.json")
+    v.add_argument("ckpt", help="a checkpoint folder that `mla-convert validate` has run on")
+    args = ap.parse_args()
+    if args.block == "reference":
+        replace_block("reference", reference_block(json.loads(PINNED.read_text())))
+    else:
+        path = Path(args.ckpt) / "validation.json"
+        if not path.exists():
+            raise SystemExit(f"error: {path} not found; run `mla-convert validate {args.ckpt}` first")
+        replace_block("validate", validate_block(json.loads(path.read_text()), args.ckpt))
+    print(f"updated the {args.block} block of {README}")
+
+
+if __name__ == "__main__":
+    main()
