@@ -118,6 +118,23 @@ def say(*args: Any) -> None:
         console.print(*args, markup=False, highlight=False)
 
 
+MEASURED_SPLITS = Path(__file__).with_name("measured_splits.json")
+
+
+def measured_splits() -> dict[float, dict[str, Any]]:
+    """Cache fraction -> the RoPE/latent split with the lowest held-out (dev) perplexity ratio, as written by
+    ``benchmarks/perplexity.py --readme`` (``mla_convert/measured_splits.json``); empty when absent."""
+    if not MEASURED_SPLITS.exists():
+        return {}
+    data = json.loads(MEASURED_SPLITS.read_text())
+    return {float(s["cache_fraction"]): s for s in data["splits"]}
+
+
+def measured_model() -> str:
+    """The model the measured splits come from."""
+    return str(json.loads(MEASURED_SPLITS.read_text())["model"]) if MEASURED_SPLITS.exists() else "no model"
+
+
 @app.command()
 def inspect(source: str = typer.Argument(..., help=SOURCE_HELP)) -> None:
     """Show the architecture, the KV cache per token now, and what conversions would give.
@@ -142,15 +159,24 @@ def inspect(source: str = typer.Argument(..., help=SOURCE_HELP)) -> None:
     w.add_row(
         "source K + V", str(base), str(4 * base), "1.000", f"{src.num_kv_heads} KV heads x {src.head_dim} x 2"
     )
+    measured = measured_splits()
     for frac in (0.3125, 0.1875, 0.125):
         size = round(base * frac)
-        rope = 2 * min(src.head_dim // 2, max(2, size // 5))
+        m = measured.get(frac)
+        if m is None:
+            split = "not measured"
+        else:
+            pairs = min(src.head_dim // 2 * src.num_kv_heads, max(1, round(m["rope_share"] * size / 2)))
+            split = (
+                f"--cache-budget {size} --rope-pairs {pairs} (latent {size - 2 * pairs} + rope {2 * pairs}; "
+                f"the rope share measured best on {measured_model()} at this fraction)"
+            )
         w.add_row(
             escape(f"MLA [c_kv | k_rope] at {frac:.2%}"),
             str(size),
             str(4 * size),
             f"{frac:.4f}",
-            f"--cache-budget {size} --rope-pairs {rope // 2} (latent {size - rope} + rope {rope})",
+            escape(split),
         )
     console.print(w)
 
