@@ -1,0 +1,35 @@
+"""`inspect` suggests a RoPE/latent split only from measured results, and says where they come from."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from mla_convert import cli
+
+
+def test_inspect_suggests_the_measured_split(tmp_path, monkeypatch):
+    measured = tmp_path / "measured_splits.json"
+    measured.write_text(
+        json.dumps(
+            {
+                "model": "SmolLM2-135M-Instruct",
+                "measured_by": "test",
+                "splits": [
+                    {"cache_budget": 72, "cache_fraction": 0.1875, "rope_pairs": 20, "rope_share": 0.5556}
+                ],
+            }
+        )
+    )
+    monkeypatch.setattr(cli, "MEASURED_SPLITS", measured)
+    res = CliRunner().invoke(cli.app, ["inspect", "smollm2-135m"], env={"COLUMNS": "400"})
+    assert res.exit_code == 0, res.output
+    line = next(x for x in res.output.splitlines() if "18.75%" in x)
+    assert (
+        "--cache-budget 72 --rope-pairs 20 (latent 32 + rope 40" in line and "SmolLM2-135M-Instruct" in line
+    )
+    assert "not measured" in next(x for x in res.output.splitlines() if "31.25%" in x)
+    monkeypatch.setattr(cli, "MEASURED_SPLITS", tmp_path / "absent.json")
+    res = CliRunner().invoke(cli.app, ["inspect", "smollm2-135m"], env={"COLUMNS": "400"})
+    assert res.exit_code == 0 and "--rope-pairs" not in res.output
