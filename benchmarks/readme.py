@@ -14,6 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mla_convert.validate import format_value
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PINNED = ROOT / "manifests" / "smollm2-135m-reference.json"
@@ -85,18 +87,12 @@ def validate_block(result: dict[str, Any], ckpt: str) -> str:
     ]
     for r in result["rungs"]:
         checks = "; ".join(
-            f"{c['name']} {_fmt(c['value'])}" + (f" ({c['tolerance']})" if c["tolerance"] else "")
+            f"{c['name']} {format_value(c['value'])}" + (f" ({c['tolerance']})" if c["tolerance"] else "")
             for c in r["checks"]
         )
         verdict = "" if r["passed"] else " **FAIL**"
         lines.append(f"| {r['number']} {r['name']}{verdict} | {r['data']} | {checks} | {r['seconds']:.1f} |")
     return "\n".join(lines)
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return str(int(value)) if value.is_integer() and abs(value) < 1e15 else f"{value:.2g}"
-    return str(value)
 
 
 def main() -> None:
