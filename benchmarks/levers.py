@@ -1,0 +1,178 @@
+"""Training-free quality levers for the lossy conversion, measured on dev windows only (issue 10).
+
+Each row converts SmolLM2-135M with the default options except one change, and scores perplexity on
+8 dev windows: 512-token windows of the Wikipedia *calibration* split that no conversion uses (after
+the 16 calibration and 4 refit-check windows). Evaluation windows are never looked at here, so these
+rows can choose defaults without tuning on what the README reports.
+
+    .venv/bin/python benchmarks/levers.py [--sizes 72:20,120:24] [--only a,b] [--readme]
+
+Rows:
+  none            no o_proj refit
+  teacher         the default: ridge refit of o_proj to the source attention output on source inputs
+  seq-a           o_proj refit on the *converted* model's own layer inputs, layer after layer; target =
+                  source attention output + a x (source residual - converted residual), a in {0, 0.5, 1}
+  q-refit         default + least-squares refit of the NoPE queries on the reconstructed keys
+                  (k ~ P k_hat with P = E[k k_hatᵀ] E[k_hat k_hatᵀ]⁻¹; queries become Pᵀ q)
+  uniform-ranks   one latent width for every layer instead of the marginal-error allocation
+  rotation        RoPE components chosen by the rotation strategy instead of 2-norm
+  activation      activation-weighted SVD instead of output-aware
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from readme import replace_block
+from transformers import AutoTokenizer
+
+from mla_convert.assemble import pad_plan
+from mla_convert.calibration import LayerStats, collect_stats
+from mla_convert.convert import ConvertOptions, _causal, build_mla
+from mla_convert.evaluate import evaluate
+from mla_convert.modeling_mla import MLAForCausalLM
+from mla_convert.pipeline import HELD_OUT_WINDOWS
+from mla_convert.rope import RopePlan
+from mla_convert.sources import SourceModel, load_source_model, open_source
+from mla_convert.text import load_documents, split_documents, token_windows
+
+CALIB, DEV = 16, 8
+
+
+@torch.no_grad()
+def sequential_refit(
+    mla: MLAForCausalLM, source, stats: list[LayerStats], ids: torch.Tensor, alpha: float
+) -> None:
+    """Refit each layer's ``o_proj`` on the converted model's own inputs (layers 0..l-1 already converted)."""
+    t = ids.shape[1]
+    pos, mask = torch.arange(t)[None], _causal(t)
+    h = torch.cat([mla.model.embed_tokens(r[None]) for r in ids])
+    h_src = h.clone()
+    for layer, src_layer, st in zip(mla.model.layers, source.model.layers, stats, strict=True):
+        attn = layer.self_attn
+        assert st.out is not None
+        x = layer.input_layernorm(h)
+        captured: list[torch.Tensor] = []
+        hook = attn.o_proj.register_forward_pre_hook(lambda _m, a, c=captured: c.append(a[0].detach()))
+        for i in range(x.shape[0]):
+            attn(x[i : i + 1], pos, mask, None)
+        hook.remove()
+        z = torch.cat(captured).reshape(-1, captured[0].shape[-1]).double()
+        y = (st.out + alpha * (h_src - h)).reshape(-1, h.shape[-1]).double()
+        gram = z.T @ z
+        lam = 1e-4 * float(torch.diagonal(gram).mean())
+        w = torch.linalg.solve(
+            gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype),
+            z.T @ y + lam * attn.o_proj.weight.double().T,
+        )
+        attn.o_proj.weight.copy_(w.T.float())
+        h = h + torch.cat([attn(x[i : i + 1], pos, mask, None) for i in range(x.shape[0])])
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h_src = h_src + st.out
+        h_src = h_src + src_layer.mlp(src_layer.post_attention_layernorm(h_src))
+
+
+@torch.no_grad()
+def query_refit(
+    mla: MLAForCausalLM, src: SourceModel, plans: list[RopePlan], stats: list[LayerStats]
+) -> float:
+    """Map each NoPE query through the regression of the true NoPE keys on the reconstructed ones; returns
+    the largest ``‖P - I‖ / ‖I‖`` over layers and KV heads."""
+    worst = 0.0
+    for i, layer in enumerate(mla.model.layers):
+        attn, st = layer.self_attn, stats[i]
+        assert st.x is not None
+        w = src.attention_weights(i)
+        plan = pad_plan(plans[i], attn.qk_nope_head_dim)
+        x = st.x.reshape(-1, st.x.shape[-1]).double()
+        d_n, r, g, h = attn.qk_nope_head_dim, attn.kv_lora_rank, attn.num_kv_heads, attn.num_heads
+        key_nope = torch.cat([plan.key_nope, torch.zeros(1, plan.key_nope.shape[1], dtype=torch.float64)])
+        k_true = x @ (key_nope @ w["k"]).T
+        c = x @ attn.kv_a_proj_with_mqa.weight[:r].double().T
+        kv = (c @ attn.kv_b_proj.weight.double().T).view(-1, g, d_n + attn.v_head_dim)
+        qw = attn.q_proj.weight.view(h, d_n + attn.qk_rope_head_dim, -1)
+        for gi in range(g):
+            kt, kh = k_true[:, plan.nope_index[gi]], kv[:, gi, :d_n]
+            b = kh.T @ kh
+            b = b + 1e-9 * float(torch.diagonal(b).mean()) * torch.eye(d_n, dtype=torch.float64)
+            p = (kt.T @ kh) @ torch.linalg.inv(b)
+            nz = torch.diagonal(b) > 1e-12 * float(torch.diagonal(b).max())  # padding rows read zero keys
+            eye = torch.eye(d_n, dtype=torch.float64)
+            worst = max(worst, float((p - eye)[nz][:, nz].norm() / eye[nz][:, nz].norm()))
+            for hi in range(gi * (h // g), (gi + 1) * (h // g)):
+                qw[hi, :d_n] = (p.T @ qw[hi, :d_n].double()).float()
+    return worst
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="120:24,72:20", help="cache budget:rope pairs, comma separated")
+    ap.add_argument("--only", default="", help="comma-separated row names")
+    ap.add_argument("--readme", action="store_true", help="also replace the README block")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "levers.md")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    src = open_source("smollm2-135m")
+    model = load_source_model(src)
+    tok = AutoTokenizer.from_pretrained(str(src.path))
+    splits = split_documents(load_documents("wikipedia"))
+    w = token_windows(tok, splits["calibration"], 512, CALIB + HELD_OUT_WINDOWS + DEV, bos=False)
+    calib, held, dev = w[:CALIB], w[CALIB : CALIB + HELD_OUT_WINDOWS], w[CALIB + HELD_OUT_WINDOWS :]
+    stats, _ = collect_stats(model, src, calib, keep_calibration=True)
+    base = evaluate(model, dev).perplexity
+    rows: dict[str, tuple[dict, Callable | None]] = {
+        "none": ({"refit_o_proj": "none"}, None),
+        "teacher": ({}, None),
+        "seq-0": ({"refit_o_proj": "none"}, lambda m, p: sequential_refit(m, model, stats, calib, 0.0)),
+        "seq-0.5": ({"refit_o_proj": "none"}, lambda m, p: sequential_refit(m, model, stats, calib, 0.5)),
+        "seq-1": ({"refit_o_proj": "none"}, lambda m, p: sequential_refit(m, model, stats, calib, 1.0)),
+        "q-refit": ({}, lambda m, p: query_refit(m, src, p, stats)),
+        "uniform-ranks": ({"uniform": True}, None),
+        "rotation": ({"rope_strategy": "rotation"}, None),
+        "activation": ({"objective": "activation"}, None),
+    }
+    only = [x for x in args.only.split(",") if x]
+    lines = [
+        f"SmolLM2-135M-Instruct, default conversion with one change per row; perplexity on {dev.shape[0]} dev "
+        f"windows of 512 tokens (Wikipedia calibration split, unused by every conversion; source {base:.2f}). "
+        "Written by `python benchmarks/levers.py --readme`.",
+        "",
+        "| cache | rope pairs | row | dev ppl | x source | note |",
+        "|---|---:|---|---:|---:|---|",
+    ]
+    for spec in args.sizes.split(","):
+        budget, pairs = (int(v) for v in spec.split(":"))
+        for name, (kw, post) in rows.items():
+            if only and name not in only:
+                continue
+            kw = dict(kw)
+            opts = dict(cache_budget=budget, rope_pairs=pairs)
+            if kw.pop("uniform", False):
+                opts = dict(cache_budget=None, kv_lora_rank=budget - 2 * pairs, rope_pairs=pairs)
+            t0 = time.perf_counter()
+            mla, cfg, _, plans = build_mla(src, model, stats, ConvertOptions(**opts, **kw), check_ids=held)
+            note = ""
+            if post is not None:
+                res = post(mla, plans)
+                if isinstance(res, float):
+                    note = f"max ‖P - I‖/‖I‖ = {res:.1e}"
+            refit = cfg.source.get("o_proj_refit")
+            if refit is not None:
+                note = (note + "; " if note else "") + f"refit {'kept' if refit['kept'] else 'reverted'}"
+            ppl = evaluate(mla, dev).perplexity
+            line = f"| {budget} | {pairs} | {name} | {ppl:.2f} | {ppl / base:.2f} | {note} |"
+            print(line, f"({time.perf_counter() - t0:.0f} s)", flush=True)
+            lines.append(line)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines) + "\n")
+    if args.readme:
+        replace_block("levers", "\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
