@@ -17,6 +17,8 @@ Rows:
   uniform-ranks   one latent width for every layer instead of the marginal-error allocation
   rotation        RoPE components chosen by the rotation strategy instead of 2-norm
   activation      activation-weighted SVD instead of output-aware
+  no-kv-balance   joint SVD without the K/V energy balance
+  calib-64        64 calibration windows (32,768 tokens) for the statistics and the refit instead of 16
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from mla_convert.rope import RopePlan
 from mla_convert.sources import SourceModel, load_source_model, open_source
 from mla_convert.text import load_documents, split_documents, token_windows
 
-CALIB, DEV = 16, 8
+CALIB, DEV, EXTRA = 16, 8, 48  # windows: calibration | refit check | dev | extra calibration (calib-64 row)
 
 
 @torch.no_grad()
@@ -120,9 +122,11 @@ def main() -> None:
     model = load_source_model(src)
     tok = AutoTokenizer.from_pretrained(str(src.path))
     splits = split_documents(load_documents("wikipedia"))
-    w = token_windows(tok, splits["calibration"], 512, CALIB + HELD_OUT_WINDOWS + DEV, bos=False)
-    calib, held, dev = w[:CALIB], w[CALIB : CALIB + HELD_OUT_WINDOWS], w[CALIB + HELD_OUT_WINDOWS :]
+    w = token_windows(tok, splits["calibration"], 512, CALIB + HELD_OUT_WINDOWS + DEV + EXTRA, bos=False)
+    n = CALIB + HELD_OUT_WINDOWS
+    calib, held, dev = w[:CALIB], w[CALIB:n], w[n : n + DEV]
     stats, _ = collect_stats(model, src, calib, keep_calibration=True)
+    more: list[LayerStats] = []  # 64 calibration windows, made on first use
     base = evaluate(model, dev).perplexity
     rows: dict[str, tuple[dict, Callable | None]] = {
         "none": ({"refit_o_proj": "none"}, None),
@@ -134,6 +138,8 @@ def main() -> None:
         "uniform-ranks": ({"uniform": True}, None),
         "rotation": ({"rope_strategy": "rotation"}, None),
         "activation": ({"objective": "activation"}, None),
+        "no-kv-balance": ({"kv_balance": False}, None),
+        "calib-64": ({"calib64": True}, None),
     }
     only = [x for x in args.only.split(",") if x]
     lines = [
@@ -153,8 +159,15 @@ def main() -> None:
             opts = dict(cache_budget=budget, rope_pairs=pairs)
             if kw.pop("uniform", False):
                 opts = dict(cache_budget=None, kv_lora_rank=budget - 2 * pairs, rope_pairs=pairs)
+            use = stats
+            if kw.pop("calib64", False):
+                if not more:
+                    more.extend(
+                        collect_stats(model, src, torch.cat([calib, w[n + DEV :]]), keep_calibration=True)[0]
+                    )
+                use = more
             t0 = time.perf_counter()
-            mla, cfg, _, plans = build_mla(src, model, stats, ConvertOptions(**opts, **kw), check_ids=held)
+            mla, cfg, _, plans = build_mla(src, model, use, ConvertOptions(**opts, **kw), check_ids=held)
             note = ""
             if post is not None:
                 res = post(mla, plans)

@@ -46,6 +46,22 @@ def _opts(**kw) -> ConvertOptions:
     return ConvertOptions(**base)
 
 
+def _check_partial_rope(src, source_model, stats, ids, mode, strategy, pairs, basis) -> float:
+    """Partial RoPE at full rank vs its oracle on every path; returns max |oracle - source| (must be > 0)."""
+    opts = _opts(
+        rope_mode=mode,
+        rope_strategy=strategy,
+        rope_pairs=pairs,
+        rope_basis=basis,
+        kv_lora_rank=_full_rank(mode, pairs, src.num_kv_heads, src.head_dim),
+    )
+    _, plans, want, source = _check(
+        src, source_model, stats, ids, opts, full_rank=True, paths=("absorbed", "naive")
+    )
+    assert all(sum(len(h) for h in p.slots) == len(p.slots) * pairs for p in plans)
+    return (want - source).abs().max().item()
+
+
 def _check(
     src, source_model, stats, ids, opts, full_rank, paths=("absorbed",), tol=TOL, o_proj_from_mla=False
 ):
@@ -76,19 +92,8 @@ REAL_PARTIAL = [
 def test_partial_rope_full_rank_equals_unrotated_source(
     smol, smol_model, smol_stats, eval_ids, mode, strategy, pairs, basis
 ):
-    opts = _opts(
-        rope_mode=mode,
-        rope_strategy=strategy,
-        rope_pairs=pairs,
-        rope_basis=basis,
-        kv_lora_rank=_full_rank(mode, pairs, smol.num_kv_heads, smol.head_dim),
-    )
-    _, plans, want, source = _check(
-        smol, smol_model, smol_stats[0], eval_ids, opts, full_rank=True, paths=("absorbed", "naive")
-    )
-    # The oracle is not the source: dropping rotations is a real change (so the comparison can fail).
-    assert (want - source).abs().max().item() > 0.1
-    assert all(sum(len(h) for h in p.slots) == len(p.slots) * pairs for p in plans)
+    moved = _check_partial_rope(smol, smol_model, smol_stats[0], eval_ids, mode, strategy, pairs, basis)
+    assert moved > 0.1  # the oracle is not the source: dropping rotations is a real change
 
 
 # --- low rank with every RoPE component kept, the real model --------------------------------------------
@@ -203,17 +208,8 @@ TINY_PLANS = [("per-head", s, 3, "complex") for s in ("high", "low", "uniform", 
 def test_tiny_partial_rope_full_rank(tiny, eval_ids):
     src, model, stats = tiny
     for mode, strategy, pairs, basis in TINY_PLANS:
-        opts = _opts(
-            rope_mode=mode,
-            rope_strategy=strategy,
-            rope_pairs=pairs,
-            rope_basis=basis,
-            kv_lora_rank=_full_rank(mode, pairs, src.num_kv_heads, src.head_dim),
-        )
-        _, _, want, source = _check(
-            src, model, stats, eval_ids, opts, full_rank=True, paths=("absorbed", "naive")
-        )
-        assert (want - source).abs().max().item() > 1e-3, (mode, strategy, basis)
+        moved = _check_partial_rope(src, model, stats, eval_ids, mode, strategy, pairs, basis)
+        assert moved > 1e-3, (mode, strategy, basis)
 
 
 @pytest.mark.parametrize("objective", ["weight", "activation", "output"])
