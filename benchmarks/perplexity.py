@@ -54,7 +54,7 @@ ANCHORS: dict[str, dict[str, Any]] = {
 def ours(size: int) -> dict[str, dict[str, Any]]:
     """mla-convert rows: shared complex-PCA rope head chosen by 2-norm, output-aware joint SVD, o_proj refit;
     the split between RoPE pairs and latent rank is swept at each cache size."""
-    pairs = {120: (16, 20, 24, 28), 72: (8, 12, 16, 20), 48: (4, 8, 12)}[size]
+    pairs = {120: (20, 24, 28), 72: (12, 16, 20), 48: (4, 8, 12)}[size]
     return {
         f"mla-convert: shared 2-norm r={p}, output-aware, joint, o_proj refit": dict(
             rope_mode="shared",
@@ -161,9 +161,9 @@ def main() -> None:
     ap.add_argument("--calib-windows", type=int, default=16)
     ap.add_argument("--refit", default="teacher", choices=["none", "teacher"], help="o_proj refit in --full")
     ap.add_argument("--windows-512", type=int, default=40, help="Wikipedia evaluation windows of 512 tokens")
-    ap.add_argument("--windows-2048", type=int, default=4, help="Wikipedia evaluation windows of 2048 tokens")
+    ap.add_argument("--windows-2048", type=int, default=2, help="Wikipedia evaluation windows of 2048 tokens")
     ap.add_argument(
-        "--news-windows", type=int, default=16, help="news evaluation windows of 512 (never calibrated on)"
+        "--news-windows", type=int, default=8, help="news evaluation windows of 512 (never calibrated on)"
     )
     ap.add_argument("--sizes", default="120,72,48", help="cache sizes (values per token per layer)")
     ap.add_argument(
