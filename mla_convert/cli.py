@@ -164,7 +164,7 @@ def inspect(source: str = typer.Argument(..., help=SOURCE_HELP)) -> None:
         size = round(base * frac)
         m = measured.get(frac)
         if m is None:
-            split = "not measured"
+            split = "not measured (benchmarks/perplexity.py --readme writes mla_convert/measured_splits.json)"
         else:
             pairs = min(src.head_dim // 2 * src.num_kv_heads, max(1, round(m["rope_share"] * size / 2)))
             split = (

@@ -1,7 +1,7 @@
 """Oracles for the lossy conversion steps, computed from the source weights without mla-convert's assembly.
 
 The converted model must equal, to float tolerance, the *source model* changed in exactly the way the
-conversion says it changes it (issue 10):
+conversion says it changes it:
 
 * **Partial RoPE at full latent rank** = the source whose un-kept rotary components are simply not
   rotated. For frequency ``k`` the plan chose a unitary ``U_k`` (``G x G``, rows = components) and a set

@@ -1,4 +1,4 @@
-"""Every lossy step against an oracle computed from the source weights without our assembly (issue 10).
+"""Every lossy step against an oracle computed from the source weights without our assembly (docs/oracles.md).
 
 * partial RoPE at full latent rank == the source with the un-kept rotary components left unrotated;
 * low rank with every RoPE component kept == the source with its values projected on the latent;
