@@ -91,7 +91,9 @@ class AdaptOptions(BaseModel):
             problems.append(f"it has no end-to-end forward for the hidden-state term: hidden_weight must be 0 "
                             f"(got {self.hidden_weight:g})")  # fmt: skip
         if problems:
-            raise ValueError("objective attention-transfer fits each attention block alone: " + "; ".join(problems))
+            raise ValueError(
+                "objective attention-transfer fits each attention block alone: " + "; ".join(problems)
+            )
         return self
 
     def describe(self) -> str:
@@ -221,10 +223,14 @@ class AttentionIO:
     def __init__(self, model: torch.nn.Module) -> None:
         layers = getattr(getattr(model, "model", None), "layers", None)
         if layers is None:
-            raise AdaptError(f"{type(model).__name__} has no model.layers[*].self_attn for attention transfer")
+            raise AdaptError(
+                f"{type(model).__name__} has no model.layers[*].self_attn for attention transfer"
+            )
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.enabled = False
-        self.handles = [layer.self_attn.register_forward_hook(self._hook, with_kwargs=True) for layer in layers]
+        self.handles = [
+            layer.self_attn.register_forward_hook(self._hook, with_kwargs=True) for layer in layers
+        ]
 
     def remove(self) -> None:
         """Detach the hooks from the model."""
@@ -291,7 +297,9 @@ class LayerOutputs:
     def __init__(self, model: torch.nn.Module) -> None:
         layers = getattr(getattr(model, "model", None), "layers", None)
         if layers is None:
-            raise AdaptError(f"{type(model).__name__} has no model.layers; hidden_weight needs decoder layers")
+            raise AdaptError(
+                f"{type(model).__name__} has no model.layers; hidden_weight needs decoder layers"
+            )
         self.outputs: list[torch.Tensor] = []
         self.enabled = False
         self.handles = [layer.register_forward_hook(self._hook) for layer in layers]
@@ -544,7 +552,9 @@ def run_adapt(
                         teacher(input_ids=ids, use_cache=False)
                         transfer.enabled = False
                     with accelerator.autocast():
-                        loss, parts = attention_transfer_loss(accelerator.unwrap_model(model), transfer.take())
+                        loss, parts = attention_transfer_loss(
+                            accelerator.unwrap_model(model), transfer.take()
+                        )
                     accelerator.backward(loss / len(micro))
                     loss_sum += loss.detach() / len(micro)
                     for k, v in parts.items():

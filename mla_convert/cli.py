@@ -570,6 +570,10 @@ def manifest_verify(out: Path = typer.Argument(..., help="An mla-convert output 
     with user_errors():
         res = verify(out)
     console.print(f"ok: {res['files']} files match; canonical id {res['canonical_id']}", highlight=False)
+    if res["uncovered"]:
+        console.print(
+            f"not covered by the manifest (not verified): {', '.join(res['uncovered'])}", highlight=False
+        )
 
 
 # --------------------------------------------------------------------------------------------- recipes

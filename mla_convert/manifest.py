@@ -56,7 +56,9 @@ def verify(folder: Path) -> dict[str, Any]:
     """Re-hash the files a manifest lists and recompute its canonical id.
 
     Returns:
-        ``{"canonical_id": ..., "files": n}`` when everything matches.
+        ``{"canonical_id": ..., "files": n, "uncovered": [...]}`` when everything listed matches;
+        ``uncovered`` names the files in ``folder`` (recursively, relative paths, sorted) that the manifest
+        does not list, e.g. ``validation.json`` written later by ``validate``: they are not verified.
 
     Raises:
         ManifestError: missing manifest or file, a changed file, or a canonical id that does not match.
@@ -81,4 +83,10 @@ def verify(folder: Path) -> dict[str, Any]:
         raise ManifestError(
             f"canonical id mismatch in {path}: recorded {manifest.get('canonical_id')}, recomputed {cid}"
         )
-    return {"canonical_id": cid, "files": len(manifest.get("outputs", {}))}
+    listed = set(manifest.get("outputs", {})) | {MANIFEST}
+    uncovered = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    return {
+        "canonical_id": cid,
+        "files": len(manifest.get("outputs", {})),
+        "uncovered": [n for n in uncovered if n not in listed],
+    }

@@ -274,3 +274,24 @@ def test_assembled_layer_scores_values_and_biases(biased_layer, mode):
     scaled = layer_tensors(w, plan, factors, h, attention_scaling=1.5)
     assert torch.allclose(scaled["q_proj.weight"], 2.25 * out["q_proj.weight"], atol=0)
     assert torch.allclose(scaled["q_proj.bias"], 2.25 * out["q_proj.bias"], atol=0)
+
+
+# --- manifest verify -------------------------------------------------------------------------------------
+
+
+def test_manifest_verify_names_files_it_does_not_cover(tmp_path):
+    import json
+
+    from mla_convert.manifest import MANIFEST, canonical_id, sha256_file, verify
+
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    manifest = {
+        "schema_version": 1,
+        "outputs": {"model.safetensors": sha256_file(tmp_path / "model.safetensors")},
+    }
+    manifest["canonical_id"] = canonical_id(manifest)
+    (tmp_path / MANIFEST).write_text(json.dumps(manifest))
+    assert verify(tmp_path)["uncovered"] == []
+    (tmp_path / "validation.json").write_text("{}")
+    res = verify(tmp_path)
+    assert res["files"] == 1 and res["uncovered"] == ["validation.json"]
