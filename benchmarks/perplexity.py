@@ -134,6 +134,23 @@ def summarize(lines: list[str]) -> tuple[list[str], list[dict[str, Any]]]:
     return out, splits
 
 
+def merge_rows(lines: list[str], sources: list[Path]) -> list[str]:
+    """The table ``lines`` with the rows found in ``sources`` added (one row per size and method)."""
+
+    def is_row(x: str) -> bool:
+        return x.startswith("| ") and x[2:3].isdigit()
+
+    head = [x for x in lines if not is_row(x)]
+    rows: dict[tuple[str, str], str] = {}
+    for x in [y for src in sources for y in src.read_text().splitlines() if is_row(y)] + [
+        y for y in lines if is_row(y)
+    ]:
+        cells = [c.strip() for c in x.strip("|").split("|")]
+        rows.setdefault((cells[0], cells[1]), x.strip())
+    ordered = sorted(rows.items(), key=lambda kv: -int(kv[0][0].split()[0]))
+    return head + [x for _, x in ordered]
+
+
 def publish(lines: list[str], readme: bool) -> None:
     """Print the summary; with ``readme``, write the README block (table + summary) and the measured splits."""
     summary, splits = summarize(lines)
@@ -173,9 +190,20 @@ def main() -> None:
     ap.add_argument(
         "--collect", action="store_true", help="no measuring: re-derive summary and splits from --out's table"
     )
+    ap.add_argument(
+        "--rows-from",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="with --collect: add the table rows printed in these logs or tables (a grid split across runs "
+        "with the same windows and calibration); rows are ordered by cache size, first seen first",
+    )
     args = ap.parse_args()
     if args.collect:
         lines = args.out.read_text().splitlines()
+        if args.rows_from:
+            lines = merge_rows(lines, args.rows_from)
+            args.out.write_text("\n".join(lines) + "\n")
         publish(lines, args.readme)
         print("\n".join(lines))
         return
