@@ -61,9 +61,7 @@ def test_gradients_reach_every_trainable_factor(reference_ckpt, eval_ids):
             assert p.grad is not None and float(p.grad.abs().max()) > 0, name  # kv_b_proj included
         else:
             assert p.grad is None, name
-    assert {"kv_b_proj", "kv_a_proj_with_mqa", "q_proj", "o_proj"} <= {
-        n.split(".")[-2] for n in inv["trainable"]
-    }
+    assert {"kv_b_proj", "kv_a_proj_with_mqa", "q_proj", "o_proj"} <= {n.split(".")[-2] for n in inv["trainable"]}
 
 
 def test_adapt_outputs_and_manifest(one_process, reference_ckpt):
@@ -90,10 +88,7 @@ def test_adapt_outputs_and_manifest(one_process, reference_ckpt):
     # frozen weights are untouched, trainable ones moved
     before, after = weights(reference_ckpt), weights(out)
     assert torch.equal(before["model.embed_tokens.weight"], after["model.embed_tokens.weight"])
-    assert not torch.equal(
-        before["model.layers.0.self_attn.kv_b_proj.weight"],
-        after["model.layers.0.self_attn.kv_b_proj.weight"],
-    )
+    assert not torch.equal(before["model.layers.0.self_attn.kv_b_proj.weight"], after["model.layers.0.self_attn.kv_b_proj.weight"])
 
 
 def test_stopped_and_resumed_run_is_bitwise_identical(one_process, reference_ckpt, tmp_path):
@@ -112,11 +107,7 @@ def test_stopped_and_resumed_run_is_bitwise_identical(one_process, reference_ckp
     a, b = weights(one_process), weights(out)
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:3]
-    losses = lambda f: [
-        m["loss"]
-        for m in map(json.loads, (f / "metrics.jsonl").read_text().splitlines())
-        if m["kind"] == "train"
-    ]  # noqa: E731
+    losses = lambda f: [m["loss"] for m in map(json.loads, (f / "metrics.jsonl").read_text().splitlines()) if m["kind"] == "train"]  # noqa: E731
     assert losses(one_process) == losses(out)
 
 
@@ -133,11 +124,7 @@ def test_two_processes_follow_the_same_curve(one_process, reference_ckpt, tmp_pa
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     report = json.loads((out / "adapt_report.json").read_text())
     assert report["processes"] == 2 and report["tokens_trained"] == 768
-    curve = lambda f: [
-        m["loss"]
-        for m in map(json.loads, (f / "metrics.jsonl").read_text().splitlines())
-        if m["kind"] == "train"
-    ]  # noqa: E731
+    curve = lambda f: [m["loss"] for m in map(json.loads, (f / "metrics.jsonl").read_text().splitlines()) if m["kind"] == "train"]  # noqa: E731
     one, two = curve(one_process), curve(out)
     assert len(one) == len(two) == 6
     # Same data and the same all-reduced gradient: the loss before and after the first update agrees to
@@ -147,9 +134,7 @@ def test_two_processes_follow_the_same_curve(one_process, reference_ckpt, tmp_pa
     assert max(abs(x - y) / abs(x) for x, y in zip(one, two, strict=True)) < 0.1, (one, two)
     # Same ups and downs wherever the one-process curve moves by more than 1 % (a nearly flat step's sign is
     # rounding noise, far inside the 10 % the curves may differ by).
-    steps = [
-        (a, b, c, d) for a, b, c, d in zip(one, one[1:], two, two[1:], strict=False) if abs(b - a) > 0.01 * a
-    ]
+    steps = [(a, b, c, d) for a, b, c, d in zip(one, one[1:], two, two[1:], strict=False) if abs(b - a) > 0.01 * a]
     assert len(steps) >= 3 and all((b > a) == (d > c) for a, b, c, d in steps), (one, two)
 
 
@@ -204,9 +189,7 @@ def test_hidden_state_term_matches_layers_and_trains(reference_ckpt, eval_ids, t
         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"},
     )  # fmt: skip
     assert res.returncode == 0, res.stdout + res.stderr
-    rows = [
-        json.loads(line) for line in (tmp_path / ".hidden.adapt" / "metrics.jsonl").read_text().splitlines()
-    ]
+    rows = [json.loads(line) for line in (tmp_path / ".hidden.adapt" / "metrics.jsonl").read_text().splitlines()]
     fp32 = json.loads((one_process / "metrics.jsonl").read_text().splitlines()[0])
     assert rows[0]["kind"] == fp32["kind"] == "eval" and rows[0]["perplexity"] == fp32["perplexity"]
     train = [r for r in rows if r["kind"] == "train"]
@@ -214,9 +197,7 @@ def test_hidden_state_term_matches_layers_and_trains(reference_ckpt, eval_ids, t
     assert all(abs(r["loss"] - (r["lm_rank0"] + 2 * r["hidden_rank0"])) < 1e-4 for r in train)
 
 
-def test_attention_transfer_is_zero_at_full_rank_and_trains(
-    smol, smol_model, smol_stats, eval_ids, reference_ckpt
-):
+def test_attention_transfer_is_zero_at_full_rank_and_trains(smol, smol_model, smol_stats, eval_ids, reference_ckpt):
     """Attention transfer feeds each MLA block the source's layer inputs: an exact conversion scores 0."""
     from transformers import AutoModelForCausalLM
 
