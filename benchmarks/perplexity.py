@@ -134,6 +134,32 @@ def summarize(lines: list[str]) -> tuple[list[str], list[dict[str, Any]]]:
     return out, splits
 
 
+def header(described: str, calib_tokens: int, dev_windows: int, held_windows: int) -> list[str]:
+    """The table's caption and column header (``described``: the source's perplexity on each window set)."""
+    return [
+        f"Source SmolLM2-135M-Instruct: perplexity {described}; wiki = the Wikipedia evaluation split, news = the "
+        f"news corpus's evaluation split (never calibrated on), dev = {dev_windows} windows of the calibration "
+        f"split that no conversion uses (they choose the suggested split; evaluation windows never choose). "
+        f"Calibration: {calib_tokens} tokens of the disjoint Wikipedia calibration split; the o_proj refit is "
+        f"kept only if it lowers the mean loss on {held_windows} further held-out calibration windows. Cells: "
+        f"perplexity ratio to the source (`python benchmarks/perplexity.py --readme`).",
+        "",
+        "| cache (values/token/layer) | method | x dev @512 | x wiki @512 | x wiki @2048 | x news @512 | refit kept "
+        "| convert s |",
+        "|---|---|---:|---:|---:|---:|---|---:|",
+    ]
+
+
+def header_from_log(log: Path) -> list[str] | None:
+    """Rebuild the header from a run's printed ``calibration: N tokens in S s; source perplexity ...`` line."""
+    for line in log.read_text().splitlines():
+        if line.startswith("calibration: ") and "; source perplexity " in line:
+            tokens = int(line.split()[1])
+            described = line.split("; source perplexity ", 1)[1].strip()
+            return header(described, tokens, DEV_WINDOWS, HELD_OUT_WINDOWS)
+    return None
+
+
 def merge_rows(lines: list[str], sources: list[Path]) -> list[str]:
     """The table ``lines`` with the rows found in ``sources`` added (one row per size and method)."""
 
@@ -200,7 +226,10 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.collect:
-        lines = args.out.read_text().splitlines()
+        lines = args.out.read_text().splitlines() if args.out.exists() else []
+        logged = [h for h in map(header_from_log, args.rows_from) if h]
+        if logged:  # the logged run's own header and rows replace the file (which may predate the run)
+            lines = logged[0]
         if args.rows_from:
             lines = merge_rows(lines, args.rows_from)
             args.out.write_text("\n".join(lines) + "\n")
@@ -233,17 +262,7 @@ def main() -> None:
     print(
         f"calibration: {stats[0].tokens} tokens in {time.perf_counter() - t0:.0f} s; source perplexity {described}"
     )
-    lines = [
-        f"Source SmolLM2-135M-Instruct: perplexity {described}; wiki = the Wikipedia evaluation split, news = the "
-        f"news corpus's evaluation split (never calibrated on), dev = {dev.shape[0]} windows of the calibration split "
-        f"that no conversion uses (they choose the suggested split; evaluation windows never choose). Calibration: {stats[0].tokens} tokens of the "
-        f"disjoint Wikipedia calibration split; the o_proj refit is kept only if it lowers the mean loss on "
-        f"{held.shape[0]} further held-out calibration windows. Cells: perplexity ratio to the source "
-        f"(`python benchmarks/perplexity.py --readme`).",
-        "",
-        "| cache (values/token/layer) | method | x dev @512 | x wiki @512 | x wiki @2048 | x news @512 | refit kept | convert s |",
-        "|---|---|---:|---:|---:|---:|---|---:|",
-    ]
+    lines = header(described, stats[0].tokens, dev.shape[0], held.shape[0])
     for size in [int(x) for x in args.sizes.split(",")]:
         label = SIZES[size]
         rows = full_grid(size, args.refit) if args.full else {**ANCHORS, **ours(size)}
