@@ -49,10 +49,10 @@ from transformers import AutoTokenizer
 from transformers.cache_utils import DynamicCache
 
 import mla_convert  # noqa: F401  (registers model_type "mla"; sets TRITON_INTERPRET on a CPU)
-from mla_convert.modeling_mla import MLAForCausalLM, latent_cache_bytes
-from mla_convert.paged_cache import PagedLatentCache
-from mla_convert.sources import load_source_model, open_source
-from mla_convert.text import load_documents, split_documents, token_windows
+from mla_convert.mla.modeling import MLAForCausalLM, latent_cache_bytes
+from mla_convert.runtime.paged_cache import PagedLatentCache
+from mla_convert.sources.checkpoint import load_source_model, open_source
+from mla_convert.text.corpora import load_documents, split_documents, token_windows
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
@@ -271,9 +271,8 @@ def cpu_bench(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
 def gpu_bench(args: argparse.Namespace) -> list[str]:
     """Kernel time and bandwidth of ``latent_decode`` vs the copy bandwidth and SDPA (CUDA only)."""
     import torch.nn.functional as F
-    from triton.testing import do_bench
-
     from mla_convert.kernels import latent_decode_reference, load_kernel
+    from triton.testing import do_bench
 
     kernel = load_kernel()
     dev = torch.device("cuda")

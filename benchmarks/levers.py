@@ -32,15 +32,15 @@ import torch
 from readme import replace_block
 from transformers import AutoTokenizer
 
-from mla_convert.assemble import pad_plan
-from mla_convert.calibration import LayerStats, collect_stats
-from mla_convert.convert import ConvertOptions, _causal, build_mla
-from mla_convert.evaluate import evaluate
-from mla_convert.modeling_mla import MLAForCausalLM
-from mla_convert.pipeline import HELD_OUT_WINDOWS
-from mla_convert.rope import RopePlan
-from mla_convert.sources import SourceModel, load_source_model, open_source
-from mla_convert.text import load_documents, split_documents, token_windows
+from mla_convert.convert.assemble import pad_plan
+from mla_convert.convert.build import ConvertOptions, _causal, build_mla
+from mla_convert.convert.calibration import LayerStats, collect_stats
+from mla_convert.convert.job import HELD_OUT_WINDOWS
+from mla_convert.convert.rope import RopePlan
+from mla_convert.mla.modeling import MLAForCausalLM
+from mla_convert.sources.checkpoint import SourceModel, load_source_model, open_source
+from mla_convert.text.corpora import load_documents, split_documents, token_windows
+from mla_convert.validate.metrics import evaluate
 
 CALIB, DEV, EXTRA = 16, 8, 48  # windows: calibration | refit check | dev | extra calibration (calib-64 row)
 

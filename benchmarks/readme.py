@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from mla_convert.validate import format_value
+from mla_convert.validate.ladder import format_value
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

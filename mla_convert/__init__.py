@@ -18,8 +18,8 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from .configuration_mla import MLAConfig
-from .modeling_mla import MLAForCausalLM
+from mla_convert.mla.configuration import MLAConfig
+from mla_convert.mla.modeling import MLAForCausalLM
 
 __version__ = "0.1.0"
 

@@ -1,3 +1,3 @@
-from .cli import main
+from mla_convert.cli.commands import main
 
 main()

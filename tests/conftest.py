@@ -13,14 +13,14 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 @pytest.fixture(scope="session")
 def smol():
-    from mla_convert.sources import open_source
+    from mla_convert.sources.checkpoint import open_source
 
     return open_source("smollm2-135m")
 
 
 @pytest.fixture(scope="session")
 def smol_model(smol):
-    from mla_convert.sources import load_source_model
+    from mla_convert.sources.checkpoint import load_source_model
 
     return load_source_model(smol)
 
@@ -34,7 +34,7 @@ def smol_tokenizer(smol):
 
 @pytest.fixture(scope="session")
 def wiki_splits():
-    from mla_convert.text import load_documents, split_documents
+    from mla_convert.text.corpora import load_documents, split_documents
 
     return split_documents(load_documents("wikipedia"))
 
@@ -42,7 +42,7 @@ def wiki_splits():
 @pytest.fixture(scope="session")
 def calib_windows(smol_tokenizer, wiki_splits) -> torch.Tensor:
     """3 windows of 128 real calibration tokens (Wikipedia calibration split)."""
-    from mla_convert.text import token_windows
+    from mla_convert.text.corpora import token_windows
 
     return token_windows(smol_tokenizer, wiki_splits["calibration"], 128, 3, bos=False)
 
@@ -50,14 +50,14 @@ def calib_windows(smol_tokenizer, wiki_splits) -> torch.Tensor:
 @pytest.fixture(scope="session")
 def eval_ids(smol_tokenizer, wiki_splits) -> torch.Tensor:
     """One window of 192 real held-out tokens (Wikipedia evaluation split)."""
-    from mla_convert.text import token_windows
+    from mla_convert.text.corpora import token_windows
 
     return token_windows(smol_tokenizer, wiki_splits["evaluation"], 192, 1, bos=False)
 
 
 @pytest.fixture(scope="session")
 def smol_stats(smol, smol_model, calib_windows):
-    from mla_convert.calibration import collect_stats
+    from mla_convert.convert.calibration import collect_stats
 
     return collect_stats(smol_model, smol, calib_windows[:2], calib_windows[2:], keep_calibration=True)
 
@@ -93,7 +93,7 @@ def run_reference(out: Path) -> dict:
 
     from typer.testing import CliRunner
 
-    from mla_convert.cli import app
+    from mla_convert.cli.commands import app
 
     res = CliRunner().invoke(app, ["--quiet", "factor", "smollm2-135m", str(out)])
     assert res.exit_code == 0, res.output + str(res.exception)

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from mla_convert.cli import app
+from mla_convert.cli.commands import app
 
 TINY = [
     "--tokens", "768", "--seq-len", "64", "--eval-windows", "1", "--objective", "mix",
@@ -48,7 +48,7 @@ def one_process(reference_ckpt, tmp_path_factory) -> Path:
 def test_gradients_reach_every_trainable_factor(reference_ckpt, eval_ids):
     from transformers import AutoModelForCausalLM
 
-    from mla_convert.adapt import select_trainable
+    from mla_convert.adapt.train import select_trainable
 
     model = AutoModelForCausalLM.from_pretrained(str(reference_ckpt), dtype=torch.float32)
     inv = select_trainable(model, "attention")
@@ -155,8 +155,8 @@ def test_adapt_bad_inputs(reference_ckpt, tmp_path):
 def test_hidden_state_term_matches_layers_and_trains(reference_ckpt, eval_ids, tmp_path, one_process):
     from transformers import AutoModelForCausalLM
 
-    from mla_convert.adapt import LayerOutputs, hidden_loss, select_trainable
-    from mla_convert.sources import load_source_model, open_source
+    from mla_convert.adapt.train import LayerOutputs, hidden_loss, select_trainable
+    from mla_convert.sources.checkpoint import load_source_model, open_source
 
     model = AutoModelForCausalLM.from_pretrained(str(reference_ckpt), dtype=torch.float32)
     select_trainable(model, "attention")
@@ -201,8 +201,8 @@ def test_attention_transfer_is_zero_at_full_rank_and_trains(smol, smol_model, sm
     """Attention transfer feeds each MLA block the source's layer inputs: an exact conversion scores 0."""
     from transformers import AutoModelForCausalLM
 
-    from mla_convert.adapt import AttentionIO, attention_transfer_loss, select_trainable
-    from mla_convert.convert import ConvertOptions, build_mla
+    from mla_convert.adapt.train import AttentionIO, attention_transfer_loss, select_trainable
+    from mla_convert.convert.build import ConvertOptions, build_mla
 
     exact = ConvertOptions(rope_mode="per-head", rope_strategy="high", rope_pairs=32, cache_budget=None,
                            kv_lora_rank=192)  # fmt: skip
@@ -237,7 +237,7 @@ def test_attention_transfer_rules_live_in_the_options_schema():
     """So the CLI, the recipes' --dry-run and a real run all refuse the same combinations, all at once."""
     import pydantic
 
-    from mla_convert.adapt import AdaptOptions
+    from mla_convert.adapt.train import AdaptOptions
 
     with pytest.raises(pydantic.ValidationError) as err:
         AdaptOptions(objective="attention-transfer", trainable="all", hidden_weight=1.0)

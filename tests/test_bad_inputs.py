@@ -1,6 +1,6 @@
 """Bad inputs through the real CLI: exit code 2, one ``error: ...`` line naming the problem, nothing written.
 
-Every ``factor`` case runs ``mla-convert factor`` (typer's ``CliRunner`` on :data:`mla_convert.cli.app`)
+Every ``factor`` case runs ``mla-convert factor`` (typer's ``CliRunner`` on :data:`mla_convert.cli.commands`)
 on a tiny random Llama saved by transformers, with the bundled SmolLM2 tokenizer next to it. The
 conversion itself is replaced by a tripwire (:class:`ConversionStarted`), so a check that stops
 working fails the test instead of starting a conversion; :func:`test_control_reaches_conversion`
@@ -28,7 +28,7 @@ from tiny import (
 )
 from typer.testing import CliRunner
 
-from mla_convert.cli import app
+from mla_convert.cli.commands import app
 
 RUNNER = CliRunner()
 
@@ -47,7 +47,7 @@ class ConversionStarted(AssertionError):
 @pytest.fixture(autouse=True)
 def tripwire(monkeypatch: pytest.MonkeyPatch) -> None:
     """Bad inputs must fail before calibration/conversion: make reaching it an error."""
-    import mla_convert.pipeline as pipeline
+    import mla_convert.convert.job as pipeline
 
     def convert(*args: Any, **kwargs: Any) -> Any:
         raise ConversionStarted("conversion started: the bad input was not caught before heavy work")
@@ -364,7 +364,7 @@ def test_source_path_with_brackets_is_named_verbatim(name: str, good_text: Path,
 
 
 def test_manifest_verify_names_modified_file(tmp_path: Path) -> None:
-    from mla_convert.manifest import MANIFEST, write_manifest
+    from mla_convert.artifacts.manifest import MANIFEST, write_manifest
 
     folder = tmp_path / "converted"
     folder.mkdir()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_convert.convert import ConvertOptions, build_mla
-from mla_convert.evaluate import greedy, greedy_recompute, measure_cache
-from mla_convert.modeling_mla import latent_cache_bytes
+from mla_convert.convert.build import ConvertOptions, build_mla
+from mla_convert.mla.modeling import latent_cache_bytes
+from mla_convert.validate.metrics import greedy, greedy_recompute, measure_cache
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +73,9 @@ def test_conversion_is_deterministic(smol, smol_model, smol_stats):
 
 def test_o_proj_refit_lowers_held_out_attention_error(smol, smol_model, smol_tokenizer, wiki_splits):
     """The refit is fitted on calibration tokens and must help on tokens it never saw."""
-    from mla_convert.calibration import collect_stats
-    from mla_convert.convert import attention_errors
-    from mla_convert.text import token_windows
+    from mla_convert.convert.build import attention_errors
+    from mla_convert.convert.calibration import collect_stats
+    from mla_convert.text.corpora import token_windows
 
     windows = token_windows(smol_tokenizer, wiki_splits["calibration"], 256, 17, bos=False)
     stats, held = collect_stats(smol_model, smol, windows[:16], windows[16:], keep_calibration=True)

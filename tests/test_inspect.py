@@ -6,7 +6,7 @@ import json
 
 from typer.testing import CliRunner
 
-from mla_convert import cli
+from mla_convert.cli import commands as cli
 
 
 def test_inspect_suggests_the_measured_split(tmp_path, monkeypatch):

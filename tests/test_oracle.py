@@ -19,9 +19,9 @@ import torch
 from oracle import layer_oracles, oracle_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from mla_convert.calibration import collect_stats
-from mla_convert.convert import ConvertOptions, build_mla
-from mla_convert.sources import load_source_model, open_source
+from mla_convert.convert.build import ConvertOptions, build_mla
+from mla_convert.convert.calibration import collect_stats
+from mla_convert.sources.checkpoint import load_source_model, open_source
 
 TOL = 1e-4
 
@@ -133,7 +133,7 @@ def test_default_conversion_equals_oracle_on_every_path(smol, smol_model, smol_s
     """Default options (shared 2-norm r=24, output-aware joint SVD at a 120-value budget, o_proj refit):
     the oracle takes the refitted ``o_proj`` from the checkpoint; naive, absorbed and the Triton decode
     path over the paged latent cache all equal it."""
-    from mla_convert.decode import generate
+    from mla_convert.runtime.decode import generate
 
     opts = ConvertOptions()  # every default
     mla, plans, _, _ = _check(

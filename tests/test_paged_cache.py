@@ -14,14 +14,14 @@ import math
 
 import pytest
 import torch
+from mla_convert.kernels import kernel_backend
 from transformers import DynamicCache
 
 import mla_convert  # noqa: F401  (sets TRITON_INTERPRET=1 on CPU before triton is imported)
-from mla_convert.configuration_mla import MLAConfig
-from mla_convert.decode import generate
-from mla_convert.kernels import kernel_backend
-from mla_convert.modeling_mla import MLAForCausalLM
-from mla_convert.paged_cache import CacheError, PagedLatentCache
+from mla_convert.mla.configuration import MLAConfig
+from mla_convert.mla.modeling import MLAForCausalLM
+from mla_convert.runtime.decode import generate
+from mla_convert.runtime.paged_cache import CacheError, PagedLatentCache
 
 E2E_TOL = 1e-4
 #: the model runs where the kernel runs natively: CUDA when present, else CPU (Triton interpreter)

@@ -18,8 +18,8 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from mla_convert.cli import app
-from mla_convert.recipes import (
+from mla_convert.cli.commands import app
+from mla_convert.recipes.recipe import (
     BUNDLED_DIR,
     RESOLVED_NAME,
     RecipeError,
@@ -284,7 +284,7 @@ def test_overrides_apply_before_validation(tmp_path):
 def test_dry_run_quickstart_prints_plan_and_shapes_and_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     loaded: list[str] = []
-    import mla_convert.sources as sources
+    import mla_convert.sources.checkpoint as sources
 
     monkeypatch.setattr(sources, "load_source_model", lambda *a, **k: loaded.append("model"))
     r = run("run", QUICKSTART, "--dry-run")
@@ -355,8 +355,8 @@ class Fakes:
     def run_factor(
         self, src: Any, out: Path, options: Any, overwrite: bool = False, progress: Any = None
     ) -> dict:
-        from mla_convert.manifest import write_manifest
-        from mla_convert.output import atomic_folder, check_output
+        from mla_convert.artifacts.manifest import write_manifest
+        from mla_convert.artifacts.output import atomic_folder, check_output
 
         self.calls.append("factor")
         out = check_output(out, overwrite, src.path)
@@ -371,8 +371,8 @@ class Fakes:
         return {}
 
     def run_adapt(self, ckpt: Path, out: Path, options: Any, overwrite: bool = False, **kw: Any) -> dict:
-        from mla_convert.manifest import write_manifest
-        from mla_convert.output import atomic_folder, check_output
+        from mla_convert.artifacts.manifest import write_manifest
+        from mla_convert.artifacts.output import atomic_folder, check_output
 
         self.calls.append("adapt")
         check_output(out, overwrite, ckpt)
@@ -388,7 +388,7 @@ class Fakes:
         return report
 
     def validate(self, ckpt: Path, source: Any = None, *args: Any, **kw: Any) -> Any:
-        from mla_convert.validate import Check, Rung, ValidationResult
+        from mla_convert.validate.ladder import Check, Rung, ValidationResult
 
         self.calls.append(f"validate:{Path(ckpt).name}")
         rungs = [
@@ -409,14 +409,14 @@ class Fakes:
 
 @pytest.fixture
 def fakes(monkeypatch: pytest.MonkeyPatch) -> Fakes:
-    import mla_convert.adapt
-    import mla_convert.pipeline
-    import mla_convert.validate
+    import mla_convert.adapt.train
+    import mla_convert.convert.job
+    import mla_convert.validate.ladder
 
     f = Fakes()
-    monkeypatch.setattr(mla_convert.pipeline, "run_factor", f.run_factor)
-    monkeypatch.setattr(mla_convert.adapt, "run_adapt", f.run_adapt)
-    monkeypatch.setattr(mla_convert.validate, "validate", f.validate)
+    monkeypatch.setattr(mla_convert.convert.job, "run_factor", f.run_factor)
+    monkeypatch.setattr(mla_convert.adapt.train, "run_adapt", f.run_adapt)
+    monkeypatch.setattr(mla_convert.validate.ladder, "validate", f.validate)
     return f
 
 
@@ -494,7 +494,7 @@ def test_run_adapt_reruns_when_its_parent_changed(tmp_path, fakes):
     m = tmp_path / "out" / "adapt" / "mla_manifest.json"
     data = json.loads(m.read_text())
     data["parent"]["canonical_id"] = "0" * 64
-    from mla_convert.manifest import canonical_id
+    from mla_convert.artifacts.manifest import canonical_id
 
     data["canonical_id"] = canonical_id(data)
     m.write_text(json.dumps(data))

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mla_convert.cli import app
-from mla_convert.manifest import canonical_id
+from mla_convert.artifacts.manifest import canonical_id
+from mla_convert.cli.commands import app
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import run_reference  # noqa: E402

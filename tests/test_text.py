@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from mla_convert.assets import GGUF_SIZE, bundled_gguf_path, cache_dir
-from mla_convert.text import (
+from mla_convert.sources.assets import GGUF_SIZE, bundled_gguf_path, cache_dir
+from mla_convert.text.corpora import (
     Document,
     TextError,
     documents_record,

@@ -15,10 +15,10 @@ import pytest
 import torch
 from oracle import rotation_projector
 
-from mla_convert.assemble import layer_tensors, pad_plan
-from mla_convert.calibration import LayerStats
-from mla_convert.factorize import FactorError, allocate_ranks, build_target, factor_layer, spectrum
-from mla_convert.rope import RopeError, fixed_pairs, plan_layer
+from mla_convert.convert.assemble import layer_tensors, pad_plan
+from mla_convert.convert.calibration import LayerStats
+from mla_convert.convert.factorize import FactorError, allocate_ranks, build_target, factor_layer, spectrum
+from mla_convert.convert.rope import RopeError, fixed_pairs, plan_layer
 
 LAYER = 3
 
@@ -282,7 +282,7 @@ def test_assembled_layer_scores_values_and_biases(biased_layer, mode):
 def test_manifest_verify_names_files_it_does_not_cover(tmp_path):
     import json
 
-    from mla_convert.manifest import MANIFEST, canonical_id, sha256_file, verify
+    from mla_convert.artifacts.manifest import MANIFEST, canonical_id, sha256_file, verify
 
     (tmp_path / "model.safetensors").write_bytes(b"weights")
     manifest = {

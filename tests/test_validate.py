@@ -15,7 +15,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from mla_convert.cli import app
+from mla_convert.cli.commands import app
 
 SMALL = ["--windows", "2", "--window", "128", "--new-tokens", "4"]
 

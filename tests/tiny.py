@@ -63,7 +63,7 @@ def edit_config(folder: Path, **changes: Any) -> dict[str, Any]:
 @functools.cache
 def bundled_model_dir() -> Path:
     """The cached safetensors folder of the bundled SmolLM2-135M (built once from its GGUF)."""
-    from mla_convert.sources import open_source
+    from mla_convert.sources.checkpoint import open_source
 
     return open_source("smollm2-135m").path
 

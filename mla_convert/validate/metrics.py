@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from .modeling_mla import MLAForCausalLM, latent_cache_bytes
+from mla_convert.mla.modeling import MLAForCausalLM, latent_cache_bytes
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -15,16 +15,22 @@ from typing import Any
 
 import torch
 
-from . import __version__
-from .convert import Conversion, ConvertOptions, ProgressFn, convert
-from .evaluate import EvalResult, evaluate, measure_cache
-from .factorize import FACTORIZATIONS, OBJECTIVES, FactorError
-from .manifest import write_manifest
-from .output import atomic_folder, check_output, save_checkpoint
-from .report import write_report
-from .rope import BASES, MODES, STRATEGIES, RopeError
-from .sources import SourceModel, sha256_file, tokenizer_digest, tokenizer_files
-from .text import TextError, documents_record, load_documents, split_documents, token_windows
+from mla_convert import __version__
+from mla_convert.artifacts.manifest import write_manifest
+from mla_convert.artifacts.output import atomic_folder, check_output, save_checkpoint
+from mla_convert.artifacts.report import write_report
+from mla_convert.convert.build import Conversion, ConvertOptions, ProgressFn, convert
+from mla_convert.convert.factorize import FACTORIZATIONS, OBJECTIVES, FactorError
+from mla_convert.convert.rope import BASES, MODES, STRATEGIES, RopeError
+from mla_convert.sources.checkpoint import SourceModel, sha256_file, tokenizer_digest, tokenizer_files
+from mla_convert.text.corpora import (
+    TextError,
+    documents_record,
+    load_documents,
+    split_documents,
+    token_windows,
+)
+from mla_convert.validate.metrics import EvalResult, evaluate, measure_cache
 
 #: Held-out calibration windows: per-layer attention error and the o_proj refit's keep/revert check
 #: (several, so one window's noise cannot decide it; every window's loss is recorded).
@@ -64,7 +70,7 @@ def check_options(options: ConvertOptions, src: SourceModel) -> None:
         raise FactorError(
             f"unknown --factorization {options.factorization!r}; choose one of {', '.join(FACTORIZATIONS)}"
         )
-    from .convert import REFITS
+    from mla_convert.convert.build import REFITS
 
     if options.refit_o_proj not in REFITS:
         raise FactorError(
@@ -194,7 +200,7 @@ def run_factor(
     cache_mla = measure_cache(conv.model, probe)
     sample = None
     if sample_prompt:
-        from .evaluate import greedy
+        from mla_convert.validate.metrics import greedy
 
         ids = tokenizer(sample_prompt, return_tensors="pt").input_ids
         sample = tokenizer.decode(greedy(conv.model, ids, 24)[0], skip_special_tokens=True)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .calibration import LayerStats, second_moment
+from mla_convert.convert.calibration import LayerStats, second_moment
 
 MODES = ("per-head", "shared")
 STRATEGIES = ("high", "low", "uniform", "2-norm", "rotation")

@@ -19,7 +19,13 @@ from typing import Any
 
 import torch
 
-from .text import TextError, documents_record, load_documents, split_documents, token_windows
+from mla_convert.text.corpora import (
+    TextError,
+    documents_record,
+    load_documents,
+    split_documents,
+    token_windows,
+)
 
 
 @dataclass

@@ -14,14 +14,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from . import __version__
-from .assemble import layer_tensors, pad_plan
-from .calibration import HeldOut, LayerStats, collect_stats
-from .configuration_mla import MLAConfig
-from .factorize import FactorError, Factors, allocate_ranks, build_target, factor_layer, spectrum
-from .modeling_mla import MLAAttention, MLAForCausalLM
-from .rope import RopePlan, plan_layer
-from .sources import SourceModel, load_source_model
+from mla_convert import __version__
+from mla_convert.convert.assemble import layer_tensors, pad_plan
+from mla_convert.convert.calibration import HeldOut, LayerStats, collect_stats
+from mla_convert.convert.factorize import (
+    FactorError,
+    Factors,
+    allocate_ranks,
+    build_target,
+    factor_layer,
+    spectrum,
+)
+from mla_convert.convert.rope import RopePlan, plan_layer
+from mla_convert.mla.configuration import MLAConfig
+from mla_convert.mla.modeling import MLAAttention, MLAForCausalLM
+from mla_convert.sources.checkpoint import SourceModel, load_source_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -25,7 +25,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from mla_convert.assets import NEWS_MEMBER, WIKI_MEMBER, cache_dir, gensim_text_file, sha256_file
+from mla_convert.sources.assets import NEWS_MEMBER, WIKI_MEMBER, cache_dir, gensim_text_file, sha256_file
 
 if TYPE_CHECKING:
     import torch

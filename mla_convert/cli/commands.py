@@ -54,16 +54,16 @@ def fail(message: str) -> None:
 @contextmanager
 def user_errors() -> Iterator[None]:
     """Turn the package's input errors into one-line messages and exit code 2."""
-    from .assets import AssetError
-    from .factorize import FactorError
-    from .kernels import KernelUnavailable
-    from .manifest import ManifestError
-    from .output import OutputError
-    from .paged_cache import CacheError
-    from .rope import RopeError
-    from .sources import SourceError
-    from .text import TextError
-    from .validate import ValidationError
+    from mla_convert.artifacts.manifest import ManifestError
+    from mla_convert.artifacts.output import OutputError
+    from mla_convert.convert.factorize import FactorError
+    from mla_convert.convert.rope import RopeError
+    from mla_convert.kernels import KernelUnavailable
+    from mla_convert.runtime.paged_cache import CacheError
+    from mla_convert.sources.assets import AssetError
+    from mla_convert.sources.checkpoint import SourceError
+    from mla_convert.text.corpora import TextError
+    from mla_convert.validate.ladder import ValidationError
 
     errors = (SourceError, RopeError, FactorError, OutputError, TextError, ManifestError, AssetError)
     try:
@@ -118,7 +118,7 @@ def say(*args: Any) -> None:
         console.print(*args, markup=False, highlight=False)
 
 
-MEASURED_SPLITS = Path(__file__).with_name("measured_splits.json")
+MEASURED_SPLITS = Path(__file__).parents[1] / "convert" / "measured_splits.json"
 
 
 def measured_splits() -> dict[float, dict[str, Any]]:
@@ -141,7 +141,7 @@ def inspect(source: str = typer.Argument(..., help=SOURCE_HELP)) -> None:
 
     Example: mla-convert inspect smollm2-135m
     """
-    from .sources import open_source
+    from mla_convert.sources.checkpoint import open_source
 
     with user_errors():
         src = open_source(source)
@@ -221,11 +221,11 @@ def factor(
 
       mla-convert factor ./Llama-3.2-1B out/l1b --rope-mode per-head --rope-strategy 2-norm --rope-pairs 4 --kv-lora-rank 256
     """
-    from .convert import ConvertOptions
-    from .output import check_output
-    from .pipeline import run_factor
-    from .report import layer_table, summary_table
-    from .sources import open_source
+    from mla_convert.artifacts.output import check_output
+    from mla_convert.artifacts.report import layer_table, summary_table
+    from mla_convert.convert.build import ConvertOptions
+    from mla_convert.convert.job import run_factor
+    from mla_convert.sources.checkpoint import open_source
 
     with user_errors():
         options = ConvertOptions(
@@ -303,9 +303,9 @@ def eval_cmd(
     """
     from transformers import AutoTokenizer
 
-    from .evaluate import evaluate
-    from .sources import load_source_model, open_source
-    from .text import load_documents, split_documents, token_windows
+    from mla_convert.sources.checkpoint import load_source_model, open_source
+    from mla_convert.text.corpora import load_documents, split_documents, token_windows
+    from mla_convert.validate.metrics import evaluate
 
     with user_errors():
         model = _load_mla(ckpt)
@@ -344,8 +344,8 @@ def generate(
     """
     from transformers import AutoTokenizer
 
-    from .decode import generate as paged_generate
-    from .evaluate import greedy
+    from mla_convert.runtime.decode import generate as paged_generate
+    from mla_convert.validate.metrics import greedy
 
     if backend not in ("absorbed", "triton", "paged"):
         fail(f"--backend {backend!r} is not one of absorbed, triton, paged")
@@ -390,8 +390,8 @@ def validate(
 
     Example: mla-convert validate out/smollm2-mla
     """
-    from .validate import format_value, write_validation
-    from .validate import validate as run_validate
+    from mla_convert.validate.ladder import format_value, write_validation
+    from mla_convert.validate.ladder import validate as run_validate
 
     if backend not in ("triton", "absorbed"):
         fail(f"--backend {backend!r} is not one of triton, absorbed")
@@ -491,7 +491,7 @@ def adapt(
     """
     import pydantic
 
-    from .adapt import AdaptError, AdaptOptions, run_adapt
+    from mla_convert.adapt.train import AdaptError, AdaptOptions, run_adapt
 
     try:
         options = AdaptOptions.model_validate(dict(
@@ -565,7 +565,7 @@ def manifest_verify(out: Path = typer.Argument(..., help="An mla-convert output 
 
     Example: mla-convert manifest verify out/smollm2-mla
     """
-    from .manifest import verify
+    from mla_convert.artifacts.manifest import verify
 
     with user_errors():
         res = verify(out)
@@ -588,7 +588,7 @@ def _recipe_fail(exc: Any) -> None:
 
 def _recipe_path(recipe: str) -> Path:
     """RECIPE as a file, or the bundled recipe of that name when no such file exists."""
-    from .recipes import bundled_path
+    from mla_convert.recipes.recipe import bundled_path
 
     p = Path(recipe).expanduser()
     if not p.exists():
@@ -632,8 +632,8 @@ def run_recipe_cmd(
 
       mla-convert run smollm2-135m-quickstart.yaml factor.rope_pairs=20 adapt=null
     """
-    from .adapt import AdaptError
-    from .recipes import (
+    from mla_convert.adapt.train import AdaptError
+    from mla_convert.recipes.recipe import (
         RecipeError,
         blocked,
         load_recipe,
@@ -644,7 +644,7 @@ def run_recipe_cmd(
         run_recipe,
         shape_lines,
     )
-    from .validate import format_value
+    from mla_convert.validate.ladder import format_value
 
     path = _recipe_path(recipe)
     try:
@@ -755,7 +755,7 @@ def init_recipe_cmd(
 
     Example: mla-convert init-recipe smollm2-135m-quickstart && mla-convert run smollm2-135m-quickstart.yaml --dry-run
     """
-    from .recipes import bundled_description, bundled_names, bundled_path, write_atomic
+    from mla_convert.recipes.recipe import bundled_description, bundled_names, bundled_path, write_atomic
 
     names = bundled_names()
     if name is None:

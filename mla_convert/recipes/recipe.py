@@ -23,22 +23,24 @@ import tempfile
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .adapt import AdaptOptions
-from .convert import REFITS, ConvertOptions
-from .factorize import FACTORIZATIONS, OBJECTIVES
-from .rope import BASES, MODES, STRATEGIES
+from mla_convert.adapt.train import AdaptOptions
+from mla_convert.convert.build import REFITS, ConvertOptions
+from mla_convert.convert.factorize import FACTORIZATIONS, OBJECTIVES
+from mla_convert.convert.rope import BASES, MODES, STRATEGIES
 
 if TYPE_CHECKING:
-    from .sources import SourceModel
+    from mla_convert.sources.checkpoint import SourceModel
 
 #: Folder of the bundled recipes (``mla_convert/recipes/*.yaml``).
-BUNDLED_DIR = Path(__file__).resolve().parent / "recipes"
+#: The bundled recipes: the repository's top-level ``recipes/``, installed as ``mla_convert.recipes.bundled``.
+BUNDLED_DIR = Path(str(resources.files("mla_convert.recipes.bundled")))
 RESOLVED_NAME = "recipe.resolved.yaml"
 STAGES = ("factor", "adapt", "validate")
 
@@ -307,9 +309,9 @@ def _factor_problems(fo: ConvertOptions, bad: set[str], src: SourceModel | None,
                 f"RoPE values; at most {max_rank} is possible (source cache {src.kv_cache_width} values)",
             )
     if len(doc.problems) == before and not bad:
-        from .factorize import FactorError
-        from .pipeline import check_options
-        from .rope import RopeError
+        from mla_convert.convert.factorize import FactorError
+        from mla_convert.convert.job import check_options
+        from mla_convert.convert.rope import RopeError
 
         try:  # anything the per-key checks above do not cover
             check_options(fo, src)
@@ -398,7 +400,7 @@ def load_recipe(
     src = None
     source = raw.get("source")
     if check_source and isinstance(source, str) and source and ("source",) not in failed:
-        from .sources import SourceError, open_source
+        from mla_convert.sources.checkpoint import SourceError, open_source
 
         try:
             src = open_source(source)
@@ -420,7 +422,7 @@ def load_recipe(
     if check_source and recipe is not None:
         a = recipe.adapt
         if a is not None and a.source and a.source != recipe.source:
-            from .sources import SourceError, open_source
+            from mla_convert.sources.checkpoint import SourceError, open_source
 
             try:
                 open_source(a.source)
@@ -443,7 +445,7 @@ def load_recipe(
 
 def resolved_yaml(res: Resolved) -> str:
     """The resolved recipe as YAML (every default filled in), with a header naming its origin."""
-    from . import __version__
+    from mla_convert import __version__
 
     head = f"# resolved by mla-convert {__version__} from {res.file}"
     if res.overrides:
@@ -524,7 +526,7 @@ def _occupied(folder: Path) -> bool:
 
 def factor_stage(recipe: Recipe) -> tuple[Stage, str | None]:
     """Whether ``<output>/factor`` is up to date; returns the stage and its canonical id when it is."""
-    from .manifest import MANIFEST, canonical_id
+    from mla_convert.artifacts.manifest import MANIFEST, canonical_id
 
     folder = recipe.out / "factor"
     if not _occupied(folder):
@@ -550,7 +552,7 @@ def factor_stage(recipe: Recipe) -> tuple[Stage, str | None]:
 def adapt_stage(recipe: Recipe, factor_cid: str | None) -> Stage:
     """Whether ``<output>/adapt`` is up to date for the factor output with canonical id ``factor_cid``
     (None: the factor stage runs first, so the adapt stage runs too)."""
-    from .manifest import MANIFEST
+    from mla_convert.artifacts.manifest import MANIFEST
 
     folder = recipe.out / "adapt"
     if recipe.adapt is None:
@@ -759,10 +761,10 @@ def run_recipe(
         RecipeError: a stage folder would be replaced without ``overwrite`` (checked before any work).
         The stages' own errors (SourceError, OutputError, AdaptError, ValidationError, ...).
     """
-    from . import adapt as adapt_mod
-    from . import pipeline
-    from . import validate as validate_mod
-    from .manifest import MANIFEST
+    from mla_convert.adapt import train as adapt_mod
+    from mla_convert.artifacts.manifest import MANIFEST
+    from mla_convert.convert import job as pipeline
+    from mla_convert.validate import ladder as validate_mod
 
     recipe = res.recipe
     stop = blocked(make_plan(recipe))
@@ -775,7 +777,7 @@ def run_recipe(
             ],
         )
     if res.src is None:
-        from .sources import open_source
+        from mla_convert.sources.checkpoint import open_source
 
         res.src = open_source(recipe.source)
     write_atomic(recipe.out / RESOLVED_NAME, resolved_yaml(res))

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .sources import SourceModel
+from mla_convert.sources.checkpoint import SourceModel
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from . import __version__
-from .adapt_data import AdaptData, build_data, step_rows
-from .output import OutputError, atomic_folder, check_output
+from mla_convert import __version__
+from mla_convert.adapt.data import AdaptData, build_data, step_rows
+from mla_convert.artifacts.output import OutputError, atomic_folder, check_output
 
 ProgressFn = Callable[[dict[str, Any]], None]
 
@@ -264,7 +264,7 @@ def attention_transfer_loss(
         the scalar loss and its parts (``transfer``: the mean relative error; ``transfer_first`` and
         ``transfer_last`` for the first and last layer).
     """
-    from .modeling_mla import causal_mask
+    from mla_convert.mla.modeling import causal_mask
 
     layers: list[torch.nn.Module] = list(model.model.layers)  # type: ignore[union-attr,arg-type]
     if len(pairs) != len(layers):
@@ -390,10 +390,10 @@ def run_adapt(
     from accelerate.utils import set_seed
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .evaluate import evaluate
-    from .manifest import write_manifest
-    from .output import save_checkpoint
-    from .sources import load_source_model, open_source
+    from mla_convert.artifacts.manifest import write_manifest
+    from mla_convert.artifacts.output import save_checkpoint
+    from mla_convert.sources.checkpoint import load_source_model, open_source
+    from mla_convert.validate.metrics import evaluate
 
     if not (ckpt / "config.json").is_file():
         raise AdaptError(f"{ckpt} has no config.json; pass a folder written by 'mla-convert factor'")

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .paged_cache import PagedLatentCache
+from mla_convert.runtime.paged_cache import PagedLatentCache
 
 DECODE_BACKENDS = ("triton", "absorbed")
 

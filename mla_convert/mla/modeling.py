@@ -37,8 +37,8 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
-from .configuration_mla import MLAConfig
-from .paged_cache import PagedLatentCache
+from mla_convert.mla.configuration import MLAConfig
+from mla_convert.runtime.paged_cache import PagedLatentCache
 
 ATTENTION_PATHS = ("absorbed", "naive", "triton")
 
@@ -237,7 +237,7 @@ class MLAAttention(nn.Module):
         q_abs = self.absorb_query(q_nope)
         lens = cache.seq_lens(pending=t)
         if self.path == "triton" and t == 1:
-            from .kernels import kernel_backend, load_kernel
+            from mla_convert.kernels import kernel_backend, load_kernel
 
             kernel = load_kernel()
             device = q_abs.device

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from .factorize import Factors
-from .rope import RopePlan
+from mla_convert.convert.factorize import Factors
+from mla_convert.convert.rope import RopePlan
 
 
 def pad_plan(plan: RopePlan, d_nope: int) -> RopePlan:

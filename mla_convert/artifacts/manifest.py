@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .sources import sha256_file
+from mla_convert.sources.checkpoint import sha256_file
 
 MANIFEST = "mla_manifest.json"
 SCHEMA_VERSION = 1

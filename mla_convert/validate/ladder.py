@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from .decode import generate
-from .modeling_mla import MLAForCausalLM, apply_rope, causal_mask
-from .paged_cache import PagedLatentCache
+from mla_convert.mla.modeling import MLAForCausalLM, apply_rope, causal_mask
+from mla_convert.runtime.decode import generate
+from mla_convert.runtime.paged_cache import PagedLatentCache
 
 #: fp32 tolerances (relative error = max|a - b| / max|b|) and why.
 TOL_PATHS = 1e-4  # naive vs absorbed: same fp32 math re-associated through the d_c-wide latent
@@ -191,7 +191,7 @@ def rung_paths(model: MLAForCausalLM, ids: torch.Tensor, data: str) -> Rung:
 @torch.no_grad()
 def rung_kernel(model: MLAForCausalLM, prompts: list[torch.Tensor], page_size: int, data: str) -> Rung:
     """Rung 2: Triton kernel vs float64 oracle on real queries and paged cache rows, per layer."""
-    from .kernels import kernel_backend, latent_decode_reference, load_kernel
+    from mla_convert.kernels import kernel_backend, latent_decode_reference, load_kernel
 
     rung = Rung(2, "kernel-vs-reference", data)
     kernel = load_kernel()
@@ -330,7 +330,7 @@ def rung_source(
     data: str,
 ) -> tuple[Rung, dict[str, Any]]:
     """Rung 4: converted vs source on held-out windows; scale contract; recorded figures reproduced."""
-    from .evaluate import evaluate
+    from mla_convert.validate.metrics import evaluate
 
     rung = Rung(4, "converted-vs-source", data)
     rung.check(
@@ -368,7 +368,7 @@ def rung_ledger(
     model: MLAForCausalLM, cache: PagedLatentCache, source_model: Any, probe: torch.Tensor
 ) -> Rung:
     """Rung 5: measured paged-cache bytes vs the formula vs the source's measured KV cache."""
-    from .evaluate import measure_cache
+    from mla_convert.validate.metrics import measure_cache
 
     led = cache.ledger()
     rung = Rung(
@@ -502,9 +502,9 @@ def validate(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .kernels import kernel_backend
-    from .sources import load_source_model, open_source
-    from .text import load_documents, split_documents, token_windows
+    from mla_convert.kernels import kernel_backend
+    from mla_convert.sources.checkpoint import load_source_model, open_source
+    from mla_convert.text.corpora import load_documents, split_documents, token_windows
 
     say = progress or (lambda _m: None)
     if not (ckpt / "config.json").is_file():

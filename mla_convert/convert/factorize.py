@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .calibration import LayerStats, second_moment
-from .rope import RopePlan
+from mla_convert.convert.calibration import LayerStats, second_moment
+from mla_convert.convert.rope import RopePlan
 
 OBJECTIVES = ("weight", "activation", "output")
 FACTORIZATIONS = ("joint", "split")

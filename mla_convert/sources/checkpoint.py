@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
-from .families import REFUSED, Family, families
+from mla_convert.sources.families import REFUSED, Family, families
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -168,7 +168,7 @@ def rope_parameters(config: PretrainedConfig) -> dict[str, Any]:
 
 
 def _cache_root() -> Path:
-    from .assets import cache_dir
+    from mla_convert.sources.assets import cache_dir
 
     return cache_dir()
 
@@ -326,7 +326,7 @@ def open_source(spec: str | Path) -> SourceModel:
     """
     origin = str(spec)
     if origin.lower() in BUILTIN_MODELS:
-        from .assets import bundled_gguf_path
+        from mla_convert.sources.assets import bundled_gguf_path
 
         gguf = bundled_gguf_path()
         path, origin_files = gguf_to_folder(gguf), [gguf]
