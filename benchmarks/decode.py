@@ -9,7 +9,7 @@ its ratios to the source and to the naive MLA path, and the bytes the cache tens
   with a ``DynamicCache`` of per-KV-head K and V;
 * ``MLA naive``: the converted model's reference path, ``DynamicCache`` of expanded K/V;
 * ``MLA absorbed``: the product path, ``DynamicCache`` holding ``c_kv`` and rotated ``k_rope`` only;
-* ``MLA absorbed, paged``: the same math over a ``PagedLatentCache`` (what ``mla_convert.decode`` uses);
+* ``MLA absorbed, paged``: the same math over a ``PagedLatentCache`` (what ``mla_convert.runtime.decode`` uses);
 * ``MLA triton (interpreter)``: the Triton kernel over the paged cache at the first context only; on a
   CPU it runs in the Triton interpreter, so its time is a record of the backend, not a speed.
 
@@ -52,7 +52,8 @@ import mla_convert  # noqa: F401  (registers model_type "mla"; sets TRITON_INTER
 from mla_convert.mla.modeling import MLAForCausalLM, latent_cache_bytes
 from mla_convert.runtime.paged_cache import PagedLatentCache
 from mla_convert.sources.checkpoint import load_source_model, open_source
-from mla_convert.text.corpora import load_documents, split_documents, token_windows
+from mla_convert.text.corpora import load_documents
+from mla_convert.text.windows import split_documents, token_windows
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
@@ -271,8 +272,9 @@ def cpu_bench(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
 def gpu_bench(args: argparse.Namespace) -> list[str]:
     """Kernel time and bandwidth of ``latent_decode`` vs the copy bandwidth and SDPA (CUDA only)."""
     import torch.nn.functional as F
-    from mla_convert.kernels import latent_decode_reference, load_kernel
     from triton.testing import do_bench
+
+    from mla_convert.kernels import latent_decode_reference, load_kernel
 
     kernel = load_kernel()
     dev = torch.device("cuda")

@@ -33,13 +33,16 @@ from readme import replace_block
 from transformers import AutoTokenizer
 
 from mla_convert.convert.assemble import pad_plan
-from mla_convert.convert.build import ConvertOptions, _causal, build_mla
+from mla_convert.convert.build import build_mla
 from mla_convert.convert.calibration import LayerStats, collect_stats
 from mla_convert.convert.job import HELD_OUT_WINDOWS
+from mla_convert.convert.options import ConvertOptions
 from mla_convert.convert.rope import RopePlan
+from mla_convert.mla.algebra import causal_mask
 from mla_convert.mla.modeling import MLAForCausalLM
 from mla_convert.sources.checkpoint import SourceModel, load_source_model, open_source
-from mla_convert.text.corpora import load_documents, split_documents, token_windows
+from mla_convert.text.corpora import load_documents
+from mla_convert.text.windows import split_documents, token_windows
 from mla_convert.validate.metrics import evaluate
 
 CALIB, DEV, EXTRA = 16, 8, 48  # windows: calibration | refit check | dev | extra calibration (calib-64 row)
@@ -51,7 +54,7 @@ def sequential_refit(
 ) -> None:
     """Refit each layer's ``o_proj`` on the converted model's own inputs (layers 0..l-1 already converted)."""
     t = ids.shape[1]
-    pos, mask = torch.arange(t)[None], _causal(t)
+    pos, mask = torch.arange(t)[None], causal_mask(1, t)
     h = torch.cat([mla.model.embed_tokens(r[None]) for r in ids])
     h_src = h.clone()
     for layer, src_layer, st in zip(mla.model.layers, source.model.layers, stats, strict=True):

@@ -23,11 +23,13 @@ import torch
 from readme import replace_block
 from transformers import AutoTokenizer
 
-from mla_convert.convert.build import ConvertOptions, build_mla
+from mla_convert.convert.build import build_mla
 from mla_convert.convert.calibration import collect_stats
 from mla_convert.convert.job import HELD_OUT_WINDOWS
+from mla_convert.convert.options import ConvertOptions
 from mla_convert.sources.checkpoint import load_source_model, open_source
-from mla_convert.text.corpora import load_documents, split_documents, token_windows
+from mla_convert.text.corpora import load_documents
+from mla_convert.text.windows import split_documents, token_windows
 from mla_convert.validate.metrics import evaluate
 
 DEV_WINDOWS = 8

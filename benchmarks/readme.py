@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/readme.py reference            # reference table <- manifests/smollm2-135m-reference.json
     .venv/bin/python benchmarks/readme.py validate out/smollm2-mla   # validate block <- CKPT/validation.json
+    .venv/bin/python benchmarks/readme.py rungs                # rung table <- mla_convert/validate/spec.py
 
 The other blocks are written by the benchmarks themselves (``perplexity.py --readme``, ``decode.py
 --readme``, ``adapt.py --collect --readme``); they use :func:`replace_block` from here.
@@ -14,7 +15,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from mla_convert.validate.ladder import format_value
+from mla_convert.validate.report import table_cell
+from mla_convert.validate.result import format_value
+from mla_convert.validate.spec import RUNGS
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -73,6 +76,21 @@ def reference_block(manifest: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def rungs_block() -> str:
+    """The rung table (rung, what it compares, tolerances) from :data:`mla_convert.validate.spec.RUNGS`, the
+    table each checkpoint's ``validation.md`` also prints."""
+    lines = [
+        "Written by `python benchmarks/readme.py rungs` from `mla_convert/validate/spec.py`, the table the "
+        "rungs check against and each `validation.md` repeats.",
+        "",
+        "| rung | compares | tolerance (float32) |",
+        "|---|---|---|",
+    ]
+    for s in RUNGS:
+        lines.append(f"| {s.number} {s.name} | {table_cell(s.compares)} | {table_cell(s.tolerances)} |")
+    return "\n".join(lines)
+
+
 def validate_block(result: dict[str, Any], ckpt: str) -> str:
     """The validation ladder's README block from ``validation.json`` (one row per rung)."""
     env = result["environment"]
@@ -86,12 +104,15 @@ def validate_block(result: dict[str, Any], ckpt: str) -> str:
         "|---|---|---|---:|",
     ]
     for r in result["rungs"]:
-        checks = "; ".join(
-            f"{c['name']} {format_value(c['value'])}" + (f" ({c['tolerance']})" if c["tolerance"] else "")
-            for c in r["checks"]
+        checks = table_cell(
+            "; ".join(
+                f"{c['name']} {format_value(c['value'])}" + (f" ({c['tolerance']})" if c["tolerance"] else "")
+                for c in r["checks"]
+            )
         )
         verdict = "" if r["passed"] else " **FAIL**"
-        lines.append(f"| {r['number']} {r['name']}{verdict} | {r['data']} | {checks} | {r['seconds']:.1f} |")
+        data = table_cell(r["data"])
+        lines.append(f"| {r['number']} {r['name']}{verdict} | {data} | {checks} | {r['seconds']:.1f} |")
     return "\n".join(lines)
 
 
@@ -99,11 +120,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="block", required=True)
     sub.add_parser("reference", help="the reference conversion table from the pinned manifest")
+    sub.add_parser("rungs", help="the validation ladder's rung table from mla_convert/validate/spec.py")
     v = sub.add_parser("validate", help="the validation block from CKPT/validation.json")
     v.add_argument("ckpt", help="a checkpoint folder that `mla-convert validate` has run on")
     args = ap.parse_args()
     if args.block == "reference":
         replace_block("reference", reference_block(json.loads(PINNED.read_text())))
+    elif args.block == "rungs":
+        replace_block("rungs", rungs_block())
     else:
         path = Path(args.ckpt) / "validation.json"
         if not path.exists():

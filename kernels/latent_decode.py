@@ -1,4 +1,4 @@
-"""Triton split-KV decode attention over a paged MLA latent cache (FIELD.md §4).
+"""Triton split-KV decode attention over a paged MLA latent cache (docs/formats.md §The decode kernel).
 
 One query token per request. Program ``(b, head block, split)`` walks its share of request ``b``'s
 tokens in tiles of ``BLOCK_N`` rows; each tile of ``[c_kv | k_rope]`` rows is loaded once for a block of

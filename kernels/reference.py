@@ -1,7 +1,8 @@
 """PyTorch oracle for the paged latent-cache decode kernel (same signature, float64 by default).
 
-Follows FIELD.md §1/§4: for request ``b`` and query head ``h``, with the ``n = seq_lens[b]`` cached rows
-``[c_kv | k_rope]`` gathered through ``block_table[b]``::
+The absorbed decode step of docs/math.md on the paged layout of docs/formats.md: for request ``b`` and
+query head ``h``, with the ``n = seq_lens[b]`` cached rows ``[c_kv | k_rope]`` gathered through
+``block_table[b]``::
 
     score[h, j]      = (q_abs[b, h] . c_kv[j] + q_rope[b, h] . k_rope[j, r(h)]) * softmax_scale
     lse[b, h]        = log sum_j exp(score[h, j])                   (natural log)

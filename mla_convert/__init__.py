@@ -1,29 +1,77 @@
 """mla-convert: turn MHA/GQA transformer checkpoints into Multi-Head Latent Attention checkpoints.
 
-Importing this package registers the ``mla`` model type with transformers' ``AutoConfig`` and
-``AutoModelForCausalLM``, so converted checkpoints load with ``from_pretrained`` and no remote code.
+``import mla_convert`` registers the ``mla`` model type with transformers' ``AutoConfig`` and
+``AutoModelForCausalLM`` (:func:`register`), so converted checkpoints load with ``from_pretrained`` and no
+remote code. On a machine without a CUDA GPU, registering also sets ``TRITON_INTERPRET=1`` (unless already set)
+before anything imports Triton: the bundled decode kernel can then only run in the Triton interpreter, and
+Triton reads that switch once, when it is first imported.
 
-On a machine without a CUDA GPU it also sets ``TRITON_INTERPRET=1`` (unless already set) before anything
-imports Triton: the bundled decode kernel can then only run in the Triton interpreter, and Triton reads
-that switch once, when it is first imported.
+The one exception is the ``mla-convert`` command itself (the console script or ``python -m mla_convert``): it
+starts without torch or transformers, so ``--help`` and bad options answer at once, and each command registers
+(:func:`register`) only when it loads a model. docs/design.md, "A thin CLI".
 """
+
+from __future__ import annotations
 
 import os
 import sys
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _dist_version
+from typing import Any
 
-import torch
+try:  # the installed distribution's version (pyproject.toml)
+    __version__ = _dist_version("mla-convert")
+except PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
 
-if "triton" not in sys.modules and not torch.cuda.is_available():
+_REGISTERED = False
+
+
+def register() -> None:
+    """Register ``model_type: mla`` with transformers' Auto classes (idempotent); imports torch and transformers."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    import torch
+
+    if "triton" not in sys.modules and not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from mla_convert.mla.configuration import MLAConfig
+    from mla_convert.mla.modeling import MLAForCausalLM
+
+    AutoConfig.register("mla", MLAConfig, exist_ok=True)
+    AutoModelForCausalLM.register(MLAConfig, MLAForCausalLM, exist_ok=True)
+    _REGISTERED = True
+
+
+def _started_as_cli() -> bool:
+    """True while the ``mla-convert`` console script or ``python -m mla_convert`` is starting."""
+    argv0 = os.path.basename(sys.argv[0]) if sys.argv else ""
+    return argv0 in ("mla-convert", "mla-convert.exe") or (argv0 == "-m" and "mla_convert" in sys.orig_argv)
+
+
+def __getattr__(name: str) -> Any:
+    """``mla_convert.MLAConfig`` / ``mla_convert.MLAForCausalLM``, imported on first use."""
+    if name in ("MLAConfig", "MLAForCausalLM"):
+        register()
+        from mla_convert.mla import configuration, modeling
+
+        return configuration.MLAConfig if name == "MLAConfig" else modeling.MLAForCausalLM
+    raise AttributeError(f"module 'mla_convert' has no attribute {name!r}")
+
+
+def _no_gpu_device() -> bool:
+    """True when no GPU device node exists (NVIDIA ``/dev/nvidiactl``, ROCm ``/dev/kfd``): cheap, torch-free."""
+    return not (os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd"))
+
+
+if not _started_as_cli():
+    register()
+elif "triton" not in sys.modules and _no_gpu_device():
+    # The CLI imports torch later, inside a command, and some import may pull Triton in before register()
+    # runs: decide the Triton mode now, from the device nodes (register() confirms with torch).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from transformers import AutoConfig, AutoModelForCausalLM
-
-from mla_convert.mla.configuration import MLAConfig
-from mla_convert.mla.modeling import MLAForCausalLM
-
-__version__ = "0.1.0"
-
-AutoConfig.register("mla", MLAConfig, exist_ok=True)
-AutoModelForCausalLM.register(MLAConfig, MLAForCausalLM, exist_ok=True)
-
-__all__ = ["MLAConfig", "MLAForCausalLM", "__version__"]
+__all__ = ["MLAConfig", "MLAForCausalLM", "__version__", "register"]

@@ -34,7 +34,8 @@ def smol_tokenizer(smol):
 
 @pytest.fixture(scope="session")
 def wiki_splits():
-    from mla_convert.text.corpora import load_documents, split_documents
+    from mla_convert.text.corpora import load_documents
+    from mla_convert.text.windows import split_documents
 
     return split_documents(load_documents("wikipedia"))
 
@@ -42,7 +43,7 @@ def wiki_splits():
 @pytest.fixture(scope="session")
 def calib_windows(smol_tokenizer, wiki_splits) -> torch.Tensor:
     """3 windows of 128 real calibration tokens (Wikipedia calibration split)."""
-    from mla_convert.text.corpora import token_windows
+    from mla_convert.text.windows import token_windows
 
     return token_windows(smol_tokenizer, wiki_splits["calibration"], 128, 3, bos=False)
 
@@ -50,7 +51,7 @@ def calib_windows(smol_tokenizer, wiki_splits) -> torch.Tensor:
 @pytest.fixture(scope="session")
 def eval_ids(smol_tokenizer, wiki_splits) -> torch.Tensor:
     """One window of 192 real held-out tokens (Wikipedia evaluation split)."""
-    from mla_convert.text.corpora import token_windows
+    from mla_convert.text.windows import token_windows
 
     return token_windows(smol_tokenizer, wiki_splits["evaluation"], 192, 1, bos=False)
 

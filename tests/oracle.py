@@ -29,6 +29,10 @@ from typing import Any
 
 import torch
 
+# The causal mask is the one shared piece: what is under test (rotation, projection, scale) is the source's own
+# (HF's cos/sin, rotate_half and the source attention's own scaling), never mla_convert's algebra.
+from mla_convert.mla.algebra import causal_mask
+
 
 @dataclass
 class LayerOracle:
@@ -134,8 +138,7 @@ def oracle_attention(attn: torch.nn.Module, layer: LayerOracle, scaling_factor: 
         scores = _rotate(q, cos, sin) @ _rotate(kr, cos, sin).transpose(-1, -2)
         scores = scores + scaling_factor**2 * (q @ ku.transpose(-1, -2))
         scores = scores * self.scaling
-        causal = torch.ones(t, t, dtype=torch.bool).triu(1)
-        probs = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
+        probs = torch.softmax(scores + causal_mask(b, t, dtype=f64), dim=-1)
         out = (probs @ v).transpose(1, 2).reshape(b, t, -1)
         wo = layer.o_proj.to(f64) if layer.o_proj is not None else self.o_proj.weight.to(f64)
         bo = self.o_proj.bias.to(f64) if self.o_proj.bias is not None else 0.0

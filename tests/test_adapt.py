@@ -48,7 +48,7 @@ def one_process(reference_ckpt, tmp_path_factory) -> Path:
 def test_gradients_reach_every_trainable_factor(reference_ckpt, eval_ids):
     from transformers import AutoModelForCausalLM
 
-    from mla_convert.adapt.train import select_trainable
+    from mla_convert.adapt.objectives import select_trainable
 
     model = AutoModelForCausalLM.from_pretrained(str(reference_ckpt), dtype=torch.float32)
     inv = select_trainable(model, "attention")
@@ -155,7 +155,7 @@ def test_adapt_bad_inputs(reference_ckpt, tmp_path):
 def test_hidden_state_term_matches_layers_and_trains(reference_ckpt, eval_ids, tmp_path, one_process):
     from transformers import AutoModelForCausalLM
 
-    from mla_convert.adapt.train import LayerOutputs, hidden_loss, select_trainable
+    from mla_convert.adapt.objectives import LayerOutputs, hidden_loss, select_trainable
     from mla_convert.sources.checkpoint import load_source_model, open_source
 
     model = AutoModelForCausalLM.from_pretrained(str(reference_ckpt), dtype=torch.float32)
@@ -201,8 +201,9 @@ def test_attention_transfer_is_zero_at_full_rank_and_trains(smol, smol_model, sm
     """Attention transfer feeds each MLA block the source's layer inputs: an exact conversion scores 0."""
     from transformers import AutoModelForCausalLM
 
-    from mla_convert.adapt.train import AttentionIO, attention_transfer_loss, select_trainable
-    from mla_convert.convert.build import ConvertOptions, build_mla
+    from mla_convert.adapt.objectives import AttentionIO, attention_transfer_loss, select_trainable
+    from mla_convert.convert.build import build_mla
+    from mla_convert.convert.options import ConvertOptions
 
     exact = ConvertOptions(rope_mode="per-head", rope_strategy="high", rope_pairs=32, cache_budget=None,
                            kv_lora_rank=192)  # fmt: skip
@@ -237,7 +238,7 @@ def test_attention_transfer_rules_live_in_the_options_schema():
     """So the CLI, the recipes' --dry-run and a real run all refuse the same combinations, all at once."""
     import pydantic
 
-    from mla_convert.adapt.train import AdaptOptions
+    from mla_convert.adapt.options import AdaptOptions
 
     with pytest.raises(pydantic.ValidationError) as err:
         AdaptOptions(objective="attention-transfer", trainable="all", hidden_weight=1.0)

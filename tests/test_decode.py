@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_convert.convert.build import ConvertOptions, build_mla
+from mla_convert.convert.build import build_mla
+from mla_convert.convert.options import ConvertOptions
 from mla_convert.mla.modeling import latent_cache_bytes
-from mla_convert.validate.metrics import greedy, greedy_recompute, measure_cache
+from mla_convert.runtime.decode import greedy, greedy_recompute
+from mla_convert.validate.metrics import measure_cache
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +77,7 @@ def test_o_proj_refit_lowers_held_out_attention_error(smol, smol_model, smol_tok
     """The refit is fitted on calibration tokens and must help on tokens it never saw."""
     from mla_convert.convert.build import attention_errors
     from mla_convert.convert.calibration import collect_stats
-    from mla_convert.text.corpora import token_windows
+    from mla_convert.text.windows import token_windows
 
     windows = token_windows(smol_tokenizer, wiki_splits["calibration"], 256, 17, bos=False)
     stats, held = collect_stats(smol_model, smol, windows[:16], windows[16:], keep_calibration=True)

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import mla_convert  # noqa: F401
-from mla_convert.convert.build import ConvertOptions, build_mla
+from mla_convert.convert.build import build_mla
 from mla_convert.convert.calibration import collect_stats
+from mla_convert.convert.options import ConvertOptions
 from mla_convert.sources.checkpoint import load_source_model, open_source
 
 EXACT_TOL = 1e-4  # float32 logits, 30 layers: the accumulated rounding of two float32 computations

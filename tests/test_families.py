@@ -8,8 +8,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from mla_convert.convert.build import ConvertOptions, build_mla
+from mla_convert.convert.build import build_mla
 from mla_convert.convert.calibration import collect_stats
+from mla_convert.convert.options import ConvertOptions
 from mla_convert.sources.checkpoint import load_source_model, open_source
 
 TINY = dict(

@@ -7,6 +7,7 @@ import json
 from typer.testing import CliRunner
 
 from mla_convert.cli import commands as cli
+from mla_convert.convert import suggest
 
 
 def test_inspect_suggests_the_measured_split(tmp_path, monkeypatch):
@@ -22,7 +23,7 @@ def test_inspect_suggests_the_measured_split(tmp_path, monkeypatch):
             }
         )
     )
-    monkeypatch.setattr(cli, "MEASURED_SPLITS", measured)
+    monkeypatch.setattr(suggest, "MEASURED_SPLITS", measured)
     res = CliRunner().invoke(cli.app, ["inspect", "smollm2-135m"], env={"COLUMNS": "400"})
     assert res.exit_code == 0, res.output
     line = next(x for x in res.output.splitlines() if "18.75%" in x)
@@ -30,6 +31,6 @@ def test_inspect_suggests_the_measured_split(tmp_path, monkeypatch):
         "--cache-budget 72 --rope-pairs 20 (latent 32 + rope 40" in line and "SmolLM2-135M-Instruct" in line
     )
     assert "not measured" in next(x for x in res.output.splitlines() if "31.25%" in x)
-    monkeypatch.setattr(cli, "MEASURED_SPLITS", tmp_path / "absent.json")
+    monkeypatch.setattr(suggest, "MEASURED_SPLITS", tmp_path / "absent.json")
     res = CliRunner().invoke(cli.app, ["inspect", "smollm2-135m"], env={"COLUMNS": "400"})
     assert res.exit_code == 0 and "--rope-pairs" not in res.output

@@ -14,10 +14,10 @@ import math
 
 import pytest
 import torch
-from mla_convert.kernels import kernel_backend
 from transformers import DynamicCache
 
 import mla_convert  # noqa: F401  (sets TRITON_INTERPRET=1 on CPU before triton is imported)
+from mla_convert.kernels import kernel_backend
 from mla_convert.mla.configuration import MLAConfig
 from mla_convert.mla.modeling import MLAForCausalLM
 from mla_convert.runtime.decode import generate

@@ -19,17 +19,11 @@ import yaml
 from typer.testing import CliRunner
 
 from mla_convert.cli.commands import app
-from mla_convert.recipes.recipe import (
-    BUNDLED_DIR,
-    RESOLVED_NAME,
-    RecipeError,
-    apply_override,
-    bundled_names,
-    load_recipe,
-    make_plan,
-    parse_override,
-    resolved_yaml,
-)
+from mla_convert.recipes.catalog import BUNDLED_DIR, bundled_names
+from mla_convert.recipes.load import load_recipe, resolved_yaml
+from mla_convert.recipes.overrides import apply_override, parse_override
+from mla_convert.recipes.plan import make_plan
+from mla_convert.recipes.schema import RESOLVED_NAME, RecipeError
 
 RUNNER = CliRunner()
 QUICKSTART = BUNDLED_DIR / "smollm2-135m-quickstart.yaml"

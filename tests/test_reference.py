@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import run_reference  # noqa: E402
 
 PINNED = Path(__file__).resolve().parents[1] / "manifests" / "smollm2-135m-reference.json"
-SCHEMA = Path(__file__).resolve().parents[1] / "manifests" / "mla_manifest.schema.json"
+SCHEMA = Path(__file__).resolve().parents[1] / "mla_convert" / "artifacts" / "mla_manifest.schema.json"
 
 
 @pytest.fixture(scope="module")

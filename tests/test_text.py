@@ -15,14 +15,14 @@ from mla_convert.sources.assets import GGUF_SIZE, bundled_gguf_path, cache_dir
 from mla_convert.text.corpora import (
     Document,
     TextError,
-    documents_record,
     load_documents,
     local_documents,
     news_documents,
-    split_documents,
-    token_windows,
+    parse_text_spec,
     wikipedia_documents,
 )
+from mla_convert.text.wikitext import clean_wikitext
+from mla_convert.text.windows import documents_record, split_documents, token_windows
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +144,46 @@ def test_local_documents_errors(tmp_path: Path) -> None:
         load_documents("wikitext-103")
 
     assert issubclass(TextError, ValueError)
+
+
+def test_parse_text_spec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse_text_spec("wikipedia") == "wikipedia"
+    assert parse_text_spec(" News ") == "news"
+    a, b = tmp_path / "a.txt", tmp_path / "b"
+    a.write_text("alpha", encoding="utf-8")
+    assert parse_text_spec(str(a)) == [a]
+    assert parse_text_spec(f"{a}, {b}") == [a, b]  # several entries: local_documents checks each
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert parse_text_spec("~/a.txt") == [a]
+
+    with pytest.raises(TextError, match="unknown text source 'wikitext-103': no such file or folder"):
+        parse_text_spec("wikitext-103")
+    for bad in ("", " ", f"{a},", f"{a},,{a}"):
+        with pytest.raises(TextError, match="has an empty entry"):
+            parse_text_spec(bad)
+
+
+def test_load_documents_reads_comma_separated_spec(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("alpha", encoding="utf-8")
+    (tmp_path / "b.txt").write_text("beta", encoding="utf-8")
+    docs = load_documents(f"{tmp_path / 'a.txt'},{tmp_path / 'b.txt'}")
+    assert [d.id for d in docs] == ["file:a.txt", "file:b.txt"]
+    assert load_documents(str(tmp_path)) == docs
+    with pytest.raises(TextError, match="missing.txt: no such file or folder"):
+        load_documents(f"{tmp_path / 'a.txt'},{tmp_path / 'missing.txt'}")
+
+
+def test_clean_wikitext_strips_markup() -> None:
+    raw = (
+        "'''Albedo''' ({{IPAc-en|æ|l|ˈ|b|iː|d|oʊ}}; {{lang-la|albedo}}) is the "
+        "[[reflection (physics)|fraction]] of light.<ref>{{cite web|url=x}}</ref> It is {{convert|5|km}} wide.\n"
+        "[[File:Albedo.png|thumb|A picture]]\n{|\n| cell\n|}\n[[Category:Optics]]\n"
+        "== Physics ==\nMore text.\n== See also ==\n* [[Reflectance]]\n"
+    )
+    assert (
+        clean_wikitext(raw)
+        == "Albedo (albedo) is the fraction of light. It is 5 km wide.\n\nPhysics\nMore text."
+    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ the model actually computes with). Each must fail, naming the rung that catches 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -134,3 +135,15 @@ def test_validate_bad_inputs(tmp_path, reference_ckpt):
     assert res.exit_code == 2 and "outside 1..128" in res.stderr
     res = runner.invoke(app, ["validate", str(reference_ckpt), "--backend", "flash"])
     assert res.exit_code == 2 and "--backend" in res.stderr
+
+
+def test_readme_rung_table_comes_from_the_spec():
+    """README.md's rung table is ``benchmarks/readme.py rungs``'s rendering of mla_convert/validate/spec.py."""
+    root = Path(__file__).resolve().parents[1]
+    loader = importlib.util.spec_from_file_location("readme_blocks", root / "benchmarks" / "readme.py")
+    assert loader is not None and loader.loader is not None
+    readme = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(readme)
+    text = (root / "README.md").read_text()
+    block = text.split("<!-- rungs:start -->\n", 1)[1].split("\n<!-- rungs:end -->", 1)[0]
+    assert block == readme.rungs_block()

@@ -12,20 +12,14 @@ a pure function of its index, which makes ``--resume`` and multi-process shardin
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from mla_convert.text.corpora import (
-    TextError,
-    documents_record,
-    load_documents,
-    split_documents,
-    token_windows,
-)
+from mla_convert.artifacts.hashing import sha256_bytes
+from mla_convert.text.corpora import TextError, load_documents
+from mla_convert.text.windows import documents_record, split_documents, token_windows
 
 
 @dataclass
@@ -45,12 +39,7 @@ class AdaptData:
 
 def tensor_sha256(t: torch.Tensor) -> str:
     """sha256 of a tensor's bytes (contiguous, CPU)."""
-    return hashlib.sha256(t.contiguous().cpu().numpy().tobytes()).hexdigest()
-
-
-def text_spec(text: str) -> Any:
-    """``wikipedia`` | ``news`` | comma-separated paths -> what :func:`load_documents` takes."""
-    return text if text in ("wikipedia", "news") else [Path(p) for p in text.split(",")]
+    return sha256_bytes(t.contiguous().cpu().numpy().tobytes())
 
 
 def build_data(tokenizer: Any, text: str, seq_len: int, eval_windows: int) -> AdaptData:
@@ -68,7 +57,7 @@ def build_data(tokenizer: Any, text: str, seq_len: int, eval_windows: int) -> Ad
     import datasets
 
     datasets.disable_progress_bars()
-    splits = split_documents(load_documents(text_spec(text)))
+    splits = split_documents(load_documents(text))
     train_docs = splits["adaptation"]
     if not train_docs:
         raise TextError(f"text {text!r} has no documents left for adaptation after the split; use more text")

@@ -1,8 +1,11 @@
-"""Atomic output folders and checkpoint writing.
+"""Atomic output folders and files, and checkpoint writing.
 
 Outputs are built in a temporary sibling folder (``.OUT.tmp-XXXX``) and renamed into place only when
 complete, so an error or Ctrl-C never leaves a half-written OUT. A non-empty OUT is refused without
-``overwrite``; OUT inside the source folder is refused.
+``overwrite``; OUT inside the source folder is refused. Single files (caches, recipes, later artifacts
+such as ``validation.json``) go through :func:`atomic_write_bytes` / :func:`atomic_write_text`: a
+temporary file in the same folder, then ``os.replace``, so a reader sees the old or the new file, never
+a torn one. Importing this module does not import torch or transformers.
 """
 
 from __future__ import annotations
@@ -14,8 +17,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-from transformers import GenerationConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -41,6 +42,36 @@ def check_output(out: Path, overwrite: bool, source_dir: Path | None = None) -> 
         if out == src or src in out.parents:
             raise OutputError(f"output {out} is inside the source folder {src}; write it somewhere else")
     return out
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same folder and ``os.replace``.
+
+    Creates missing parent folders. The file gets mode 0644 (``mkstemp`` creates 0600). No fsync: the
+    rename is atomic against other readers and crashes of this process, not against power loss.
+
+    Raises:
+        OSError: The folder cannot be created or written.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str, encoding: str = "utf-8") -> None:
+    """:func:`atomic_write_bytes` of ``text`` encoded with ``encoding`` (no newline translation).
+
+    Raises:
+        OSError: The folder cannot be created or written.
+    """
+    atomic_write_bytes(path, text.encode(encoding))
 
 
 @contextmanager
@@ -71,6 +102,8 @@ def save_checkpoint(
 ) -> None:
     """Write a loadable MLA checkpoint: sharded safetensors + index (huggingface_hub sharding via
     ``save_pretrained``), config, generation config, the source's tokenizer files and a model card."""
+    from transformers import GenerationConfig
+
     model.save_pretrained(str(folder), max_shard_size=max_shard_size, safe_serialization=True)
     cfg = model.config
     GenerationConfig(

@@ -1,7 +1,7 @@
 """Reconstruction report: ``report.json``, ``report.md`` and a terminal table.
 
-Every figure names what it was measured on (tokens, window, documents) — FIELD.md's rule that a
-report prints only measured numbers.
+Every figure names what it was measured on (tokens, window, documents), and the report prints only
+measured numbers (fields: docs/formats.md §report.json and report.md).
 """
 
 from __future__ import annotations

@@ -8,16 +8,31 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import typer
-from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+
+from mla_convert.adapt.options import AdaptOptions
+from mla_convert.cli.flags import build_options, options_from
+from mla_convert.cli.render import (
+    STATE,
+    console,
+    err_console,
+    fail,
+    note,
+    plain,
+    progress_bar,
+    say,
+    setup,
+    step_printer,
+    user_errors,
+    validation_failed,
+)
+from mla_convert.convert.options import ConvertOptions
+from mla_convert.validate.options import ValidateOptions
 
 app = typer.Typer(
     add_completion=False,
@@ -27,10 +42,6 @@ app = typer.Typer(
 )
 manifest_app = typer.Typer(no_args_is_help=True, help="Check conversion manifests.")
 app.add_typer(manifest_app, name="manifest")
-console = Console(soft_wrap=True)
-err_console = Console(stderr=True, soft_wrap=True)
-STATE: dict[str, bool] = {"quiet": False}
-
 SOURCE_HELP = (
     "A HF folder (safetensors), a .gguf file, or 'smollm2-135m' (the bundled SmolLM2-135M-Instruct)."
 )
@@ -38,101 +49,7 @@ SOURCE_HELP = (
 
 @app.callback()
 def _main(quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only results and errors.")) -> None:
-    STATE["quiet"] = quiet
-    if quiet:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-
-
-def fail(message: str) -> None:
-    """Print ``error: message`` (one line) and exit 2."""
-    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(2)
-
-
-@contextmanager
-def user_errors() -> Iterator[None]:
-    """Turn the package's input errors into one-line messages and exit code 2."""
-    from mla_convert.artifacts.manifest import ManifestError
-    from mla_convert.artifacts.output import OutputError
-    from mla_convert.convert.factorize import FactorError
-    from mla_convert.convert.rope import RopeError
-    from mla_convert.kernels import KernelUnavailable
-    from mla_convert.runtime.paged_cache import CacheError
-    from mla_convert.sources.assets import AssetError
-    from mla_convert.sources.checkpoint import SourceError
-    from mla_convert.text.corpora import TextError
-    from mla_convert.validate.ladder import ValidationError
-
-    errors = (SourceError, RopeError, FactorError, OutputError, TextError, ManifestError, AssetError)
-    try:
-        yield
-    except errors + (ValidationError, CacheError, KernelUnavailable) as exc:
-        fail(str(exc))
-    except KeyboardInterrupt:
-        err_console.print("interrupted: nothing was written")
-        raise typer.Exit(130) from None
-
-
-@contextmanager
-def progress_bar() -> Iterator[Callable[[str, int, int], None]]:
-    """A ``(stage, advance, total)`` callback drawing one rich bar per stage (silent off-terminal)."""
-    if STATE["quiet"]:
-        yield lambda stage, n, total: None
-        return
-    if not console.is_terminal:  # plain lines, so a log shows progress instead of silence
-        done: dict[str, int] = {}
-
-        def plain(stage: str, n: int, total: int) -> None:
-            if stage not in done:
-                console.print(f"{stage}: started ({total} steps)", markup=False, highlight=False)
-                done[stage] = 0
-            done[stage] += n
-            if done[stage] == total:
-                console.print(f"{stage}: done", markup=False, highlight=False)
-
-        yield plain
-        return
-    tasks: dict[str, Any] = {}
-    with Progress(
-        TextColumn("{task.description:>10}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        transient=False,
-    ) as prog:
-
-        def cb(stage: str, n: int, total: int) -> None:
-            if stage not in tasks:
-                tasks[stage] = prog.add_task(stage, total=total)
-            prog.advance(tasks[stage], n)
-
-        yield cb
-
-
-def say(*args: Any) -> None:
-    if not STATE["quiet"]:
-        console.print(*args, markup=False, highlight=False)
-
-
-MEASURED_SPLITS = Path(__file__).parents[1] / "convert" / "measured_splits.json"
-
-
-def measured_splits() -> dict[float, dict[str, Any]]:
-    """Cache fraction -> the RoPE/latent split with the lowest held-out (dev) perplexity ratio, as written by
-    ``benchmarks/perplexity.py --readme`` (``mla_convert/measured_splits.json``); empty when absent."""
-    if not MEASURED_SPLITS.exists():
-        return {}
-    data = json.loads(MEASURED_SPLITS.read_text())
-    return {float(s["cache_fraction"]): s for s in data["splits"]}
-
-
-def measured_model() -> str:
-    """The model the measured splits come from."""
-    return str(json.loads(MEASURED_SPLITS.read_text())["model"]) if MEASURED_SPLITS.exists() else "no model"
+    setup(quiet)
 
 
 @app.command()
@@ -159,59 +76,36 @@ def inspect(source: str = typer.Argument(..., help=SOURCE_HELP)) -> None:
     w.add_row(
         "source K + V", str(base), str(4 * base), "1.000", f"{src.num_kv_heads} KV heads x {src.head_dim} x 2"
     )
-    measured = measured_splits()
-    for frac in (0.3125, 0.1875, 0.125):
-        size = round(base * frac)
-        m = measured.get(frac)
-        if m is None:
-            split = "not measured (benchmarks/perplexity.py --readme writes mla_convert/measured_splits.json)"
+    from mla_convert.convert.suggest import MEASURED_SPLITS, suggestions
+
+    for sug in suggestions(src, MEASURED_SPLITS):
+        if sug.rope_pairs is None:
+            split = "not measured (benchmarks/perplexity.py --readme writes mla_convert/convert/measured_splits.json)"
         else:
-            pairs = min(src.head_dim // 2 * src.num_kv_heads, max(1, round(m["rope_share"] * size / 2)))
+            rope = 2 * sug.rope_pairs
             split = (
-                f"--cache-budget {size} --rope-pairs {pairs} (latent {size - 2 * pairs} + rope {2 * pairs}; "
-                f"the rope share measured best on {measured_model()} at this fraction)"
+                f"--cache-budget {sug.values} --rope-pairs {sug.rope_pairs} (latent {sug.values - rope} + rope "
+                f"{rope}; the rope share measured best on {sug.measured_on} at this fraction)"
             )
         w.add_row(
-            escape(f"MLA [c_kv | k_rope] at {frac:.2%}"),
-            str(size),
-            str(4 * size),
-            f"{frac:.4f}",
+            escape(f"MLA [c_kv | k_rope] at {sug.fraction:.2%}"),
+            str(sug.values),
+            str(4 * sug.values),
+            f"{sug.fraction:.4f}",
             escape(split),
         )
     console.print(w)
 
 
 @app.command()
+@options_from(ConvertOptions)
 def factor(
     source: str = typer.Argument(..., help=SOURCE_HELP),
     out: Path = typer.Argument(
         ..., help="Output folder (built in a temporary sibling, renamed when complete)."
     ),
-    rope_mode: str = typer.Option(
-        "shared", help="per-head (one rope head per KV head) | shared (one PCA rope head)."
-    ),
-    rope_strategy: str = typer.Option("2-norm", help="high | low | uniform | 2-norm | rotation (ours)."),
-    rope_pairs: int = typer.Option(24, help="RoPE pairs kept per rope head."),
-    rope_basis: str = typer.Option("complex", help="complex | real basis of the shared-key PCA."),
-    rope_context: int = typer.Option(2048, help="Context length T (tokens) for the rotation strategy."),
-    factorization: str = typer.Option("joint", help="joint | split."),
-    objective: str = typer.Option("output", help="weight | activation | output."),
-    kv_balance: bool = typer.Option(True, help="Balance K and V energy before a joint factorization."),
-    refit_o_proj: str = typer.Option(
-        "teacher",
-        help="none | teacher: least-squares refit of o_proj to the source's attention outputs (no cache cost).",
-    ),
-    kv_lora_rank: int = typer.Option(
-        None, help="Latent width d_c for every layer (overrides --cache-budget)."
-    ),
-    cache_budget: float = typer.Option(
-        120, help="Cache values per token per layer, averaged; ranks set per layer."
-    ),
-    text: str = typer.Option("wikipedia", help="wikipedia | news | comma-separated .txt files or folders."),
-    calib_windows: int = typer.Option(16, help="Calibration windows."),
-    window: int = typer.Option(512, help="Tokens per window."),
-    eval_windows: int = typer.Option(8, help="Held-out evaluation windows."),
     overwrite: bool = typer.Option(False, help="Replace a non-empty OUT."),
+    **values: Any,
 ) -> None:
     """Partial RoPE + low-rank K/V -> MLA checkpoint + report + manifest in OUT.
 
@@ -221,32 +115,20 @@ def factor(
 
       mla-convert factor ./Llama-3.2-1B out/l1b --rope-mode per-head --rope-strategy 2-norm --rope-pairs 4 --kv-lora-rank 256
     """
+    from mla_convert.convert.options import check_options
+
+    options = build_options(ConvertOptions, values)  # every flag, before anything heavy is imported
+    with user_errors():
+        check_options(options, None)  # every rule that needs no source, before any I/O
     from mla_convert.artifacts.output import check_output
     from mla_convert.artifacts.report import layer_table, summary_table
-    from mla_convert.convert.build import ConvertOptions
     from mla_convert.convert.job import run_factor
     from mla_convert.sources.checkpoint import open_source
 
     with user_errors():
-        options = ConvertOptions(
-            rope_mode=rope_mode,
-            rope_strategy=rope_strategy,
-            rope_pairs=rope_pairs,
-            rope_basis=rope_basis,
-            rope_context=rope_context,
-            factorization=factorization,
-            objective=objective,
-            kv_balance=kv_balance,
-            refit_o_proj=refit_o_proj,
-            kv_lora_rank=kv_lora_rank,
-            cache_budget=None if kv_lora_rank else cache_budget,
-            text=text,
-            calib_windows=calib_windows,
-            window=window,
-            eval_windows=eval_windows,
-        )
         check_output(out, overwrite)  # refuse an occupied OUT before the source is read (seconds)
         src = open_source(source)
+        check_options(options, src)  # the source's shapes: before anything is loaded
         say(
             f"source: {src.origin} ({src.family.name}, {src.num_layers} layers, {src.num_heads}/{src.num_kv_heads} heads)"
         )
@@ -273,20 +155,11 @@ def factor(
 
 
 def _load_mla(ckpt: Path, require_mla: bool = False) -> Any:
-    import torch
-    from transformers import AutoModelForCausalLM
+    """The model in CKPT (float32); call inside ``user_errors()``, which turns a CheckpointError (no
+    config.json, not MLA, unloadable) into its one ``error:`` line."""
+    from mla_convert.mla.checkpoint import load_checkpoint
 
-    import mla_convert  # noqa: F401 - registers the mla model type
-
-    if not (ckpt / "config.json").exists():
-        fail(f"{ckpt} has no config.json; pass a folder written by 'mla-convert factor'")
-    kind = json.loads((ckpt / "config.json").read_text()).get("model_type")
-    if require_mla and kind != "mla":
-        fail(f"{ckpt} holds a {kind!r} model, not a converted MLA checkpoint; run 'mla-convert factor' first")
-    try:
-        return AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
-    except (OSError, ValueError) as exc:
-        fail(f"{ckpt} cannot be loaded as a checkpoint: {str(exc).splitlines()[0]}")
+    return load_checkpoint(ckpt, require_mla)
 
 
 @app.command("eval")
@@ -304,15 +177,15 @@ def eval_cmd(
     from transformers import AutoTokenizer
 
     from mla_convert.sources.checkpoint import load_source_model, open_source
-    from mla_convert.text.corpora import load_documents, split_documents, token_windows
+    from mla_convert.text.corpora import load_documents
+    from mla_convert.text.windows import split_documents, token_windows
     from mla_convert.validate.metrics import evaluate
 
     with user_errors():
         model = _load_mla(ckpt)
         ref = load_source_model(open_source(against)) if against else None
         tok = AutoTokenizer.from_pretrained(str(ckpt))
-        spec: Any = text if text in ("wikipedia", "news") else [Path(p) for p in text.split(",")]
-        docs = split_documents(load_documents(spec))["evaluation"]
+        docs = split_documents(load_documents(text))["evaluation"]
         ids = token_windows(tok, docs, window, windows, bos=False)
         with progress_bar() as cb:
             res = evaluate(model, ids, ref, progress=lambda n: cb("evaluate", n, len(ids)))
@@ -345,7 +218,7 @@ def generate(
     from transformers import AutoTokenizer
 
     from mla_convert.runtime.decode import generate as paged_generate
-    from mla_convert.validate.metrics import greedy
+    from mla_convert.runtime.decode import greedy
 
     if backend not in ("absorbed", "triton", "paged"):
         fail(f"--backend {backend!r} is not one of absorbed, triton, paged")
@@ -371,16 +244,10 @@ def generate(
 
 
 @app.command()
+@options_from(ValidateOptions)
 def validate(
     ckpt: Path = typer.Argument(..., help="A converted checkpoint folder (written by 'mla-convert factor')."),
-    source: str = typer.Option(None, help="Source model; default: the one recorded in the checkpoint."),
-    text: str = typer.Option(None, help="Held-out text (evaluation split); default: the conversion's."),
-    window: int = typer.Option(None, help="Tokens per evaluation window; default: the conversion's."),
-    windows: int = typer.Option(None, help="Evaluation windows for rung 4; default: the conversion's."),
-    prompt_tokens: int = typer.Option(61, help="Prefill tokens of rungs 2-3."),
-    new_tokens: int = typer.Option(16, help="Decode steps of rung 3."),
-    page_size: int = typer.Option(16, help="Paged-cache page size, 1..128."),
-    backend: str = typer.Option("triton", help="Decode backend of rung 3: triton | absorbed."),
+    **values: Any,
 ) -> None:
     """Run the validation ladder; write validation.json and validation.md into CKPT.
 
@@ -390,20 +257,13 @@ def validate(
 
     Example: mla-convert validate out/smollm2-mla
     """
-    from mla_convert.validate.ladder import format_value, write_validation
     from mla_convert.validate.ladder import validate as run_validate
+    from mla_convert.validate.report import write_validation
+    from mla_convert.validate.result import format_value
 
-    if backend not in ("triton", "absorbed"):
-        fail(f"--backend {backend!r} is not one of triton, absorbed")
+    options = build_options(ValidateOptions, values)
     with user_errors():
-        say = (
-            (lambda m: None)
-            if STATE["quiet"]
-            else (lambda m: err_console.print(m, highlight=False, markup=False))
-        )
-        res = run_validate(
-            ckpt, source, text, window, windows, prompt_tokens, new_tokens, page_size, backend, progress=say
-        )
+        res = run_validate(ckpt, options, progress=note)
         write_validation(ckpt, res)
     table = Table(title=f"validation of {ckpt}")
     for col in ("rung", "check", "value", "tolerance", "result"):
@@ -425,54 +285,15 @@ def validate(
         console.print(f"validation passed, but {res.partial}", highlight=False, markup=False)
         return
     if not res.passed:
-        first = res.failed[0]
-        bad = next(c for c in first.checks if c.passed is False)
-        names = ", ".join(f"{r.number} ({r.name})" for r in res.failed)
-        fail_msg = f"validation failed at rung {names}: {bad.name} = {format_value(bad.value)} (tolerance {bad.tolerance})"
-        err_console.print(f"[bold red]error:[/] {escape(fail_msg)}", highlight=False)
-        raise typer.Exit(1)
+        validation_failed(res)
     console.print("validation passed: all rungs within tolerance", highlight=False, markup=False)
 
 
 @app.command()
+@options_from(AdaptOptions)
 def adapt(
     ckpt: Path = typer.Argument(..., help="A converted checkpoint folder (from 'mla-convert factor')."),
     out: Path = typer.Argument(..., help="Output folder for the adapted checkpoint."),
-    source: str = typer.Option(None, help="Teacher/reference model; default: the checkpoint's source."),
-    text: str = typer.Option("wikipedia", help="wikipedia | news | comma-separated .txt files or folders."),
-    tokens: int = typer.Option(100_000, help="Training token budget (all processes)."),
-    seq_len: int = typer.Option(512, help="Tokens per training sequence and validation window."),
-    batch_size: int = typer.Option(4, help="Sequences per micro-batch per process."),
-    grad_accum: int = typer.Option(1, help="Micro-batches per optimizer step."),
-    objective: str = typer.Option(
-        "distill",
-        help="lm | distill (KL to the source) | mix | attention-transfer (each MLA attention block fit to the "
-        "source attention's output on the source's layer inputs; --trainable attention, one process).",
-    ),
-    temperature: float = typer.Option(1.0, help="Distillation temperature."),
-    mix_weight: float = typer.Option(0.5, help="Weight of distillation in 'mix'."),
-    hidden_weight: float = typer.Option(
-        0.0,
-        help="Add this weight x the per-layer hidden-state error to the source (RMS-normalised per token: "
-        "0 same direction, 2 orthogonal; 5 measured well) to lm/distill/mix; runs the source too (0: off).",
-    ),
-    trainable: str = typer.Option("attention", help="attention | attention+norms | all."),
-    lr: float = typer.Option(1e-4, help="Peak learning rate (AdamW)."),
-    schedule: str = typer.Option("cosine", help="cosine | constant-decay."),
-    warmup: float = typer.Option(0.05, help="Fraction of steps of linear warmup."),
-    min_lr_ratio: float = typer.Option(0.1, help="Final learning rate / peak."),
-    decay_fraction: float = typer.Option(0.2, help="constant-decay: final fraction of steps that decays."),
-    beta1: float = typer.Option(0.9, help="AdamW beta1."),
-    beta2: float = typer.Option(0.95, help="AdamW beta2."),
-    weight_decay: float = typer.Option(0.0, help="AdamW weight decay."),
-    clip: float = typer.Option(1.0, help="Gradient-norm clip."),
-    eval_every: int = typer.Option(0, help="Steps between evaluations (0: start and end only)."),
-    eval_windows: int = typer.Option(8, help="Validation windows of seq-len tokens."),
-    also_eval: str = typer.Option(None, help="A second held-out text evaluated alongside (e.g. news)."),
-    checkpoint_every: int = typer.Option(25, help="Steps between resumable checkpoints (0: none)."),
-    seed: int = typer.Option(0, help="Seed of the data order."),
-    mixed_precision: str = typer.Option("no", help="no | bf16 | fp16 (where the hardware has it)."),
-    gradient_checkpointing: bool = typer.Option(False, help="Recompute activations in backward."),
     resume: bool = typer.Option(
         False,
         help="Continue the stopped run for OUT from its newest checkpoint; repeat the stopped run's options "
@@ -480,6 +301,7 @@ def adapt(
     ),
     stop_after: int = typer.Option(None, help="Stop (resumably) after this many steps of this invocation."),
     overwrite: bool = typer.Option(False, help="Replace a non-empty OUT."),
+    **values: Any,
 ) -> None:
     """Fine-tune a converted checkpoint (LM loss, distillation from the source, a mix, or attention transfer).
 
@@ -489,40 +311,14 @@ def adapt(
 
     Example: mla-convert adapt out/smollm2-mla out/smollm2-mla-adapted --tokens 100000 --objective distill
     """
-    import pydantic
+    from mla_convert.adapt.options import AdaptError
 
-    from mla_convert.adapt.train import AdaptError, AdaptOptions, run_adapt
-
-    try:
-        options = AdaptOptions.model_validate(dict(
-            source=source, text=text, tokens=tokens, seq_len=seq_len, batch_size=batch_size,
-            grad_accum=grad_accum, objective=objective, temperature=temperature, mix_weight=mix_weight,
-            hidden_weight=hidden_weight,
-            trainable=trainable, lr=lr, schedule=schedule, warmup=warmup, min_lr_ratio=min_lr_ratio,
-            decay_fraction=decay_fraction, beta1=beta1, beta2=beta2,
-            weight_decay=weight_decay, clip=clip, eval_every=eval_every, eval_windows=eval_windows,
-            also_eval=also_eval, checkpoint_every=checkpoint_every, seed=seed, mixed_precision=mixed_precision,
-            gradient_checkpointing=gradient_checkpointing,
-        ))  # fmt: skip
-    except pydantic.ValidationError as exc:
-        fail(options_error(exc))
+    options = build_options(AdaptOptions, values)  # every flag, before anything heavy is imported
     if stop_after is not None and stop_after < 1:
         fail("--stop-after must be at least 1")
-    last = {"t": 0.0}
+    from mla_convert.adapt.train import run_adapt
 
-    def show(entry: dict[str, Any]) -> None:
-        import time as _time
-
-        now = _time.perf_counter()
-        if STATE["quiet"] or (now - last["t"] < 10 and entry["step"] < entry["steps"]):
-            return
-        last["t"] = now
-        console.print(
-            f"step {entry['step']}/{entry['steps']}  tokens {entry['tokens']}  loss {entry['loss']:.4f}  "
-            f"{entry['tokens_per_s']:.0f} tok/s  ETA {entry['eta_s'] / 60:.1f} min",
-            highlight=False,
-            markup=False,
-        )
+    show = step_printer()
 
     with user_errors():
         try:
@@ -546,22 +342,10 @@ def adapt(
     )
 
 
-def options_error(exc: Any) -> str:
-    """One line listing every invalid option of a pydantic ValidationError."""
-    parts = []
-    for e in exc.errors():
-        msg = str(e["msg"]).removeprefix("Value error, ")
-        if not e["loc"]:  # a rule across several options
-            parts.append(msg)
-            continue
-        name = "--" + "-".join(str(x) for x in e["loc"]).replace("_", "-")
-        parts.append(f"{name}: {msg}")
-    return "; ".join(parts)
-
-
 @manifest_app.command("verify")
 def manifest_verify(out: Path = typer.Argument(..., help="An mla-convert output folder.")) -> None:
-    """Re-hash the output files and recompute the canonical id.
+    """Check the manifest's schema, re-hash the files it and its addenda (validate's files) list, recompute
+    the canonical id, and name the files neither covers.
 
     Example: mla-convert manifest verify out/smollm2-mla
     """
@@ -570,6 +354,9 @@ def manifest_verify(out: Path = typer.Argument(..., help="An mla-convert output 
     with user_errors():
         res = verify(out)
     console.print(f"ok: {res['files']} files match; canonical id {res['canonical_id']}", highlight=False)
+    if res["addenda"]:
+        added = ", ".join(f"{a['stage']} ({a['files']} files, {a['time']})" for a in res["addenda"])
+        console.print(f"addenda (chained to the manifest): {added}", highlight=False)
     if res["uncovered"]:
         console.print(
             f"not covered by the manifest (not verified): {', '.join(res['uncovered'])}", highlight=False
@@ -588,7 +375,7 @@ def _recipe_fail(exc: Any) -> None:
 
 def _recipe_path(recipe: str) -> Path:
     """RECIPE as a file, or the bundled recipe of that name when no such file exists."""
-    from mla_convert.recipes.recipe import bundled_path
+    from mla_convert.recipes.catalog import bundled_path
 
     p = Path(recipe).expanduser()
     if not p.exists():
@@ -596,10 +383,6 @@ def _recipe_path(recipe: str) -> Path:
         if bundled is not None:
             return bundled
     return p
-
-
-def _plain(text: str) -> None:
-    console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command("run")
@@ -632,19 +415,12 @@ def run_recipe_cmd(
 
       mla-convert run smollm2-135m-quickstart.yaml factor.rope_pairs=20 adapt=null
     """
-    from mla_convert.adapt.train import AdaptError
-    from mla_convert.recipes.recipe import (
-        RecipeError,
-        blocked,
-        load_recipe,
-        make_plan,
-        memory_lines,
-        plan_lines,
-        resolved_yaml,
-        run_recipe,
-        shape_lines,
-    )
-    from mla_convert.validate.ladder import format_value
+    from mla_convert.adapt.options import AdaptError
+    from mla_convert.recipes.load import load_recipe, resolved_yaml
+    from mla_convert.recipes.memory import memory_lines
+    from mla_convert.recipes.plan import blocked_problems, make_plan, plan_lines, shape_lines
+    from mla_convert.recipes.run import run_recipe
+    from mla_convert.recipes.schema import RecipeError
 
     path = _recipe_path(recipe)
     try:
@@ -656,59 +432,33 @@ def run_recipe_cmd(
     plan = make_plan(r)
     show = dry_run or not STATE["quiet"]
     if show:
-        _plain(f"# recipe {path}" + (f" with {' '.join(overrides)}" if overrides else "") + ", resolved:")
-        _plain(resolved_yaml(res).rstrip())
-        _plain(
+        plain(f"# recipe {path}" + (f" with {' '.join(overrides)}" if overrides else "") + ", resolved:")
+        plain(resolved_yaml(res).rstrip())
+        plain(
             f"\nsource {r.source}: {src.family.name}"
             + (f" ({src.config.model_type})" if src.config.model_type != src.family.name else "")
             + f", {src.num_layers} layers, "
             f"{src.num_heads} query / {src.num_kv_heads} KV heads, head_dim {src.head_dim}, hidden {src.hidden_size}"
         )
-        _plain(f"\nplan (output {r.out}):")
+        plain(f"\nplan (output {r.out}):")
         for line in plan_lines(plan, overwrite):
-            _plain(line)
+            plain(line)
     if dry_run:
-        _plain("\nshapes per layer (from the config; no weights loaded):")
+        plain("\nshapes per layer (from the config; no weights loaded):")
         for line in shape_lines(r, src):
-            _plain(line)
-        _plain("\nmemory (rough estimate, float32, GB):")
+            plain(line)
+        plain("\nmemory (rough estimate, float32, GB):")
         for line in memory_lines(r, src):
-            _plain(line)
-    stop = blocked(plan)
+            plain(line)
+    stop = blocked_problems(plan)
     if stop and not overwrite:
-        _recipe_fail(
-            RecipeError(
-                res.file,
-                [
-                    f"{s.name} stage: {s.folder} is not empty ({s.why}); pass --overwrite to replace it"
-                    for s in stop
-                ],
-            )
-        )
+        _recipe_fail(RecipeError(res.file, stop))
     if dry_run:
-        _plain(
+        plain(
             f"\ndry run: recipe, source and options check out; nothing was loaded or written "
             f"(the run writes {r.out / 'recipe.resolved.yaml'} and the stage folders)"
         )
         return
-
-    last = {"t": 0.0}
-
-    def adapt_progress(entry: dict[str, Any]) -> None:
-        import time as _time
-
-        now = _time.perf_counter()
-        if STATE["quiet"] or (now - last["t"] < 10 and entry["step"] < entry["steps"]):
-            return
-        last["t"] = now
-        _plain(
-            f"step {entry['step']}/{entry['steps']}  tokens {entry['tokens']}  loss {entry['loss']:.4f}  "
-            f"{entry['tokens_per_s']:.0f} tok/s  ETA {entry['eta_s'] / 60:.1f} min"
-        )
-
-    def note(msg: str) -> None:
-        if not STATE["quiet"]:
-            err_console.print(msg, highlight=False, markup=False)
 
     with user_errors():
         try:
@@ -717,7 +467,7 @@ def run_recipe_cmd(
                 overwrite=overwrite,
                 say=note,
                 factor_progress=progress_bar,
-                adapt_progress=adapt_progress,
+                adapt_progress=step_printer(),
                 validate_progress=note,
             )
         except RecipeError as exc:
@@ -729,18 +479,11 @@ def run_recipe_cmd(
     if vres is not None and not STATE["quiet"]:
         for rung in vres.rungs:
             verdict = f"skipped ({rung.skipped})" if rung.skipped else ("pass" if rung.passed else "FAIL")
-            _plain(f"  rung {rung.number} {rung.name}: {verdict}")
+            plain(f"  rung {rung.number} {rung.name}: {verdict}")
     where = f"; report {result.target / 'validation.md'}" if vres is not None else ""
-    _plain(f"recipe {r.name}: {summary}; checkpoint {result.target}{where}")
+    plain(f"recipe {r.name}: {summary}; checkpoint {result.target}{where}")
     if vres is not None and not vres.passed:
-        first = vres.failed[0]
-        bad = next((c for c in first.checks if c.passed is False), None)
-        names = ", ".join(f"{x.number} ({x.name})" for x in vres.failed)
-        detail = f": {bad.name} = {format_value(bad.value)} (tolerance {bad.tolerance})" if bad else ""
-        err_console.print(
-            f"[bold red]error:[/] {escape(f'validation failed at rung {names}{detail}')}", highlight=False
-        )
-        raise typer.Exit(1)
+        validation_failed(vres)
 
 
 @app.command("init-recipe")
@@ -755,12 +498,13 @@ def init_recipe_cmd(
 
     Example: mla-convert init-recipe smollm2-135m-quickstart && mla-convert run smollm2-135m-quickstart.yaml --dry-run
     """
-    from mla_convert.recipes.recipe import bundled_description, bundled_names, bundled_path, write_atomic
+    from mla_convert.artifacts.output import atomic_write_text
+    from mla_convert.recipes.catalog import bundled_description, bundled_names, bundled_path
 
     names = bundled_names()
     if name is None:
         for n in names:
-            _plain(f"{n:<26} {bundled_description(n)}")
+            plain(f"{n:<26} {bundled_description(n)}")
         return
     src = bundled_path(name)
     if src is None:
@@ -775,8 +519,8 @@ def init_recipe_cmd(
         target = target / f"{src.stem}.yaml"
     if target.exists() and not overwrite:
         fail(f"{target} exists; pass --overwrite to replace it")
-    write_atomic(target, src.read_text())
-    _plain(f"wrote {target}; edit it, then: mla-convert run {target} --dry-run")
+    atomic_write_text(target, src.read_text())
+    plain(f"wrote {target}; edit it, then: mla-convert run {target} --dry-run")
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Assemble MLA tensors from source weights, RoPE plans and low-rank factors (exact bias handling).
 
-Per layer (``H`` query heads, ``G`` KV heads, source head dim ``d``, FIELD.md §2):
+Per layer (``H`` query heads, ``G`` KV heads, source head dim ``d``, docs/math.md §Biases):
 
 * ``q_proj``: per head ``[q_nope_map @ W_q,h ; q_rope_map @ W_q,h]`` times ``attention_scaling²`` (HF
   multiplies cos and sin of both q and k by the RoPE attention factor; folding its square into the

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from mla_convert import __version__
 from mla_convert.convert.assemble import layer_tensors, pad_plan
@@ -25,7 +24,10 @@ from mla_convert.convert.factorize import (
     factor_layer,
     spectrum,
 )
+from mla_convert.convert.options import ConvertOptions, Geometry, check_options, geometry
+from mla_convert.convert.refit import lm_losses, refit_o_proj
 from mla_convert.convert.rope import RopePlan, plan_layer
+from mla_convert.mla.algebra import causal_mask
 from mla_convert.mla.configuration import MLAConfig
 from mla_convert.mla.modeling import MLAAttention, MLAForCausalLM
 from mla_convert.sources.checkpoint import SourceModel, load_source_model
@@ -33,33 +35,7 @@ from mla_convert.sources.checkpoint import SourceModel, load_source_model
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-REFITS = ("none", "teacher")
 ProgressFn = Callable[[str, int, int], None]  # (stage, advance, total)
-
-
-class ConvertOptions(BaseModel):
-    """Every option of a conversion (the manifest records all of them). Unknown keys are refused."""
-
-    model_config = ConfigDict(extra="forbid")
-    rope_mode: str = Field("shared", description="per-head | shared")
-    rope_strategy: str = Field("2-norm", description="high | low | uniform | 2-norm | rotation")
-    rope_pairs: int = Field(24, description="RoPE pairs per rope head (per KV head in per-head mode)")
-    rope_basis: str = Field("complex", description="complex | real (shared mode PCA basis)")
-    rope_context: int = Field(2048, description="context T in tokens for the rotation strategy")
-    factorization: str = Field("joint", description="joint | split")
-    objective: str = Field("output", description="weight | activation | output")
-    kv_balance: bool = Field(True, description="balance K and V energy before a joint factorization")
-    refit_o_proj: str = Field(
-        "teacher",
-        description="none | teacher: ridge least-squares refit of o_proj so each converted layer's attention "
-        "output matches the source's on calibration tokens (source inputs; no cache cost)",
-    )
-    kv_lora_rank: int | None = Field(None, description="latent width d_c for every layer")
-    cache_budget: float | None = Field(120, description="cache values per token per layer (average)")
-    text: str = Field("wikipedia", description="calibration/evaluation text: wikipedia | news | paths")
-    calib_windows: int = Field(16, description="calibration windows")
-    window: int = Field(512, description="tokens per calibration/evaluation window")
-    eval_windows: int = Field(8, description="held-out evaluation windows for perplexity")
 
 
 @dataclass
@@ -88,18 +64,14 @@ class Conversion:
     calib_tokens: int = 0
 
 
-def _ranks(options: ConvertOptions, targets: list[Any], rope_width: int, num_layers: int) -> list[int]:
+def _ranks(options: ConvertOptions, targets: list[Any], geo: Geometry) -> list[int]:
+    """Latent width per layer: ``kv_lora_rank`` everywhere, or the budget's latent values allocated by marginal
+    error (:func:`~mla_convert.convert.factorize.allocate_ranks`). The options were checked by
+    :func:`~mla_convert.convert.options.check_options`."""
     if options.kv_lora_rank is not None:
-        return [options.kv_lora_rank] * num_layers
-    if options.cache_budget is None:
-        raise FactorError("give --kv-lora-rank or --cache-budget")
-    total = round(options.cache_budget * num_layers) - rope_width * num_layers
-    if total < num_layers:
-        raise FactorError(
-            f"--cache-budget {options.cache_budget} leaves no room for a latent after {rope_width} RoPE values per "
-            "token; lower --rope-pairs or raise the budget"
-        )
-    return allocate_ranks([spectrum(t) for t in targets], total)
+        return [options.kv_lora_rank] * geo.num_layers
+    assert options.cache_budget is not None
+    return allocate_ranks([spectrum(t) for t in targets], geo.latent_total(options.cache_budget))
 
 
 def build_mla(
@@ -117,8 +89,10 @@ def build_mla(
     through layers); ``config.source["o_proj_refit"]`` records the losses and the decision.
 
     Raises:
-        RopeError / FactorError: impossible options (before any tensor is built).
+        OptionsError: impossible options (before any tensor is built).
     """
+    check_options(options, src)
+    geo = geometry(options, src)
     h, g, n_layers = src.num_heads, src.num_kv_heads, src.num_layers
     weights = [src.attention_weights(i) for i in range(n_layers)]
     plans = [
@@ -142,7 +116,9 @@ def build_mla(
     ]
     rope_heads = len(plans[0].origin)
     d_r = plans[0].q_rope.shape[1]
-    ranks = _ranks(options, targets, rope_heads * d_r, n_layers)
+    if rope_heads * d_r != geo.rope_width:
+        raise RuntimeError(f"internal error: the plans keep {rope_heads * d_r} RoPE values, geometry says {geo.rope_width}")
+    ranks = _ranks(options, targets, geo)
     factors: list[Factors] = []
     for i in range(n_layers):
         factors.append(factor_layer(targets[i], ranks[i], options.factorization))
@@ -219,17 +195,13 @@ def build_mla(
         )
     if config.tie_word_embeddings:
         model.tie_weights()
-    if options.refit_o_proj not in REFITS:
-        raise FactorError(
-            f"unknown --refit-o-proj {options.refit_o_proj!r}; choose one of {', '.join(REFITS)}"
-        )
     lossless = all(p.key_nope.shape[0] == 0 for p in plans) and all(f.rel_error < 1e-9 for f in factors)
     if options.refit_o_proj != "none" and not lossless:  # a lossless conversion stays the same function
         if any(st.x is None or st.out is None for st in stats):
             raise FactorError(
                 "--refit-o-proj needs calibration inputs; collect statistics with keep_calibration"
             )
-        before = _lm_losses(model, check_ids) if check_ids is not None else None
+        before = lm_losses(model, check_ids) if check_ids is not None else None
         saved = {
             i: layer.self_attn.o_proj.weight.detach().clone() for i, layer in enumerate(model.model.layers)
         }
@@ -239,7 +211,7 @@ def build_mla(
             refit_o_proj(attn, st.x, st.out)
             if progress:
                 progress("refit", 1, len(stats))
-        after = _lm_losses(model, check_ids) if check_ids is not None else None
+        after = lm_losses(model, check_ids) if check_ids is not None else None
         mean_before = sum(before) / len(before) if before else None
         mean_after = sum(after) / len(after) if after else None
         kept = mean_before is None or mean_after is None or mean_after < mean_before
@@ -258,53 +230,6 @@ def build_mla(
 
 
 @torch.no_grad()
-def _lm_losses(model: MLAForCausalLM, ids: torch.Tensor) -> list[float]:
-    """Next-token loss (nats) of ``model`` on each window of ``ids [M, T]``."""
-    return [float(model(input_ids=row[None], labels=row[None], use_cache=False).loss) for row in ids]
-
-
-def _causal(t: int) -> torch.Tensor:
-    upper = torch.ones(t, t, dtype=torch.bool).triu(1)
-    return torch.zeros(1, 1, t, t).masked_fill(upper, torch.finfo(torch.float32).min)
-
-
-@torch.no_grad()
-def refit_o_proj(attn: MLAAttention, x: torch.Tensor, target: torch.Tensor, ridge: float = 1e-4) -> float:
-    """Refit ``o_proj.weight`` by ridge least squares so the converted layer's attention output matches the
-    source's on calibration tokens (teacher-forced inputs). ``o_proj`` is not part of the cache, so this
-    spends no cache; it absorbs value-reconstruction and attention-probability errors linearly.
-
-    Args:
-        attn: the converted layer's attention module; its ``o_proj.weight`` is replaced in place.
-        x: ``[N, T, hidden]`` source attention inputs; target: ``[N, T, hidden]`` source attention outputs.
-        ridge: Tikhonov weight relative to the mean diagonal of ``ZᵀZ``; the fit is shrunk toward the
-            assembled ``o_proj`` (directions the calibration tokens do not excite keep their weights).
-
-    Returns:
-        Relative residual ``‖Z Wᵀ - Y‖ / ‖Y‖`` on the fitting tokens.
-    """
-    captured: list[torch.Tensor] = []
-    hook = attn.o_proj.register_forward_pre_hook(lambda _m, a: captured.append(a[0].detach()))
-    try:
-        t = x.shape[1]
-        pos = torch.arange(t)[None]
-        for row in x:
-            attn(row[None], pos, _causal(t), None)
-    finally:
-        hook.remove()
-    z = torch.cat(captured).reshape(-1, captured[0].shape[-1]).double()
-    y = target.reshape(-1, target.shape[-1]).double()
-    if attn.o_proj.bias is not None:
-        y = y - attn.o_proj.bias.double()
-    gram = z.T @ z
-    lam = ridge * float(torch.diagonal(gram).mean().clamp_min(1e-30))
-    w0 = attn.o_proj.weight.detach().double().T  # shrink toward the assembled o_proj, not toward zero
-    w = torch.linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype), z.T @ y + lam * w0)
-    attn.o_proj.weight.copy_(w.T.to(attn.o_proj.weight.dtype))
-    return float((z @ w - y).norm() / y.norm().clamp_min(1e-30))
-
-
-@torch.no_grad()
 def attention_errors(model: MLAForCausalLM, held: list[HeldOut]) -> list[float]:
     """Relative error ``‖a_mla - a_src‖ / ‖a_src‖`` of each layer's attention output on held-out tokens,
     with the source's own layer inputs (so errors do not compound)."""
@@ -313,7 +238,7 @@ def attention_errors(model: MLAForCausalLM, held: list[HeldOut]) -> list[float]:
         attn = model.model.layers[i].self_attn
         t = ho.x.shape[1]
         pos = torch.arange(t)[None].expand(ho.x.shape[0], t)
-        out = attn(ho.x, pos, _causal(t), None)
+        out = attn(ho.x, pos, causal_mask(1, t), None)
         errs.append(float((out - ho.out).norm() / ho.out.norm().clamp_min(1e-30)))
     return errs
 

@@ -4,7 +4,7 @@ For each layer ``l`` the attention input ``x`` (the output of ``input_layernorm`
 gives everything the conversion needs, since queries, keys and values are linear in ``x``:
 
 * ``xx = E[x xᵀ]`` and ``x_mean = E[x]`` (float64): activation-aware and output-aware factorization
-  (FIELD.md §2) and the complex key covariance of the shared rope key (RoRoPE).
+  (docs/math.md §Low-rank factorization) and the complex key covariance of the shared rope key (RoRoPE).
 * ``q_pair_norm [H, d/2]`` and ``k_pair_norm [G, d/2]``: ``E_t ‖pair‖`` of each RoPE pair, the
   MHA2MLA 2-norm statistic (arXiv:2502.14837), measured pre-rotation (rotation keeps norms).
 

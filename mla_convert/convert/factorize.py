@@ -1,7 +1,7 @@
 """Low-rank factorization of the NoPE key and value maps into ``kv_a`` (down) and ``kv_b`` (up).
 
 The matrix factored per layer is ``W = [W_kn; W_v]``: the unique NoPE key rows of every KV head
-(:class:`~mla_convert.rope.RopePlan`) stacked on the value rows, ``[n + G*d_V, hidden]``. All
+(:class:`~mla_convert.convert.rope.RopePlan`) stacked on the value rows, ``[n + G*d_V, hidden]``. All
 objectives minimise a weighted Frobenius error in closed form (Eckart–Young):
 
     min ‖L (W - W_up W_down) Rᵀ‖_F,   SVD(L W R) = U S Vᵀ,   W_down = U_rᵀ L W,   W_up = L⁻¹ U_r
@@ -24,10 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from mla_convert.convert.calibration import LayerStats, second_moment
+from mla_convert.convert.options import FACTORIZATIONS, OBJECTIVES
 from mla_convert.convert.rope import RopePlan
-
-OBJECTIVES = ("weight", "activation", "output")
-FACTORIZATIONS = ("joint", "split")
 
 
 class FactorError(ValueError):

@@ -16,20 +16,14 @@ from typing import Any
 import torch
 
 from mla_convert import __version__
-from mla_convert.artifacts.manifest import write_manifest
+from mla_convert.artifacts.manifest import conversion_manifest, write_manifest
 from mla_convert.artifacts.output import atomic_folder, check_output, save_checkpoint
 from mla_convert.artifacts.report import write_report
-from mla_convert.convert.build import Conversion, ConvertOptions, ProgressFn, convert
-from mla_convert.convert.factorize import FACTORIZATIONS, OBJECTIVES, FactorError
-from mla_convert.convert.rope import BASES, MODES, STRATEGIES, RopeError
-from mla_convert.sources.checkpoint import SourceModel, sha256_file, tokenizer_digest, tokenizer_files
-from mla_convert.text.corpora import (
-    TextError,
-    documents_record,
-    load_documents,
-    split_documents,
-    token_windows,
-)
+from mla_convert.convert.build import Conversion, ProgressFn, convert
+from mla_convert.convert.options import ConvertOptions, check_options
+from mla_convert.sources.checkpoint import SourceModel, tokenizer_files
+from mla_convert.text.corpora import TextError, load_documents, parse_text_spec
+from mla_convert.text.windows import documents_record, split_documents, token_windows
 from mla_convert.validate.metrics import EvalResult, evaluate, measure_cache
 
 #: Held-out calibration windows: per-layer attention error and the o_proj refit's keep/revert check
@@ -50,72 +44,13 @@ class TextSplit:
     records: dict[str, list[dict[str, Any]]]
 
 
-def check_options(options: ConvertOptions, src: SourceModel) -> None:
-    """Cheap option checks against the source (before loading weights).
-
-    Raises:
-        RopeError / FactorError: with the allowed range.
-    """
-    if options.rope_mode not in MODES:
-        raise RopeError(f"unknown --rope-mode {options.rope_mode!r}; choose one of {', '.join(MODES)}")
-    if options.rope_strategy not in STRATEGIES:
-        raise RopeError(
-            f"unknown --rope-strategy {options.rope_strategy!r}; choose one of {', '.join(STRATEGIES)}"
-        )
-    if options.rope_basis not in BASES:
-        raise RopeError(f"unknown --rope-basis {options.rope_basis!r}; choose one of {', '.join(BASES)}")
-    if options.objective not in OBJECTIVES:
-        raise FactorError(f"unknown --objective {options.objective!r}; choose one of {', '.join(OBJECTIVES)}")
-    if options.factorization not in FACTORIZATIONS:
-        raise FactorError(
-            f"unknown --factorization {options.factorization!r}; choose one of {', '.join(FACTORIZATIONS)}"
-        )
-    from mla_convert.convert.build import REFITS
-
-    if options.refit_o_proj not in REFITS:
-        raise FactorError(
-            f"unknown --refit-o-proj {options.refit_o_proj!r}; choose one of {', '.join(REFITS)}"
-        )
-    half, g = src.head_dim // 2, src.num_kv_heads
-    limit = half * g if (options.rope_mode == "shared" and options.rope_strategy == "rotation") else half
-    if not 0 <= options.rope_pairs <= limit:
-        raise RopeError(
-            f"--rope-pairs {options.rope_pairs} is out of range for {options.rope_mode}/{options.rope_strategy}: "
-            f"0..{limit} (head_dim/2 = {half})"
-        )
-    rope_width = (g if options.rope_mode == "per-head" else 1) * 2 * options.rope_pairs
-    n_nope = 2 * (half * g) - 2 * options.rope_pairs * (g if options.rope_mode == "per-head" else 1)
-    max_rank = min(src.hidden_size, n_nope + g * src.head_dim)
-    if options.kv_lora_rank is not None and not 1 <= options.kv_lora_rank <= max_rank:
-        raise FactorError(
-            f"--kv-lora-rank {options.kv_lora_rank} is impossible for this source: allowed 1..{max_rank}"
-        )
-    if options.kv_lora_rank is None:
-        if options.cache_budget is None:
-            raise FactorError("give --kv-lora-rank or --cache-budget")
-        if options.cache_budget - rope_width < 1:
-            raise FactorError(
-                f"--cache-budget {options.cache_budget} leaves no latent after {rope_width} RoPE values; "
-                "lower --rope-pairs or raise the budget"
-            )
-        if options.cache_budget - rope_width > max_rank:
-            raise FactorError(
-                f"--cache-budget {options.cache_budget} asks for a latent wider than possible ({max_rank})"
-            )
-    for name in ("calib_windows", "window", "eval_windows"):
-        if getattr(options, name) < 1:
-            raise FactorError(f"--{name.replace('_', '-')} must be at least 1")
-
-
 def prepare_text(tokenizer: Any, options: ConvertOptions) -> TextSplit:
     """Load, split by document and tokenize calibration/evaluation text.
 
     Raises:
         TextError: missing/empty text, or too short for the requested windows.
     """
-    spec: Any = options.text
-    if spec not in ("wikipedia", "news"):
-        spec = [Path(p) for p in options.text.split(",")]
+    spec = parse_text_spec(options.text)
     docs = load_documents(spec)
     splits = split_documents(docs)
     calib = token_windows(
@@ -131,7 +66,7 @@ def prepare_text(tokenizer: Any, options: ConvertOptions) -> TextSplit:
     evaluation = token_windows(
         tokenizer, splits["evaluation"], options.window, options.eval_windows, bos=False
     )
-    name = options.text if isinstance(spec, str) else "local files"
+    name = spec if isinstance(spec, str) else "local files"
     return TextSplit(
         name,
         calib[:-held],
@@ -200,7 +135,7 @@ def run_factor(
     cache_mla = measure_cache(conv.model, probe)
     sample = None
     if sample_prompt:
-        from mla_convert.validate.metrics import greedy
+        from mla_convert.runtime.decode import greedy
 
         ids = tokenizer(sample_prompt, return_tensors="pt").input_ids
         sample = tokenizer.decode(greedy(conv.model, ids, 24)[0], skip_special_tokens=True)
@@ -239,70 +174,10 @@ def run_factor(
             "threads": torch.get_num_threads(),
         },
     }
-    manifest = {
-        "tool": {"name": "mla-convert", "version": __version__},
-        "source": {
-            "origin": src.origin if not Path(src.origin).exists() else Path(src.origin).name,
-            "family": src.family.name,
-            "files": [{"name": f.name, "sha256": sha256_file(f)} for f in src.origin_files],
-            "tokenizer_sha256": tokenizer_digest(src),
-        },
-        "options": options.model_dump(),
-        "rope": {
-            "mode": options.rope_mode,
-            "pairs": [r.rope_pairs for r in conv.layers],
-            "inv_freq": conv.config.rope_inv_freq,
-        },
-        "ranks": conv.config.kv_lora_rank,
-        "calibration": {
-            "text": text.name,
-            "documents": text.records["calibration"],
-            "tokens": conv.calib_tokens,
-        },
-        "evaluation": {"documents": text.records["evaluation"]},
-        "reconstruction": {
-            "perplexity_source": round(ev.reference_perplexity or 0.0, 4),
-            "perplexity": round(ev.perplexity, 4),
-            "kl": round(ev.kl or 0.0, 5),
-            "top1": round(ev.top1 or 0.0, 4),
-            "mean_attn_rel_error": round(
-                sum(r.attn_rel_error or 0 for r in conv.layers) / len(conv.layers), 5
-            ),
-            **_refit_record(conv.config.source.get("o_proj_refit")),
-        },
-        "cache_schema": {
-            "row_layout": ["c_kv", "k_rope"],
-            "kv_lora_rank": conv.config.kv_lora_rank,
-            "rope_width": conv.config.num_rope_heads * conv.config.qk_rope_head_dim,
-            "num_rope_heads": conv.config.num_rope_heads,
-            "qk_rope_head_dim": conv.config.qk_rope_head_dim,
-            "rope_layout": "rotate_half within each rope head; k_rope cached already rotated at its absolute position",
-            "dtype": "float32",
-            "values_per_token_per_layer": conv.config.cache_width,
-            "softmax_scale": conv.config.softmax_scale,
-        },
-        "run": report["run"],
-    }
+    manifest = conversion_manifest(src, options, conv, ev, text.name, text.records, report["run"])
     with atomic_folder(out) as tmp:
         save_checkpoint(conv.model, tmp, tokenizer_files(src), model_card(src, options, conv, ev))
         write_report(tmp, report)
         write_manifest(tmp, manifest, sorted(p.name for p in tmp.iterdir() if p.is_file()))
     return report
 
-
-def _refit_record(refit: dict[str, Any] | None) -> dict[str, Any]:
-    """The o_proj refit's decision for the manifest: kept or not, mean held-out loss (nats) before/after and
-    its spread over the held-out windows (min and max of after - before); empty without a refit."""
-    if not refit or refit.get("loss_before") is None:
-        return {}
-    deltas = [a - b for a, b in zip(refit["window_losses_after"], refit["window_losses_before"], strict=True)]
-    return {
-        "o_proj_refit": {
-            "kept": refit["kept"],
-            "held_out_windows": len(deltas),
-            "loss_before": round(refit["loss_before"], 5),
-            "loss_after": round(refit["loss_after"], 5),
-            "delta_min": round(min(deltas), 5),
-            "delta_max": round(max(deltas), 5),
-        }
-    }

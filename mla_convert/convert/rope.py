@@ -1,6 +1,6 @@
 """Partial RoPE: choose which rotary pairs keep their rotation, and in which key basis.
 
-Layout (HF rotate_half, FIELD.md §1): pair ``k`` of a head is dims ``(k, k + d/2)`` with inverse
+Layout (HF rotate_half; docs/math.md): pair ``k`` of a head is dims ``(k, k + d/2)`` with inverse
 frequency ``inv_freq[k]``. Treat the key pair of KV head ``g`` as a complex number
 ``K_g = k[k] + i k[k + d/2]``; RoPE multiplies it by ``e^{i θ_k t}``. For each frequency a unitary
 ``U`` (G x G) mixes the KV heads' pairs, ``K'_m = Σ_g U[m, g] K_g``, and query head ``h`` of group
@@ -31,10 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mla_convert.convert.calibration import LayerStats, second_moment
-
-MODES = ("per-head", "shared")
-STRATEGIES = ("high", "low", "uniform", "2-norm", "rotation")
-BASES = ("complex", "real")
+from mla_convert.convert.options import BASES, MODES, STRATEGIES
 
 
 class RopeError(ValueError):

@@ -21,7 +21,7 @@ from transformers import PretrainedConfig
 
 
 class MLAConfig(PretrainedConfig):
-    """Config of :class:`mla_convert.modeling_mla.MLAForCausalLM`.
+    """Config of :class:`mla_convert.mla.modeling.MLAForCausalLM`.
 
     Args:
         kv_lora_rank: latent width ``d_c`` of the KV cache, an int or one int per layer.
@@ -33,7 +33,7 @@ class MLAConfig(PretrainedConfig):
         rope_pair_origin: ``[L][R][d_R/2]`` human-readable origin of each pair (for reports).
         softmax_scale: the source model's attention scale.
         latent_norm: whether an RMSNorm (``kv_a_layernorm``) sits on ``c_kv``.
-        q_bias / kv_a_bias / o_bias: which projections carry a bias (exact bias handling, FIELD.md §2).
+        q_bias / kv_a_bias / o_bias: which projections carry a bias (see docs/math.md §Biases).
         source: a dict naming the source model (family, path, architecture) for records.
 
     Raises:

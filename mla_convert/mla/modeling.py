@@ -1,6 +1,6 @@
 """The converted MLA causal language model (a transformers ``PreTrainedModel``).
 
-Attention follows FIELD.md §1 (DeepSeek-V2/V3 MLA, arXiv:2405.04434), generalised for converted
+Attention follows docs/math.md (DeepSeek-V2/V3 MLA, arXiv:2405.04434), generalised for converted
 checkpoints (per-layer ranks, several rope heads, exact per-pair source frequencies):
 
     q             = q_proj(x)                 -> per head [q_nope (d_N) | q_rope (d_R)]
@@ -14,21 +14,20 @@ Three attention paths share these weights:
   layer; queries are absorbed into the latent (``q_abs = W_UK[g]^T q_nope``) and the value
   up-projection runs after attention (``W_UV[g] @ latent_out``). ``generate()`` uses it.
 * ``triton``: like ``absorbed``, but decode steps (one new token) run the bundled Triton kernel
-  (:mod:`mla_convert.kernels`) over a :class:`~mla_convert.paged_cache.PagedLatentCache`; prefill runs
+  (:mod:`mla_convert.kernels`) over a :class:`~mla_convert.runtime.paged_cache.PagedLatentCache`; prefill runs
   the absorbed torch math over the very rows it wrote to that cache. It needs a paged cache and never
   falls back: the backend that ran is counted in the cache's ``backend_log``.
 * ``naive`` (a reference): expands K and V per KV head and caches them; never the product.
 
 Two caches are accepted. A transformers ``DynamicCache`` (``generate()``): on the absorbed path layer
 ``l`` stores ``c_kv`` in its key slot ``[B, 1, S, d_c]`` and the rotated ``k_rope`` in its value slot
-``[B, 1, S, R * d_R]``. A :class:`~mla_convert.paged_cache.PagedLatentCache` (``absorbed`` and
-``triton``): rows ``[c_kv | rotated k_rope]`` in pages, see :mod:`mla_convert.decode`.
+``[B, 1, S, R * d_R]``. A :class:`~mla_convert.runtime.paged_cache.PagedLatentCache` (``absorbed`` and
+``triton``): rows ``[c_kv | rotated k_rope]`` in pages, see :mod:`mla_convert.runtime.decode`.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -37,39 +36,22 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
+from mla_convert.mla import algebra
+from mla_convert.mla.algebra import apply_rope, causal_mask, rope_angles
 from mla_convert.mla.configuration import MLAConfig
 from mla_convert.runtime.paged_cache import PagedLatentCache
 
 ATTENTION_PATHS = ("absorbed", "naive", "triton")
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate RoPE pairs in rotate_half layout (pair p = dims ``(p, p + P)``).
+class Projected(NamedTuple):
+    """One layer's projections of new tokens: ``q_nope [B, T, H, d_N]``, rotated ``q_rope [B, T, H, d_R]``,
+    ``c_kv [B, T, d_c]`` (after the optional latent norm) and rotated ``k_rope [B, T, R, d_R]``."""
 
-    Args:
-        x: ``[..., 2P]`` rope dims.
-        cos, sin: ``[..., P]`` broadcastable to ``x[..., :P]``: cos/sin of position x inverse frequency.
-
-    Returns:
-        ``[..., 2P]``: ``(x1 cos - x2 sin, x2 cos + x1 sin)``, the HF Llama rotation.
-    """
-    p = x.shape[-1] // 2
-    x1, x2 = x[..., :p], x[..., p:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-def rope_angles(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of absolute positions times per-pair inverse frequencies.
-
-    Args:
-        position_ids: ``[B, T]`` absolute token positions.
-        inv_freq: ``[R, P]`` radians per token, float32.
-
-    Returns:
-        ``(cos, sin)``, each ``[B, T, R, P]`` float32 (computed in float32 like HF's rotary embedding).
-    """
-    angles = position_ids[:, :, None, None].float() * inv_freq[None, None].float()
-    return angles.cos(), angles.sin()
+    q_nope: torch.Tensor
+    q_rope: torch.Tensor
+    c_kv: torch.Tensor
+    k_rope: torch.Tensor
 
 
 class MLAAttention(nn.Module):
@@ -117,9 +99,7 @@ class MLAAttention(nn.Module):
         )  # saved: meta-device init would leave it empty
 
     # ----------------------------------------------------------------------------- projections
-    def project(
-        self, x: torch.Tensor, position_ids: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, position_ids: torch.Tensor) -> Projected:
         """Queries and the new latent rows of ``x``.
 
         Returns:
@@ -138,57 +118,34 @@ class MLAAttention(nn.Module):
         if self.qk_rope_head_dim:
             cos, sin = rope_angles(position_ids, self.rope_inv_freq)
             k_rope = apply_rope(k_rope, cos.to(k_rope.dtype), sin.to(k_rope.dtype))
-            head_to_rope = torch.arange(h, device=x.device) // (h // r)
+            head_to_rope = algebra.head_to_group(h, r, x.device)
             q_rope = apply_rope(
                 q_rope, cos[:, :, head_to_rope].to(q.dtype), sin[:, :, head_to_rope].to(q.dtype)
             )
-        return q_nope, q_rope, c_kv, k_rope
+        return Projected(q_nope, q_rope, c_kv, k_rope)
 
     def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``W_UK [G, d_N, d_c]`` and ``W_UV [G, d_V, d_c]``, views of ``kv_b_proj.weight``."""
-        w = self.kv_b_proj.weight.view(
-            self.num_kv_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank
-        )
-        return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
+        return algebra.split_up_weights(self.kv_b_proj.weight, self.num_kv_heads, self.qk_nope_head_dim)
 
     def head_to_rope(self, device: torch.device | None = None) -> torch.Tensor:
         """``[H]`` int32: the rope head read by each query head (``h // (H / R)``)."""
-        return (torch.arange(self.num_heads, device=device) // (self.num_heads // self.num_rope_heads)).int()
+        return algebra.head_to_group(self.num_heads, self.num_rope_heads, device).int()
 
     def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
-        """``q_abs [B, T, H, d_c] = W_UK[g(h)]^T q_nope[h]`` for ``q_nope [B, T, H, d_N]``."""
-        b, t, h, _ = q_nope.shape
-        g = self.num_kv_heads
-        w_uk, _ = self.up_weights()
-        return torch.einsum("btgnd,gdc->btgnc", q_nope.reshape(b, t, g, h // g, -1), w_uk).reshape(
-            b, t, h, -1
-        )
+        """``q_abs [B, T, H, d_c]`` for ``q_nope [B, T, H, d_N]`` (:func:`~mla_convert.mla.algebra.absorb_query`)."""
+        return algebra.absorb_query(q_nope, self.up_weights()[0])
 
     def latent_scores(
         self, q_abs: torch.Tensor, q_rope: torch.Tensor, c_all: torch.Tensor, kr_all: torch.Tensor
     ) -> torch.Tensor:
-        """Unscaled scores ``[B, H, T, S]`` of absorbed queries against latent rows.
-
-        Args:
-            q_abs: ``[B, T, H, d_c]``; q_rope: rotated ``[B, T, H, d_R]``.
-            c_all: ``[B, S, d_c]``; kr_all: rotated ``[B, S, R * d_R]``.
-        """
-        b, t, h, _ = q_abs.shape
-        r, s = self.num_rope_heads, c_all.shape[1]
-        scores = torch.einsum("bthc,bsc->bhts", q_abs, c_all)
-        if self.qk_rope_head_dim:
-            kr = kr_all.reshape(b, s, r, self.qk_rope_head_dim)
-            rope_scores = torch.einsum("btrnd,bsrd->brnts", q_rope.reshape(b, t, r, h // r, -1), kr)
-            scores = scores + rope_scores.reshape(b, h, t, s)
-        return scores
+        """Unscaled scores ``[B, H, T, S]`` of absorbed queries against latent rows ``c_all [B, S, d_c]``,
+        ``kr_all [B, S, R * d_R]`` (:func:`~mla_convert.mla.algebra.latent_scores`)."""
+        return algebra.latent_scores(q_abs, q_rope, c_all, kr_all, self.num_rope_heads)
 
     def output_from_latent(self, latent_out: torch.Tensor) -> torch.Tensor:
         """``o_proj(W_UV[g(h)] latent_out[h])``: ``[B, T, H, d_c] -> [B, T, hidden]``."""
-        b, t, h, _ = latent_out.shape
-        g = self.num_kv_heads
-        _, w_uv = self.up_weights()
-        out = torch.einsum("btgnc,gvc->btgnv", latent_out.reshape(b, t, g, h // g, -1), w_uv)
-        return self.o_proj(out.reshape(b, t, h * self.v_head_dim))
+        return self.o_proj(algebra.latent_output(latent_out, self.up_weights()[1]))
 
     # ----------------------------------------------------------------------------- forward
     def forward(
@@ -209,32 +166,24 @@ class MLAAttention(nn.Module):
         Raises:
             ValueError: the ``naive`` path with a paged cache, or the ``triton`` path with a ``DynamicCache``.
         """
-        q_nope, q_rope, c_kv, k_rope = self.project(x, position_ids)
+        p = self.project(x, position_ids)
         if isinstance(past_key_values, PagedLatentCache):
-            return self._paged(q_nope, q_rope, c_kv, k_rope, attention_mask, past_key_values)
+            return self._paged(p, attention_mask, past_key_values)
         if self.path == "naive":
-            return self._naive(q_nope, q_rope, c_kv, k_rope, attention_mask, past_key_values)
+            return self._naive(p, attention_mask, past_key_values)
         if self.path == "triton" and past_key_values is not None:
             raise ValueError(
-                "attention path 'triton' decodes from a PagedLatentCache; use mla_convert.decode.generate "
+                "attention path 'triton' decodes from a PagedLatentCache; use mla_convert.runtime.decode.generate "
                 "(or `mla-convert generate --backend triton`) instead of a DynamicCache"
             )
-        return self._absorbed(q_nope, q_rope, c_kv, k_rope, attention_mask, past_key_values)
+        return self._absorbed(p, attention_mask, past_key_values)
 
-    def _paged(
-        self,
-        q_nope: torch.Tensor,
-        q_rope: torch.Tensor,
-        c_kv: torch.Tensor,
-        k_rope: torch.Tensor,
-        mask: torch.Tensor | None,
-        cache: PagedLatentCache,
-    ) -> torch.Tensor:
-        b, t, h, _ = q_nope.shape
+    def _paged(self, p: Projected, mask: torch.Tensor | None, cache: PagedLatentCache) -> torch.Tensor:
+        b, t = p.c_kv.shape[:2]
         if self.path == "naive":
             raise ValueError("the naive path caches expanded K/V; it cannot use a PagedLatentCache")
-        cache.write(self.layer_idx, torch.cat([c_kv, k_rope.reshape(b, t, -1)], dim=-1))
-        q_abs = self.absorb_query(q_nope)
+        cache.write(self.layer_idx, torch.cat([p.c_kv, p.k_rope.reshape(b, t, -1)], dim=-1))
+        q_abs = self.absorb_query(p.q_nope)
         lens = cache.seq_lens(pending=t)
         if self.path == "triton" and t == 1:
             from mla_convert.kernels import kernel_backend, load_kernel
@@ -243,7 +192,7 @@ class MLAAttention(nn.Module):
             device = q_abs.device
             latent, _ = kernel.latent_decode(
                 q_abs[:, 0].contiguous(),
-                q_rope[:, 0].contiguous(),
+                p.q_rope[:, 0].contiguous(),
                 cache.pages[self.layer_idx],
                 cache.block_table(device),
                 lens.to(device),
@@ -259,62 +208,40 @@ class MLAAttention(nn.Module):
             )
         rows = cache.gather(self.layer_idx, int(lens[0])).to(q_abs.dtype)
         d_c = self.kv_lora_rank
-        scores = self.latent_scores(q_abs, q_rope, rows[..., :d_c], rows[..., d_c:])
-        probs = self._softmax(scores, mask)
-        latent = torch.einsum("bhts,bsc->bthc", probs, rows[..., :d_c])
         cache.backend_log["absorbed-torch:" + ("decode" if t == 1 else "prefill")] += 1
-        return self.output_from_latent(latent)
+        return self._attend_latent(q_abs, p.q_rope, rows[..., :d_c], rows[..., d_c:], mask)
 
-    def _absorbed(
-        self,
-        q_nope: torch.Tensor,
-        q_rope: torch.Tensor,
-        c_kv: torch.Tensor,
-        k_rope: torch.Tensor,
-        mask: torch.Tensor | None,
-        cache: Cache | None,
-    ) -> torch.Tensor:
-        b, t, h, _ = q_nope.shape
+    def _absorbed(self, p: Projected, mask: torch.Tensor | None, cache: Cache | None) -> torch.Tensor:
+        b, t = p.c_kv.shape[:2]
         if cache is not None:
-            c_all, kr_all = cache.update(c_kv.unsqueeze(1), k_rope.reshape(b, 1, t, -1), self.layer_idx)
+            c_all, kr_all = cache.update(p.c_kv.unsqueeze(1), p.k_rope.reshape(b, 1, t, -1), self.layer_idx)
             c_all, kr_all = c_all[:, 0], kr_all[:, 0]
         else:
-            c_all, kr_all = c_kv, k_rope.reshape(b, t, -1)
-        q_abs = self.absorb_query(q_nope)
-        probs = self._softmax(self.latent_scores(q_abs, q_rope, c_all, kr_all), mask)
-        latent_out = torch.einsum("bhts,bsc->bthc", probs, c_all)
-        return self.output_from_latent(latent_out)
+            c_all, kr_all = p.c_kv, p.k_rope.reshape(b, t, -1)
+        return self._attend_latent(self.absorb_query(p.q_nope), p.q_rope, c_all, kr_all, mask)
 
-    def _naive(
+    def _attend_latent(
         self,
-        q_nope: torch.Tensor,
+        q_abs: torch.Tensor,
         q_rope: torch.Tensor,
-        c_kv: torch.Tensor,
-        k_rope: torch.Tensor,
+        c_all: torch.Tensor,
+        kr_all: torch.Tensor,
         mask: torch.Tensor | None,
-        cache: Cache | None,
     ) -> torch.Tensor:
-        b, t, h, _ = q_nope.shape
-        g, r = self.num_kv_heads, self.num_rope_heads
-        kv = self.kv_b_proj(c_kv).view(b, t, g, self.qk_nope_head_dim + self.v_head_dim)
-        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-        k_rope_g = k_rope.repeat_interleave(g // r, dim=2)  # [B, T, G, d_R]
-        keys = torch.cat([k_nope, k_rope_g], dim=-1).transpose(1, 2)  # [B, G, T, d_N + d_R]
-        values = v.transpose(1, 2)  # [B, G, T, d_V]
+        """Absorbed attention over latent rows ``c_all [B, S, d_c]``, ``kr_all [B, S, R * d_R]``."""
+        probs = self._softmax(self.latent_scores(q_abs, q_rope, c_all, kr_all), mask)
+        return self.output_from_latent(algebra.attend_latent(probs, c_all))
+
+    def _naive(self, p: Projected, mask: torch.Tensor | None, cache: Cache | None) -> torch.Tensor:
+        w_uk, w_uv = self.up_weights()
+        keys, values = algebra.expand_kv(p.c_kv, p.k_rope, w_uk, w_uv)  # [B, G, T, d_N + d_R], [B, G, T, d_V]
         if cache is not None:
             keys, values = cache.update(keys, values, self.layer_idx)
-        q = torch.cat([q_nope, q_rope], dim=-1).transpose(1, 2)  # [B, H, T, d_N + d_R]
-        keys = keys.repeat_interleave(h // g, dim=1)
-        values = values.repeat_interleave(h // g, dim=1)
-        probs = self._softmax(q @ keys.transpose(-1, -2), mask)
-        out = (probs @ values).transpose(1, 2).reshape(b, t, h * self.v_head_dim)
-        return self.o_proj(out)
+        probs = self._softmax(algebra.naive_scores(p.q_nope, p.q_rope, keys), mask)
+        return self.o_proj(algebra.naive_output(probs, values))
 
     def _softmax(self, scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        scores = scores * self.softmax_scale
-        if mask is not None:
-            scores = scores + mask
-        return torch.softmax(scores.float(), dim=-1).to(scores.dtype)
+        return algebra.attention_probs(scores, self.softmax_scale, mask)
 
 
 class MLADecoderLayer(nn.Module):
@@ -363,26 +290,6 @@ class MLAPreTrainedModel(PreTrainedModel):
             nn.init.ones_(module.weight)
 
 
-def causal_mask(
-    batch: int,
-    new_tokens: int,
-    past: int,
-    attention_mask: torch.Tensor | None,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> torch.Tensor:
-    """Additive mask ``[B, 1, T, past + T]``: key ``j`` is visible to new token ``t`` iff ``j <= past + t``
-    and ``attention_mask[b, j] == 1`` (2-D padding mask ``[B, past + T]``, optional)."""
-    total = past + new_tokens
-    q_pos = torch.arange(past, total, device=device)[:, None]
-    allowed = (torch.arange(total, device=device)[None, :] <= q_pos)[None, None]
-    if attention_mask is not None:
-        allowed = allowed & attention_mask[:, None, None, -total:].bool()
-    allowed = allowed.expand(batch, 1, new_tokens, total)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-    return mask.masked_fill(~allowed, torch.finfo(dtype).min)
-
-
 class MLAModel(MLAPreTrainedModel):
     """Embeddings, ``num_hidden_layers`` MLA decoder blocks and the final RMSNorm."""
 
@@ -397,18 +304,22 @@ class MLAModel(MLAPreTrainedModel):
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
         past_key_values: Cache | PagedLatentCache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        use_cache: bool | None = None,
-        **kwargs: Any,
+        **inputs: Any,
     ) -> BaseModelOutputWithPast:
         """Hidden states ``[B, T, hidden]`` of ``input_ids [B, T]``; positions default to ``past + arange(T)``.
+
+        ``inputs`` (all optional, as :meth:`MLAForCausalLM.forward` names them): ``inputs_embeds [B, T, hidden]``
+        instead of ``input_ids``, 2-D padding ``attention_mask [B, past + T]``, ``position_ids [B, T]``,
+        ``use_cache``; other keys (e.g. transformers' ``cache_position``) are ignored.
 
         With a :class:`PagedLatentCache` (bound to ``B`` requests) the new rows are written to its pages
         and committed after the last layer; positions default to each request's committed length.
         """
+        inputs_embeds: torch.Tensor | None = inputs.get("inputs_embeds")
+        attention_mask: torch.Tensor | None = inputs.get("attention_mask")
+        position_ids: torch.Tensor | None = inputs.get("position_ids")
+        use_cache: bool | None = inputs.get("use_cache")
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -529,8 +440,3 @@ def latent_cache_bytes(cache: Cache) -> tuple[int, int]:
                 total_bytes += tensor.numel() * tensor.element_size()
                 total_values += tensor.numel()
     return total_bytes, total_values
-
-
-def default_softmax_scale(head_dim: int) -> float:
-    """The Llama/Qwen2/Mistral attention scale ``1 / sqrt(head_dim)``."""
-    return 1.0 / math.sqrt(head_dim)

@@ -1,6 +1,7 @@
-"""Greedy decoding through the paged latent cache (the product path: prefill, then one token per step).
+"""Greedy decoding: through the paged latent cache (the product path: prefill, then one token per step), through
+``generate()`` (transformers' cache), and by full recomputation (the oracle of both).
 
-The persistent state is a :class:`~mla_convert.paged_cache.PagedLatentCache` holding ``[c_kv | rotated
+The persistent state is a :class:`~mla_convert.runtime.paged_cache.PagedLatentCache` holding ``[c_kv | rotated
 k_rope]`` rows only. ``backend="triton"`` runs every decode step on the bundled Triton kernel and
 ``"absorbed"`` on the torch absorbed math; both prefill with the absorbed torch math over the rows they
 wrote. The backends that actually ran are returned (``backend_log``), never assumed.
@@ -9,11 +10,16 @@ wrote. The backends that actually ran are returned (``backend_log``), never assu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mla_convert.runtime.paged_cache import PagedLatentCache
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from mla_convert.mla.modeling import MLAForCausalLM
 
 DECODE_BACKENDS = ("triton", "absorbed")
 
@@ -52,7 +58,7 @@ def generate(
     """Greedy decode ``max_new_tokens`` tokens for each prompt row (no EOS stop, equal prompt lengths).
 
     Args:
-        model: an :class:`~mla_convert.modeling_mla.MLAForCausalLM`.
+        model: an :class:`~mla_convert.mla.modeling.MLAForCausalLM`.
         input_ids: ``[B, T]`` prompt ids, ``T >= 1``.
         backend: ``"triton"`` (decode steps on the kernel) or ``"absorbed"`` (torch).
         page_size: cache page size in tokens (1..128).
@@ -100,3 +106,48 @@ def generate(
         model.set_attention_path(previous)
     log = {k: v - before.get(k, 0) for k, v in cache.backend_log.items() if v - before.get(k, 0)}
     return DecodeResult(torch.cat(tokens, dim=1), torch.stack(chosen, dim=1), cache, log, steps)
+
+
+@torch.no_grad()
+def greedy(
+    model: MLAForCausalLM, input_ids: torch.Tensor, new_tokens: int, ignore_eos: bool = False
+) -> torch.Tensor:
+    """Greedy continuation through ``generate()`` (the model's cache path). Returns ``[1, T + new]`` or
+    shorter when EOS is produced; ``ignore_eos`` forbids EOS until ``new_tokens`` (``min_new_tokens``)."""
+    out = model.generate(  # type: ignore[misc]  # transformers' decorated generate has a malformed self type
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        min_new_tokens=new_tokens if ignore_eos else 0,
+    )
+    assert isinstance(out, torch.Tensor)  # no return_dict_in_generate: a plain id tensor
+    return out
+
+
+@torch.no_grad()
+def greedy_recompute(
+    model: PreTrainedModel, input_ids: torch.Tensor, new_tokens: int, ignore_eos: bool = False
+) -> torch.Tensor:
+    """Greedy continuation by full recomputation at every step (no cache): the oracle for :func:`greedy`."""
+    ids = input_ids
+    eos = model.generation_config.eos_token_id if ignore_eos else None
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    for _ in range(new_tokens):
+        logits = model(input_ids=ids, use_cache=False).logits[:, -1]
+        if eos_ids:
+            logits[:, eos_ids] = float("-inf")
+        nxt = logits.argmax(-1, keepdim=True)
+        ids = torch.cat([ids, nxt], dim=1)
+        if (
+            not ignore_eos
+            and model.generation_config.eos_token_id is not None
+            and int(nxt)
+            in (
+                [model.generation_config.eos_token_id]
+                if isinstance(model.generation_config.eos_token_id, int)
+                else model.generation_config.eos_token_id
+            )
+        ):
+            break
+    return ids

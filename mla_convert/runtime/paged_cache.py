@@ -1,4 +1,4 @@
-"""A paged KV cache that holds only MLA latent rows ``[c_kv | rotated k_rope]`` (FIELD.md §1, §4).
+"""A paged KV cache that holds only MLA latent rows ``[c_kv | rotated k_rope]`` (docs/formats.md).
 
 Layout per layer ``l``: ``pages[l]`` is ``[num_pages, page_size, d_c[l] + R * d_R]``; a request owns a
 list of page ids (its block table, shared by all layers) and a committed length. A forward pass of

@@ -20,7 +20,6 @@ Environment:
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.metadata
 import json
@@ -28,9 +27,11 @@ import os
 import subprocess
 import sys
 import tarfile
-import tempfile
 import zipfile
 from pathlib import Path
+
+from mla_convert.artifacts.hashing import sha256_bytes, sha256_file
+from mla_convert.artifacts.output import atomic_write_bytes
 
 __all__ = [
     "AssetError",
@@ -46,7 +47,6 @@ __all__ = [
     "cache_dir",
     "gensim_archive_path",
     "gensim_text_file",
-    "sha256_file",
 ]
 
 #: Distribution that bundles the SmolLM2-135M-Instruct GGUF weights.
@@ -98,6 +98,11 @@ def cache_dir() -> Path:
     """
     env = os.environ.get("MLA_CONVERT_CACHE", "").strip()
     path = Path(env).expanduser() if env else Path.home() / ".cache" / "mla-convert"
+    return _make_folder(path)
+
+
+def _make_folder(path: Path) -> Path:
+    """``mkdir -p path``, or :class:`AssetError` naming the fix (``MLA_CONVERT_CACHE``)."""
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -105,26 +110,6 @@ def cache_dir() -> Path:
             f"cannot create cache folder {path} ({exc.strerror or exc}); set MLA_CONVERT_CACHE to a writable folder"
         ) from exc
     return path
-
-
-def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
-    """Return the hex sha256 of a file, read in chunks.
-
-    Args:
-        path: File to hash.
-        chunk_bytes: Read size in bytes.
-
-    Returns:
-        64 lowercase hex digits.
-
-    Raises:
-        OSError: The file cannot be read.
-    """
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -155,7 +140,7 @@ def _write_stamp(key: str, sha256: str) -> None:
     stamps = _read_stamps()
     stamps[key] = sha256
     try:
-        _atomic_write_bytes(cache_dir() / _STAMP_NAME, json.dumps(stamps, indent=1, sort_keys=True).encode())
+        atomic_write_bytes(cache_dir() / _STAMP_NAME, json.dumps(stamps, indent=1, sort_keys=True).encode())
     except OSError:
         pass
 
@@ -178,29 +163,6 @@ def _file_matches(path: Path, sha256: str, size: int | None = None) -> bool:
     if key is not None:
         _write_stamp(key, actual)
     return True
-
-
-def _atomic_write_bytes(target: Path, data: bytes) -> None:
-    """Write ``data`` to ``target`` through a temp file in the same folder and ``os.replace``.
-
-    Raises:
-        OSError: The folder is not writable.
-    """
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp_name, 0o644)  # mkstemp creates 0600
-        os.replace(tmp_name, target)
-    except BaseException:
-        try:
-            os.unlink(tmp_name)
-        except OSError:
-            pass
-        raise
 
 
 def _run_pip(args: list[str], what: str, manual: str) -> None:
@@ -312,12 +274,7 @@ def gensim_archive_path() -> Path:
     archives = _find_archives(downloads)
     if archives:
         return archives[0]
-    try:
-        downloads.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise AssetError(
-            f"cannot create {downloads} ({exc}); set MLA_CONVERT_CACHE to a writable folder"
-        ) from exc
+    _make_folder(downloads)
     manual = f"{sys.executable} -m pip download --no-deps gensim=={GENSIM_VERSION} -d {downloads}"
     _run_pip(
         ["download", "--no-deps", f"gensim=={GENSIM_VERSION}", "-d", str(downloads)],
@@ -406,14 +363,14 @@ def gensim_text_file(member_suffix: str) -> Path:
     archive = gensim_archive_path()
     name, data = _read_member(archive, member_suffix)
     if pinned is not None:
-        actual = hashlib.sha256(data).hexdigest()
+        actual = sha256_bytes(data)
         if actual != pinned:
             raise AssetError(
                 f"{name} in {archive.name} has sha256 {actual[:12]}..., expected {pinned[:12]}...; "
                 f"delete {archive} and retry"
             )
     try:
-        _atomic_write_bytes(target, data)
+        atomic_write_bytes(target, data)
     except OSError as exc:
         raise AssetError(
             f"cannot write {target} ({exc}); set MLA_CONVERT_CACHE to a writable folder"

@@ -9,11 +9,7 @@ attention layout, RoPE type, tensor presence and shapes, file integrity. Remote 
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,6 +18,9 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
+from mla_convert.artifacts.hashing import sha256_bytes, sha256_file
+from mla_convert.artifacts.output import atomic_folder
+from mla_convert.mla.algebra import head_dim_of, source_softmax_scale
 from mla_convert.sources.families import REFUSED, Family, families
 
 if TYPE_CHECKING:
@@ -81,12 +80,12 @@ class SourceModel:
 
     @property
     def head_dim(self) -> int:
-        return int(getattr(self.config, "head_dim", None) or self.hidden_size // self.num_heads)
+        return head_dim_of(self.config)
 
     @property
     def softmax_scale(self) -> float:
-        """The source attention scale ``head_dim ** -0.5`` (Llama, Mistral, Qwen2)."""
-        return float(self.head_dim**-0.5)
+        """The source attention scale (:func:`~mla_convert.mla.algebra.source_softmax_scale`)."""
+        return source_softmax_scale(self.head_dim)
 
     @property
     def kv_cache_width(self) -> int:
@@ -150,15 +149,6 @@ class SourceModel:
         }
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    """Hex sha256 of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def rope_parameters(config: PretrainedConfig) -> dict[str, Any]:
     """The config's RoPE parameters as a dict (transformers 5 ``rope_parameters``)."""
     params = getattr(config, "rope_parameters", None) or {}
@@ -187,26 +177,20 @@ def gguf_to_folder(gguf: Path) -> Path:
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
     try:
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-            )
-            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        except Exception as exc:  # noqa: BLE001 - any reader failure is one user-facing line
-            raise SourceError(f"cannot read GGUF file {gguf}: {str(exc).splitlines()[0]}") from exc
-        model.hf_quantizer = None  # type: ignore[assignment]  # set dynamically by transformers, not declared
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as exc:  # noqa: BLE001 - any reader failure is one user-facing line
+        raise SourceError(f"cannot read GGUF file {gguf}: {str(exc).splitlines()[0]}") from exc
+    model.hf_quantizer = None  # type: ignore[assignment]  # set dynamically by transformers, not declared
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    with atomic_folder(target) as tmp:
         model.save_pretrained(str(tmp))
         tok.save_pretrained(str(tmp))
         (tmp / "gguf_origin.json").write_text(json.dumps({"file": gguf.name, "sha256": digest}, indent=2))
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
@@ -388,7 +372,5 @@ def tokenizer_files(src: SourceModel) -> list[Path]:
 
 def tokenizer_digest(src: SourceModel) -> str:
     """sha256 over the tokenizer files' names and bytes (sorted by name)."""
-    h = hashlib.sha256()
-    for f in sorted(tokenizer_files(src)):
-        h.update(f.name.encode() + b"\0" + f.read_bytes())
-    return h.hexdigest()
+    blob = b"".join(f.name.encode() + b"\0" + f.read_bytes() for f in sorted(tokenizer_files(src)))
+    return sha256_bytes(blob)

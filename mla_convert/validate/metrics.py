@@ -1,4 +1,4 @@
-"""Measurements on real text: perplexity, KL to the source, top-1 agreement, KV cache bytes, greedy text.
+"""Measurements on real text: perplexity, KL to the source, top-1 agreement, KV cache bytes.
 
 Every number says what it was measured on: :class:`EvalResult` carries the token count, window
 length and the text's document ids.
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from mla_convert.mla.modeling import MLAForCausalLM, latent_cache_bytes
+from mla_convert.mla.modeling import latent_cache_bytes
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -102,48 +102,3 @@ def measure_cache(model: PreTrainedModel, input_ids: torch.Tensor) -> dict[str, 
         "tokens": tokens,
         "layers": layers,
     }
-
-
-@torch.no_grad()
-def greedy(
-    model: MLAForCausalLM, input_ids: torch.Tensor, new_tokens: int, ignore_eos: bool = False
-) -> torch.Tensor:
-    """Greedy continuation through ``generate()`` (the model's cache path). Returns ``[1, T + new]`` or
-    shorter when EOS is produced; ``ignore_eos`` forbids EOS until ``new_tokens`` (``min_new_tokens``)."""
-    out = model.generate(  # type: ignore[misc]  # transformers' decorated generate has a malformed self type
-        input_ids=input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        max_new_tokens=new_tokens,
-        do_sample=False,
-        min_new_tokens=new_tokens if ignore_eos else 0,
-    )
-    assert isinstance(out, torch.Tensor)  # no return_dict_in_generate: a plain id tensor
-    return out
-
-
-@torch.no_grad()
-def greedy_recompute(
-    model: PreTrainedModel, input_ids: torch.Tensor, new_tokens: int, ignore_eos: bool = False
-) -> torch.Tensor:
-    """Greedy continuation by full recomputation at every step (no cache): the oracle for :func:`greedy`."""
-    ids = input_ids
-    eos = model.generation_config.eos_token_id if ignore_eos else None
-    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    for _ in range(new_tokens):
-        logits = model(input_ids=ids, use_cache=False).logits[:, -1]
-        if eos_ids:
-            logits[:, eos_ids] = float("-inf")
-        nxt = logits.argmax(-1, keepdim=True)
-        ids = torch.cat([ids, nxt], dim=1)
-        if (
-            not ignore_eos
-            and model.generation_config.eos_token_id is not None
-            and int(nxt)
-            in (
-                [model.generation_config.eos_token_id]
-                if isinstance(model.generation_config.eos_token_id, int)
-                else model.generation_config.eos_token_id
-            )
-        ):
-            break
-    return ids

@@ -1,0 +1,124 @@
+"""What an adaptation job leaves in OUT besides the weights: the report, the model card, the training
+plot and the metrics, written together with the checkpoint into one atomically appearing folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mla_convert.adapt.options import AdaptOptions, tokens_per_step
+from mla_convert.adapt.workdir import jsonl
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+def adapt_report(
+    ckpt: Path,
+    options: AdaptOptions,
+    *,
+    world: int,
+    steps: int,
+    metrics: list[dict[str, Any]],
+    final: dict[str, Any],
+    wall_s: float,
+    steps_here: int,
+    data_record: dict[str, Any],
+    inventory: dict[str, Any],
+) -> dict[str, Any]:
+    """``adapt_report.json``: options, token counts, the first and last evaluation, every evaluation,
+    throughput and the data and trainable-parameter summaries.
+
+    Args:
+        world: processes; ``steps``: optimizer steps of the job.
+        metrics: every logged row (``kind`` ``train`` or ``eval``); ``final``: the last evaluation.
+        wall_s: seconds this invocation trained and evaluated; ``steps_here``: steps it ran.
+        data_record: the data manifest (its per-document lists are left out here).
+        inventory: :func:`~mla_convert.adapt.objectives.select_trainable`'s (name lists left out).
+    """
+    per_step = tokens_per_step(options, world)
+    evals = [m for m in metrics if m["kind"] == "eval"]
+    return {
+        "checkpoint": str(ckpt),
+        "options": options.model_dump(),
+        "processes": world,
+        "steps": steps,
+        "tokens_trained": steps * per_step,
+        "before": evals[0],
+        "after": final,
+        "evaluations": evals,
+        "train_wall_s_this_invocation": wall_s,
+        "tokens_per_s": steps_here * per_step / max(wall_s, 1e-9),
+        "data": {k: v for k, v in data_record.items() if not k.endswith("_documents")},
+        "trainable": {k: v for k, v in inventory.items() if k not in ("trainable", "frozen")},
+    }
+
+
+def model_card(ckpt: Path, o: AdaptOptions, report: dict[str, Any]) -> str:
+    """The adapted checkpoint's ``README.md``: what was trained on and perplexity before/after/source."""
+    b, a = report["before"], report["after"]
+    return (
+        f"# {ckpt.name} adapted ({o.describe()})\n\n"
+        f"MLA checkpoint from `mla-convert adapt`: {report['tokens_trained']} training tokens of {o.text} "
+        f"(adaptation split). Held-out perplexity ({a['eval_tokens']} tokens of the evaluation split): "
+        f"{b['perplexity']:.3f} before, {a['perplexity']:.3f} after; source {a['source_perplexity']:.3f}.\n\n"
+        "Load with `import mla_convert` then `AutoModelForCausalLM.from_pretrained(...)`.\n"
+    )
+
+
+def plot_metrics(metrics: list[dict[str, Any]], path: Path, title: str) -> None:
+    """``training.png``: training loss and held-out perplexity (log scale, source as a line) against
+    training tokens."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [m for m in metrics if m["kind"] == "train"]
+    evals = [m for m in metrics if m["kind"] == "eval"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot([m["tokens"] for m in train], [m["loss"] for m in train], lw=1)
+    a.set_xlabel("training tokens")
+    a.set_ylabel("training loss")
+    a.set_title("loss")
+    b.plot([m["tokens"] for m in evals], [m["perplexity"] for m in evals], "o-", label="converted")
+    if evals and evals[0].get("source_perplexity"):
+        b.axhline(evals[0]["source_perplexity"], color="gray", ls="--", label="source")
+    b.set_xlabel("training tokens")
+    b.set_ylabel("validation perplexity")
+    b.set_yscale("log")
+    b.legend()
+    b.set_title("held-out perplexity")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_adapted(
+    out: Path,
+    ckpt: Path,
+    model: PreTrainedModel,
+    options: AdaptOptions,
+    report: dict[str, Any],
+    metrics: list[dict[str, Any]],
+    manifest: dict[str, Any],
+) -> None:
+    """Write OUT in one step (it appears only when complete): the checkpoint with ``ckpt``'s tokenizer
+    files and a model card, ``metrics.jsonl``, ``training.png``, ``adapt_report.json`` and the manifest
+    over all of them.
+
+    Raises:
+        OSError: OUT's folder cannot be written (nothing is left behind).
+    """
+    from mla_convert.artifacts.manifest import write_manifest
+    from mla_convert.artifacts.output import atomic_folder, save_checkpoint
+
+    with atomic_folder(out) as tmp:
+        extra = [p for p in ckpt.iterdir() if p.name.startswith("tokenizer") or p.suffix == ".jinja"]
+        save_checkpoint(model, tmp, extra, model_card(ckpt, options, report))
+        (tmp / "metrics.jsonl").write_text(jsonl(metrics))
+        plot_metrics(metrics, tmp / "training.png", f"{ckpt.name}: {options.describe()}")
+        (tmp / "adapt_report.json").write_text(json.dumps(report, indent=2) + "\n")
+        write_manifest(tmp, manifest, sorted(p.name for p in tmp.iterdir() if p.is_file()))

@@ -1,0 +1,116 @@
+"""CLI flags generated from the pydantic option models, so a flag's name, default and help are written once.
+
+``@options_from(ConvertOptions)`` gives a typer command one ``--flag`` per model field (``rope_pairs`` ->
+``--rope-pairs``), with the field's default and its description as help (``Literal`` choices listed). The
+command receives the values as keyword arguments and builds the model with :func:`build_options`, whose
+errors (every invalid flag at once) become one ``error:`` line.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+import typing
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar, get_args, get_origin
+
+import annotated_types
+import typer
+from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
+
+from mla_convert.convert.options import choice_message, flag, literal_choices
+
+F = TypeVar("F", bound=Callable[..., Any])
+M = TypeVar("M", bound=BaseModel)
+
+
+def _cli_type(annotation: Any) -> tuple[Any, tuple[str, ...]]:
+    """The type typer parses for a field annotation, and the choices of a ``Literal`` (checked by pydantic)."""
+    origin = get_origin(annotation)
+    if origin is Literal:
+        return str, tuple(str(a) for a in get_args(annotation))
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in get_args(annotation) if a is not type(None)]
+        if len(inner) == 1:
+            typ, choices = _cli_type(inner[0])
+            return typing.Optional[typ], choices  # noqa: UP045 - typer reads typing.Optional
+    return annotation, ()
+
+
+def option_parameters(model: type[BaseModel], skip: tuple[str, ...] = ()) -> list[inspect.Parameter]:
+    """One keyword-only typer option per field of ``model`` (except ``skip``)."""
+    params = []
+    for name, field in model.model_fields.items():
+        if name in skip:
+            continue
+        typ, choices = _cli_type(field.annotation)
+        text = field.description or ""
+        if choices and not all(c in text for c in choices):
+            text += f" ({' | '.join(choices)})"
+        params.append(
+            inspect.Parameter(
+                name,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=typer.Option(field.default, help=text[:1].upper() + text[1:] + "."),
+                annotation=typ,
+            )
+        )
+    return params
+
+
+def options_from(model: type[BaseModel], skip: tuple[str, ...] = ()) -> Callable[[F], F]:
+    """Decorate a command ``f(<its own parameters>, **options)``: typer then sees its own parameters followed by
+    one flag per field of ``model``; the values arrive in ``**options``."""
+
+    def decorate(func: F) -> F:
+        own = [
+            p
+            for p in inspect.signature(func, eval_str=True).parameters.values()
+            if p.kind is not inspect.Parameter.VAR_KEYWORD
+        ]
+        func.__signature__ = inspect.Signature(own + option_parameters(model, skip))  # type: ignore[attr-defined]
+        return func
+
+    return decorate
+
+
+def _outside_range(model: type[BaseModel] | None, error: ErrorDetails) -> str | None:
+    """``0 is outside 1..128`` for a bound error on a field with both an inclusive minimum and maximum."""
+    bound = error["type"] in ("greater_than_equal", "less_than_equal")
+    if model is None or not bound or len(error["loc"]) != 1:
+        return None
+    field = model.model_fields.get(str(error["loc"][0]))
+    meta = field.metadata if field is not None else []
+    low = next((m.ge for m in meta if isinstance(m, annotated_types.Ge)), None)
+    high = next((m.le for m in meta if isinstance(m, annotated_types.Le)), None)
+    return None if low is None or high is None else f"{error.get('input')} is outside {low}..{high}"
+
+
+def options_error(exc: ValidationError, model: type[BaseModel] | None = None) -> str:
+    """One line listing every invalid option of a pydantic ValidationError, in CLI spelling (with ``model``,
+    a value outside a field's closed range says the range)."""
+    parts = []
+    for e in exc.errors():
+        if e["type"] == "literal_error":
+            msg = choice_message(e.get("input"), literal_choices(e))
+        elif outside := _outside_range(model, e):
+            msg = outside
+        else:
+            msg = str(e["msg"]).removeprefix("Value error, ")
+        if not e["loc"]:  # a rule across several options
+            parts.append(msg)
+            continue
+        parts.append(f"{flag('_'.join(str(x) for x in e['loc']))}: {msg}")
+    return "; ".join(parts)
+
+
+def build_options(model: type[M], values: dict[str, Any]) -> M:
+    """``model(**values)``, or exit 2 with one ``error:`` line naming every bad flag."""
+    try:
+        return model.model_validate(values)
+    except ValidationError as exc:
+        from mla_convert.cli.render import fail
+
+        fail(options_error(exc, model))
+        raise  # unreachable: fail exits

@@ -1,0 +1,176 @@
+"""What the CLI prints: one console per stream, one-line errors, progress, and the rules for a log.
+
+On a terminal: rich progress bars and tables sized to it. Off a terminal (a redirected log, CI): no bars (ours print
+one line per stage; transformers' and huggingface_hub's are switched off), and tables are laid out at full width so
+no cell is cut. ``--quiet`` prints only results and errors.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+#: Width of tables printed off a terminal (wide enough that no cell is wrapped or cut).
+LOG_WIDTH = 1000
+
+
+def _width() -> int | None:
+    """None (rich's own choice) on a terminal or when COLUMNS is set; :data:`LOG_WIDTH` in a log."""
+    return None if sys.stdout.isatty() or "COLUMNS" in os.environ else LOG_WIDTH
+
+
+console = Console(soft_wrap=True, width=_width())
+err_console = Console(stderr=True, soft_wrap=True)
+STATE: dict[str, bool] = {"quiet": False}
+
+
+def setup(quiet: bool) -> None:
+    """Apply ``--quiet`` and the off-terminal rules before any library is imported: transformers and
+    huggingface_hub read ``HF_HUB_DISABLE_PROGRESS_BARS`` when they start."""
+    STATE["quiet"] = quiet
+    if quiet or not sys.stderr.isatty():
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+        if "transformers" in sys.modules:  # already imported (in-process callers, tests)
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+
+
+def plain(text: str) -> None:
+    """Print ``text`` as is (no markup, no highlighting)."""
+    console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+def note(message: str) -> None:
+    """A progress note on stderr (silent with ``--quiet``)."""
+    if not STATE["quiet"]:
+        err_console.print(message, highlight=False, markup=False)
+
+
+def fail(message: str) -> None:
+    """Print ``error: message`` (one line) and exit 2."""
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn the package's input errors into one-line messages and exit code 2."""
+    from mla_convert.adapt.options import AdaptError
+    from mla_convert.artifacts.manifest import ManifestError
+    from mla_convert.artifacts.output import OutputError
+    from mla_convert.convert.factorize import FactorError
+    from mla_convert.convert.options import OptionsError
+    from mla_convert.convert.rope import RopeError
+    from mla_convert.kernels import KernelUnavailable
+    from mla_convert.mla.checkpoint import CheckpointError
+    from mla_convert.runtime.paged_cache import CacheError
+    from mla_convert.sources.assets import AssetError
+    from mla_convert.sources.checkpoint import SourceError
+    from mla_convert.text.corpora import TextError
+    from mla_convert.validate.result import ValidationError
+
+    errors = (
+        SourceError,
+        RopeError,
+        FactorError,
+        OutputError,
+        TextError,
+        ManifestError,
+        AssetError,
+        CheckpointError,
+        ValidationError,
+        CacheError,
+        KernelUnavailable,
+        OptionsError,
+        AdaptError,
+    )
+    try:
+        yield
+    except errors as exc:
+        fail(str(exc))
+    except KeyboardInterrupt:
+        err_console.print("interrupted: nothing was written")
+        raise typer.Exit(130) from None
+
+
+@contextmanager
+def progress_bar() -> Iterator[Callable[[str, int, int], None]]:
+    """A ``(stage, advance, total)`` callback drawing one rich bar per stage (silent off-terminal)."""
+    if STATE["quiet"]:
+        yield lambda stage, n, total: None
+        return
+    if not console.is_terminal:  # plain lines, so a log shows progress instead of silence
+        done: dict[str, int] = {}
+
+        def plain(stage: str, n: int, total: int) -> None:
+            if stage not in done:
+                console.print(f"{stage}: started ({total} steps)", markup=False, highlight=False)
+                done[stage] = 0
+            done[stage] += n
+            if done[stage] == total:
+                console.print(f"{stage}: done", markup=False, highlight=False)
+
+        yield plain
+        return
+    tasks: dict[str, Any] = {}
+    with Progress(
+        TextColumn("{task.description:>10}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+    ) as prog:
+
+        def cb(stage: str, n: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = prog.add_task(stage, total=total)
+            prog.advance(tasks[stage], n)
+
+        yield cb
+
+
+def say(*args: Any) -> None:
+    """Print a status line (silent with ``--quiet``)."""
+    if not STATE["quiet"]:
+        console.print(*args, markup=False, highlight=False)
+
+
+def step_printer() -> Callable[[dict[str, Any]], None]:
+    """A progress callback for adaptation steps: one line at most every 10 s, and the last step."""
+    last = {"t": 0.0}
+
+    def show(entry: dict[str, Any]) -> None:
+        now = time.perf_counter()
+        if STATE["quiet"] or (now - last["t"] < 10 and entry["step"] < entry["steps"]):
+            return
+        last["t"] = now
+        plain(
+            f"step {entry['step']}/{entry['steps']}  tokens {entry['tokens']}  loss {entry['loss']:.4f}  "
+            f"{entry['tokens_per_s']:.0f} tok/s  ETA {entry['eta_s'] / 60:.1f} min"
+        )
+
+    return show
+
+
+def validation_failed(res: Any) -> None:
+    """Print the one ``error:`` line naming the failed rungs and the first failing check; exit 1."""
+    from mla_convert.validate.result import format_value
+
+    first = res.failed[0]
+    bad = next((c for c in first.checks if c.passed is False), None)
+    names = ", ".join(f"{r.number} ({r.name})" for r in res.failed)
+    detail = f": {bad.name} = {format_value(bad.value)} (tolerance {bad.tolerance})" if bad else ""
+    err_console.print(f"[bold red]error:[/] {escape(f'validation failed at rung {names}{detail}')}", highlight=False)
+    raise typer.Exit(1)

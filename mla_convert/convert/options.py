@@ -1,0 +1,229 @@
+"""The options of a conversion and every rule about them: choices, ranges and the cache geometry they imply.
+
+One home for these rules: the CLI (its flags are generated from :class:`ConvertOptions`), recipes (their
+dry-run), ``inspect`` and the conversion itself call :func:`geometry` and :func:`problems`, so a rule changed
+here changes everywhere. Light on purpose (pydantic only, no torch): the CLI imports it at start-up.
+The geometry follows docs/math.md (partial RoPE, latent width).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+RopeMode = Literal["per-head", "shared"]
+RopeStrategy = Literal["high", "low", "uniform", "2-norm", "rotation"]
+RopeBasis = Literal["complex", "real"]
+Factorization = Literal["joint", "split"]
+Objective = Literal["weight", "activation", "output"]
+Refit = Literal["none", "teacher"]
+
+MODES: tuple[str, ...] = get_args(RopeMode)
+STRATEGIES: tuple[str, ...] = get_args(RopeStrategy)
+BASES: tuple[str, ...] = get_args(RopeBasis)
+FACTORIZATIONS: tuple[str, ...] = get_args(Factorization)
+OBJECTIVES: tuple[str, ...] = get_args(Objective)
+REFITS: tuple[str, ...] = get_args(Refit)
+
+
+class OptionsError(ValueError):
+    """Options impossible for this source (one line per problem, each naming the option and the allowed range)."""
+
+
+class ConvertOptions(BaseModel):
+    """Every option of a conversion (the manifest records all of them). Unknown keys are refused.
+
+    The field descriptions are the CLI's help texts (``mla-convert factor --help``).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    rope_mode: RopeMode = Field(
+        "shared",
+        description="per-head: one rope head per KV head (MHA2MLA) | shared: one rope head from a per-frequency "
+        "PCA across KV heads (TransMLA's RoRoPE)",
+    )
+    rope_strategy: RopeStrategy = Field(
+        "2-norm", description="which pairs/frequencies keep RoPE (rotation: weighted by how far they rotate)"
+    )
+    rope_pairs: int = Field(24, description="RoPE pairs kept per rope head (per KV head in per-head mode)")
+    rope_basis: RopeBasis = Field("complex", description="basis of the shared-mode PCA across KV heads")
+    rope_context: int = Field(2048, description="context T in tokens of the rotation strategy")
+    factorization: Factorization = Field("joint", description="one latent for K and V, or separate halves")
+    objective: Objective = Field(
+        "output", description="SVD of W | of W C^1/2 (activation PCA) | of M^1/2 W C^1/2 (output-aware)"
+    )
+    kv_balance: bool = Field(True, description="balance K and V energy before a joint factorization")
+    refit_o_proj: Refit = Field(
+        "teacher",
+        description="teacher: ridge least-squares refit of o_proj so each converted layer's attention output "
+        "matches the source's on calibration tokens (no cache cost; kept only if it helps on held-out windows)",
+    )
+    kv_lora_rank: int | None = Field(
+        None, description="latent width d_c for every layer (replaces --cache-budget)"
+    )
+    cache_budget: float | None = Field(
+        120, description="cache values per token per layer, averaged; latent ranks allocated per layer"
+    )
+    text: str = Field(
+        "wikipedia", description="calibration/evaluation text: wikipedia | news | comma-separated files or folders"
+    )
+    calib_windows: int = Field(16, description="calibration windows")
+    window: int = Field(512, description="tokens per calibration/evaluation window")
+    eval_windows: int = Field(8, description="held-out evaluation windows for perplexity")
+
+    @model_validator(mode="after")
+    def _rank_replaces_budget(self) -> ConvertOptions:
+        """A fixed ``kv_lora_rank`` makes the budget moot: it is recorded as ``None``."""
+        if self.kv_lora_rank is not None:
+            self.cache_budget = None
+        return self
+
+
+class SourceShape(Protocol):
+    """What the rules need to know of a source (a :class:`~mla_convert.sources.checkpoint.SourceModel`)."""
+
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The KV-cache geometry of one conversion of one source (values per token per layer).
+
+    Attributes:
+        rope_heads: ``R``, rope key heads (the KV heads in per-head mode, 1 shared).
+        max_rope_pairs: pairs a rope head may keep (``head_dim/2``; in shared mode with the rotation strategy
+            every (frequency, component) of all KV heads, ``G head_dim/2``).
+        rope_pairs: the pairs asked for, clipped into ``0..max_rope_pairs``.
+        rope_width: ``R * 2 * rope_pairs``, the ``k_rope`` part of a cache row.
+        nope_width: key components left without RoPE (over all KV heads).
+        max_rank: the widest useful latent, ``min(hidden, nope_width + G * head_dim)``.
+        source_width: the source's K + V values, ``2 G head_dim``.
+        num_layers: layers of the source.
+    """
+
+    rope_heads: int
+    max_rope_pairs: int
+    rope_pairs: int
+    rope_width: int
+    nope_width: int
+    max_rank: int
+    source_width: int
+    head_dim: int
+    num_layers: int
+
+    def latent_total(self, cache_budget: float) -> int:
+        """Latent values over all layers left by ``cache_budget`` (values/token/layer) after the rope part."""
+        return round(cache_budget * self.num_layers) - self.rope_width * self.num_layers
+
+    def mean_width(self, options: ConvertOptions) -> float:
+        """Mean cache values per token per layer the options give (``d_c + rope_width``)."""
+        if options.kv_lora_rank is not None:
+            return float(options.kv_lora_rank + self.rope_width)
+        return (self.latent_total(options.cache_budget or 0.0) + self.rope_width * self.num_layers) / self.num_layers
+
+
+def geometry(options: ConvertOptions, src: SourceShape) -> Geometry:
+    """The cache geometry of ``options`` on ``src`` (no I/O, no torch)."""
+    half, g = src.head_dim // 2, src.num_kv_heads
+    shared = options.rope_mode == "shared"
+    limit = half * g if (shared and options.rope_strategy == "rotation") else half
+    pairs = min(max(options.rope_pairs, 0), limit)
+    heads = 1 if shared else g
+    nope = 2 * half * g - 2 * pairs * heads
+    return Geometry(
+        rope_heads=heads,
+        max_rope_pairs=limit,
+        rope_pairs=pairs,
+        rope_width=heads * 2 * pairs,
+        nope_width=nope,
+        max_rank=min(src.hidden_size, nope + g * src.head_dim),
+        source_width=2 * g * src.head_dim,
+        head_dim=src.head_dim,
+        num_layers=src.num_layers,
+    )
+
+
+def problems(options: ConvertOptions, src: SourceShape | None) -> list[tuple[str, str]]:
+    """Every rule ``options`` break, as ``(field, message)``; the message starts with the offending value.
+
+    Without a source only the source-independent rules are checked.
+    """
+    out: list[tuple[str, str]] = []
+    for key in ("calib_windows", "window", "eval_windows", "rope_context"):
+        if getattr(options, key) < 1:
+            out.append((key, f"{getattr(options, key)} is too small: must be at least 1"))
+    if options.kv_lora_rank is None and options.cache_budget is None:
+        out.append(("cache_budget", "is missing: give a cache budget or a kv_lora_rank"))
+    if src is None:
+        return out
+    geo = geometry(options, src)
+    if not 0 <= options.rope_pairs <= geo.max_rope_pairs:
+        out.append(
+            (
+                "rope_pairs",
+                f"{options.rope_pairs} is impossible for {options.rope_mode}/{options.rope_strategy} on this source: "
+                f"allowed 0..{geo.max_rope_pairs} (head_dim {src.head_dim} has {src.head_dim // 2} RoPE pairs)",
+            )
+        )
+    if options.kv_lora_rank is not None:
+        if not 1 <= options.kv_lora_rank <= geo.max_rank:
+            out.append(
+                (
+                    "kv_lora_rank",
+                    f"{options.kv_lora_rank} is impossible for this source: allowed 1..{geo.max_rank} (at most the "
+                    f"non-RoPE key width {geo.nope_width} + value width {src.num_kv_heads * src.head_dim}, and the "
+                    f"hidden size {src.hidden_size})",
+                )
+            )
+    elif options.cache_budget is not None:
+        latent = options.cache_budget - geo.rope_width
+        if latent < 1 or geo.latent_total(options.cache_budget) < geo.num_layers:
+            out.append(
+                (
+                    "cache_budget",
+                    f"{options.cache_budget:g} leaves no latent after {geo.rope_width} RoPE values per token; lower "
+                    "the rope pairs or raise the budget",
+                )
+            )
+        elif latent > geo.max_rank:
+            out.append(
+                (
+                    "cache_budget",
+                    f"{options.cache_budget:g} asks for a latent of {latent:g} after {geo.rope_width} RoPE values; at "
+                    f"most {geo.max_rank} is possible (source cache {geo.source_width} values)",
+                )
+            )
+    return out
+
+
+def flag(field: str) -> str:
+    """The CLI flag of an option field: ``rope_pairs`` -> ``--rope-pairs``."""
+    return "--" + field.replace("_", "-")
+
+
+def check_options(options: ConvertOptions, src: SourceShape | None) -> None:
+    """Raise :class:`OptionsError` listing every broken rule (CLI spelling: ``--rope-pairs 40 is ...``)."""
+    found = problems(options, src)
+    if found:
+        raise OptionsError("; ".join(f"{flag(k)} {msg}" for k, msg in found))
+
+
+def choice_message(value: object, choices: tuple[str, ...]) -> str:
+    """The one wording of a value outside its choices: ``'bogus' is not one of per-head, shared``."""
+    return f"{value!r} is not one of {', '.join(choices)}"
+
+
+def literal_choices(error: Mapping[str, Any]) -> tuple[str, ...]:
+    """The allowed values named by a pydantic ``literal_error`` (its ``ctx.expected``: ``'a', 'b' or 'c'``)."""
+    expected = str(error.get("ctx", {}).get("expected", ""))
+    return tuple(x.strip().strip("'") for x in expected.replace(" or ", ", ").split(", ") if x.strip())

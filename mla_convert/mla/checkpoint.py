@@ -1,0 +1,72 @@
+"""Opening a converted checkpoint folder, with one-line errors: the one place that checks what a folder holds
+before a command loads it (``validate``, ``eval``, ``generate``, ``adapt``).
+
+:func:`read_checkpoint_config` is cheap (reads ``config.json`` only), so a command can refuse a wrong folder
+before any slow work; :func:`load_checkpoint` then loads the model in float32.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+class CheckpointError(ValueError):
+    """A folder that is not a loadable (converted) checkpoint; one line: what, where, how to fix."""
+
+
+def read_checkpoint_config(ckpt: Path, require_mla: bool = True) -> dict[str, Any]:
+    """``ckpt/config.json`` as a dict.
+
+    Args:
+        ckpt: a checkpoint folder.
+        require_mla: refuse any ``model_type`` but ``mla`` (a folder written by ``mla-convert factor``).
+
+    Raises:
+        CheckpointError: no ``config.json``, one that is not a JSON object, or (with ``require_mla``) another
+            model type.
+    """
+    path = ckpt / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{ckpt} has no config.json; pass a folder written by 'mla-convert factor'")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path} does not read as JSON ({exc}); the checkpoint is damaged") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(
+            f"{path} holds {type(config).__name__}, not a JSON object; the checkpoint is damaged"
+        )
+    kind = config.get("model_type")
+    if require_mla and kind != "mla":
+        raise CheckpointError(
+            f"{ckpt} holds a {kind!r} model, not a converted MLA checkpoint; run 'mla-convert factor' first"
+        )
+    return config
+
+
+def load_checkpoint(ckpt: Path, require_mla: bool = True) -> Any:
+    """The model in ``ckpt`` (float32, eval mode) through ``AutoModelForCausalLM``, after
+    :func:`read_checkpoint_config`'s checks; registers the ``mla`` model type first.
+
+    Returns:
+        An :class:`~mla_convert.mla.modeling.MLAForCausalLM` (any ``from_pretrained`` model without
+        ``require_mla``).
+
+    Raises:
+        CheckpointError: the checks above, or weights/config that transformers cannot load (its first line).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from mla_convert import register
+
+    read_checkpoint_config(ckpt, require_mla)
+    register()  # model_type "mla" (the CLI starts without transformers)
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"{ckpt} cannot be loaded as a checkpoint: {str(exc).splitlines()[0]}"
+        ) from None

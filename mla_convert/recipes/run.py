@@ -1,0 +1,111 @@
+"""Executing a recipe: write the resolved recipe, then factor -> adapt -> validate, skipping what is up to date."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mla_convert.artifacts.output import atomic_write_text
+from mla_convert.recipes.load import Resolved, resolved_yaml
+from mla_convert.recipes.plan import adapt_stage, blocked_problems, factor_stage, make_plan, read_json
+from mla_convert.recipes.schema import RESOLVED_NAME, RecipeError
+
+
+@dataclass
+class RunResult:
+    """What ``run`` did: per stage ``ran`` / ``skipped`` / ``off`` (validate: ``passed`` / ``failed``), the
+    checkpoint the last stage left, and the validation result."""
+
+    stages: dict[str, str]
+    target: Path
+    validation: Any = None
+
+
+def run_recipe(
+    res: Resolved,
+    overwrite: bool = False,
+    say: Callable[[str], None] = lambda _m: None,
+    factor_progress: Callable[[], AbstractContextManager[Callable[[str, int, int], None]]] | None = None,
+    adapt_progress: Callable[[dict[str, Any]], None] | None = None,
+    validate_progress: Callable[[str], None] | None = None,
+) -> RunResult:
+    """Execute the stages in order: write the resolved recipe, factor, adapt, validate.
+
+    ``factor_progress`` makes the context (entered around the factor stage only) that yields the factor
+    progress callback. Each stage is re-planned just before it runs (an adapt output stays valid when a
+    re-run factor stage reproduces the same canonical id). Stage folders are replaced only with
+    ``overwrite``.
+
+    Raises:
+        RecipeError: a stage folder would be replaced without ``overwrite`` (checked before any work).
+        The stages' own errors (SourceError, OutputError, AdaptError, ValidationError, ...).
+    """
+    from mla_convert.adapt import train as adapt_mod
+    from mla_convert.artifacts.manifest import MANIFEST
+    from mla_convert.convert import job as pipeline
+    from mla_convert.validate import ladder as validate_mod
+    from mla_convert.validate.report import write_validation
+
+    recipe = res.recipe
+    stop = blocked_problems(make_plan(recipe))
+    if stop and not overwrite:
+        raise RecipeError(res.file, stop)
+    if res.src is None:
+        from mla_convert.sources.checkpoint import open_source
+
+        res.src = open_source(recipe.source)
+    atomic_write_text(recipe.out / RESOLVED_NAME, resolved_yaml(res))
+    say(f"wrote {recipe.out / RESOLVED_NAME}")
+    done: dict[str, str] = {}
+
+    fstage, cid = factor_stage(recipe)
+    if fstage.action == "run":
+        say(f"factor: running ({fstage.why})")
+        with factor_progress() if factor_progress else nullcontext(None) as cb:
+            pipeline.run_factor(res.src, fstage.folder, recipe.factor, overwrite=overwrite, progress=cb)
+        cid = (read_json(fstage.folder / MANIFEST) or {}).get("canonical_id")
+        done["factor"] = "ran"
+    else:
+        say(f"factor: skipped, {fstage.why}")
+        done["factor"] = "skipped"
+    target = fstage.folder
+
+    astage = adapt_stage(recipe, cid)
+    if astage.action == "run":
+        assert recipe.adapt is not None
+        say(f"adapt: running ({astage.why})")
+        adapt_mod.run_adapt(
+            fstage.folder, astage.folder, recipe.adapt, overwrite=overwrite, progress=adapt_progress
+        )
+        done["adapt"] = "ran"
+        target = astage.folder
+    elif astage.action == "skip":
+        say(f"adapt: skipped, {astage.why}")
+        done["adapt"] = "skipped"
+        target = astage.folder
+    else:
+        done["adapt"] = "off"
+
+    result = RunResult(done, target)
+    v, f = recipe.validation, recipe.factor
+    if not v.enabled:
+        done["validate"] = "off"
+        return result
+    say(f"validate: {target}")
+    # the conversion's evaluation windows, against the recipe's source
+    vres = validate_mod.validate(
+        target,
+        source=recipe.source,
+        text=f.text,
+        window=f.window,
+        windows=f.eval_windows,
+        progress=validate_progress,
+        **v.ladder(),
+    )
+    write_validation(target, vres)
+    done["validate"] = "passed" if vres.passed else "failed"
+    result.validation = vres
+    return result

@@ -1,0 +1,86 @@
+"""What a recipe may say: the :class:`Recipe` model, its sections, and the error that lists every problem.
+
+A recipe is a :class:`Recipe` (pydantic, unknown keys refused at every level): ``factor`` takes every
+:class:`~mla_convert.convert.options.ConvertOptions` key, ``adapt`` every
+:class:`~mla_convert.adapt.options.AdaptOptions` key (``adapt: null`` skips the stage), ``validate`` the
+ladder's :class:`~mla_convert.validate.options.LadderSettings` plus ``enabled``. Light on purpose (pydantic
+only, no torch).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mla_convert.adapt.options import AdaptOptions
+from mla_convert.convert.options import ConvertOptions
+from mla_convert.validate.options import LadderSettings
+
+#: The resolved recipe (every default filled in) that ``run`` writes under the recipe's output folder.
+RESOLVED_NAME = "recipe.resolved.yaml"
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run. ``problems`` holds one line per problem (``path: message``)."""
+
+    def __init__(self, file: str, problems: list[str]) -> None:
+        self.file = file
+        self.problems = problems
+        super().__init__(self.lines()[0] if len(problems) == 1 else "\n".join(self.lines()))
+
+    def lines(self) -> list[str]:
+        """The report: one line for one problem; a count then one indented line each for several."""
+        if len(self.problems) == 1:
+            return [f"{self.file}: {self.problems[0]}"]
+        return [f"{self.file} has {len(self.problems)} problems:"] + [
+            f"  {self.file}: {p}" for p in self.problems
+        ]
+
+
+class ValidateSettings(LadderSettings):
+    """The final ``validate`` stage: the ladder's settings, and whether it runs at all. The recipe supplies
+    the source and the text (the conversion's evaluation windows) itself."""
+
+    enabled: bool = Field(True, description="run the validation ladder at the end")
+
+    def ladder(self) -> dict[str, Any]:
+        """The ladder's keyword settings (everything but ``enabled``)."""
+        return self.model_dump(exclude={"enabled"})
+
+
+class Recipe(BaseModel):
+    """One job: source -> factor -> (adapt) -> validate, written under ``output``."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(..., min_length=1, description="a short name for the job")
+    description: str = ""
+    source: str = Field(..., min_length=1, description="HF folder, .gguf file or 'smollm2-135m'")
+    output: str = Field(..., min_length=1, description="root output folder of the stages")
+    factor: ConvertOptions = Field(default_factory=ConvertOptions)  # type: ignore[arg-type]
+    adapt: AdaptOptions | None = None
+    validation: ValidateSettings = Field(default_factory=ValidateSettings, alias="validate")  # type: ignore[arg-type]
+
+    @property
+    def out(self) -> Path:
+        """The output folder, ``~`` expanded."""
+        return Path(self.output).expanduser()
+
+    def dump(self) -> dict[str, Any]:
+        """Plain JSON-compatible dict with the YAML key names."""
+        return self.model_dump(mode="json", by_alias=True)
+
+
+#: Section path -> model that validates it (for "unknown key" suggestions).
+SECTIONS: dict[tuple[str, ...], type[BaseModel]] = {
+    (): Recipe,
+    ("factor",): ConvertOptions,
+    ("adapt",): AdaptOptions,
+    ("validate",): ValidateSettings,
+}
+
+
+def allowed_keys(model: type[BaseModel]) -> list[str]:
+    """The YAML keys a section accepts (aliases where a field has one)."""
+    return [f.alias or name for name, f in model.model_fields.items()]

@@ -1,0 +1,175 @@
+"""Documents -> disjoint role splits, fixed-length token windows, and manifest records.
+
+Documents are split between roles *by document* (never by window), so that calibration, adaptation
+and evaluation text are disjoint; :func:`documents_record` gives the ids and hashes to put in a
+manifest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from mla_convert.artifacts.hashing import sha256_text
+from mla_convert.text.corpora import Document, TextError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DEFAULT_FRACTIONS", "documents_record", "split_documents", "token_windows"]
+
+#: Default split: fractions of total characters per role, assigned in this order.
+DEFAULT_FRACTIONS: Mapping[str, float] = MappingProxyType(
+    {"evaluation": 0.2, "calibration": 0.2, "adaptation": 0.6}
+)
+
+
+def _id_key(doc: Document) -> tuple[str, str]:
+    """Sort key: ``sha256(id)``, then the id itself."""
+    return sha256_text(doc.id), doc.id
+
+
+def split_documents(
+    docs: Sequence[Document], fractions: Mapping[str, float] = DEFAULT_FRACTIONS
+) -> dict[str, list[Document]]:
+    """Split documents between roles, disjointly and deterministically, by characters.
+
+    Documents are ordered by ``sha256(doc.id)`` and dealt out in that order to the roles in the order
+    given (``evaluation`` first by default): a role keeps taking the next document while the midpoint of
+    that document stays within the role's cumulative share of the total characters, and the last role
+    takes the rest. Each role with a positive fraction gets at least one document. The result depends
+    only on the ids, lengths and fractions, not on the input order.
+
+    Args:
+        docs: Documents with unique ids.
+        fractions: Role name -> fraction of total characters; each >= 0, summing to 1.
+
+    Returns:
+        Role -> documents (in sha256(id) order), with the roles of ``fractions`` in the same order.
+        Every document is in exactly one role.
+
+    Raises:
+        TextError: Bad fractions, duplicate ids, or fewer documents than roles with positive fraction.
+    """
+    roles = list(fractions)
+    if not roles:
+        raise TextError("no split roles given")
+    values = [float(fractions[r]) for r in roles]
+    if any(not v >= 0.0 for v in values) or abs(sum(values) - 1.0) > 1e-6:
+        raise TextError(f"split fractions must be >= 0 and sum to 1, got {dict(fractions)}")
+    ids = [d.id for d in docs]
+    if len(set(ids)) != len(ids):
+        dup = sorted({i for i in ids if ids.count(i) > 1})
+        raise TextError(f"duplicate document ids {dup[:3]}; each document must have a unique id")
+    positive = [r for r, v in zip(roles, values, strict=True) if v > 0]
+    if len(docs) < len(positive):
+        raise TextError(
+            f"only {len(docs)} documents for {len(positive)} split roles {positive}; use more documents"
+        )
+
+    ordered = sorted(docs, key=_id_key)
+    total = sum(len(d.text) for d in ordered)
+    out: dict[str, list[Document]] = {r: [] for r in roles}
+    pos = 0
+    consumed = 0  # characters assigned so far
+    boundary = 0.0  # cumulative character target up to the current role
+    for k, (role, frac) in enumerate(zip(roles, values, strict=True)):
+        boundary += frac * total
+        if k == len(roles) - 1:
+            out[role] = ordered[pos:]
+            break
+        if frac <= 0:
+            continue
+        later_positive = sum(1 for v in values[k + 1 :] if v > 0)
+        while pos < len(ordered) and len(ordered) - pos > later_positive:
+            size = len(ordered[pos].text)
+            if out[role] and consumed + size / 2 > boundary:
+                break
+            out[role].append(ordered[pos])
+            consumed += size
+            pos += 1
+    return out
+
+
+def token_windows(
+    tokenizer: Any,
+    docs: Sequence[Document],
+    window: int,
+    max_windows: int | None,
+    bos: bool = True,
+) -> torch.Tensor:
+    """Tokenize documents into non-overlapping fixed-length windows.
+
+    Documents are tokenized without special tokens and concatenated, separated by the tokenizer's
+    ``eos_token_id``; the stream is cut into consecutive chunks and the remainder is dropped. With
+    ``bos`` (and a tokenizer that has ``bos_token_id``) each window is ``[bos] + window - 1`` stream
+    tokens, so every row is a standalone sequence; otherwise each window is ``window`` stream tokens.
+    Tokenization stops early once ``max_windows`` windows are covered.
+
+    Args:
+        tokenizer: A Hugging Face (fast) tokenizer; called as ``tokenizer(texts, add_special_tokens=False)``.
+        docs: Documents, in the order to use.
+        window: Tokens per window (>= 1, >= 2 with a BOS).
+        max_windows: Keep at most this many windows (the first ones); None keeps all.
+        bos: Start every window with the BOS token.
+
+    Returns:
+        ``torch.long`` tensor of shape ``[N, window]``, ``1 <= N <= max_windows``.
+
+    Raises:
+        TextError: No documents, or too little text for one window.
+        ValueError: ``window`` or ``max_windows`` out of range, or the tokenizer has no EOS token.
+    """
+    import torch
+
+    bos_id = getattr(tokenizer, "bos_token_id", None) if bos else None
+    prefix = [int(bos_id)] if bos_id is not None else []
+    body = window - len(prefix)
+    if body < 1:
+        raise ValueError(f"window must be >= {len(prefix) + 1}, got {window}")
+    if max_windows is not None and max_windows < 1:
+        raise ValueError(f"max_windows must be >= 1 or None, got {max_windows}")
+    eos_id = getattr(tokenizer, "eos_token_id", None)
+    if eos_id is None:
+        raise ValueError("the tokenizer has no eos_token_id to separate documents")
+    if not docs:
+        raise TextError("no documents to tokenize; use more text")
+
+    needed = None if max_windows is None else max_windows * body
+    stream: list[int] = []
+    batch = 16
+    for start in range(0, len(docs), batch):
+        chunk = docs[start : start + batch]
+        encoded = tokenizer([d.text for d in chunk], add_special_tokens=False)["input_ids"]
+        for ids in encoded:
+            if stream:
+                stream.append(int(eos_id))
+            stream.extend(int(t) for t in ids)
+        if needed is not None and len(stream) >= needed:
+            break
+
+    count = len(stream) // body
+    if count < 1:
+        raise TextError(
+            f"text ({len(docs)} documents) has only {len(stream)} tokens; need at least {body} for one "
+            f"{window}-token window (use more text or a shorter --window)"
+        )
+    if max_windows is not None:
+        count = min(count, max_windows)
+    rows = torch.tensor(stream[: count * body], dtype=torch.long).view(count, body)
+    if prefix:
+        rows = torch.cat([torch.full((count, 1), prefix[0], dtype=torch.long), rows], dim=1)
+    return rows
+
+
+def documents_record(docs: Sequence[Document]) -> list[dict[str, Any]]:
+    """Describe documents for a manifest.
+
+    Args:
+        docs: Documents.
+
+    Returns:
+        ``[{"id": str, "sha256": str, "chars": int}, ...]`` in the given order.
+    """
+    return [{"id": d.id, "sha256": d.sha256, "chars": len(d.text)} for d in docs]

@@ -1,0 +1,397 @@
+"""The five rungs of the ladder, each a function of a loaded model and real token ids that returns a
+:class:`~mla_convert.validate.result.Rung` (what each compares and its tolerances: :mod:`.spec`).
+
+The rungs use only the model's public methods and :mod:`mla_convert.mla.algebra`; rung 3 recomputes cache
+rows independently of the model's RoPE buffers on purpose (from the recorded pair indices and the source's
+RoPE table), so corrupted frequencies cannot hide behind the code that wrote the rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+
+import torch
+
+from mla_convert.mla import algebra
+from mla_convert.runtime.decode import generate
+from mla_convert.runtime.paged_cache import PagedLatentCache
+from mla_convert.validate.result import Rung, ValidationError
+from mla_convert.validate.spec import (
+    DECODE,
+    KERNEL,
+    LEDGER,
+    PATHS,
+    SOURCE,
+    TOL_DECODE_LOGITS,
+    TOL_FREQ,
+    TOL_KERNEL,
+    TOL_KERNEL_LSE,
+    TOL_KL,
+    TOL_LSE,
+    TOL_PATHS,
+    TOL_PPL,
+    TOL_ROWS,
+    TOL_SCALE,
+)
+
+if TYPE_CHECKING:  # importing the model class imports transformers' Llama code, which imports Triton
+    from mla_convert.mla.modeling import MLAForCausalLM
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def timed(fn: Callable[P, R]) -> Callable[P, R]:
+    """Run a rung under ``torch.no_grad`` and set its ``seconds`` (wall time; the rung is the result or the
+    first item of a tuple result)."""
+
+    @functools.wraps(fn)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = fn(*args, **kwargs)
+        rung = out[0] if isinstance(out, tuple) else out
+        assert isinstance(rung, Rung)
+        rung.seconds = round(time.perf_counter() - start, 2)
+        return out
+
+    return run
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max|a - b| / max|b|`` in float64 (0 when both are empty)."""
+    if b.numel() == 0:
+        return 0.0
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def capture_attention_inputs(
+    model: MLAForCausalLM, ids: torch.Tensor
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Run ``model`` on ``ids [B, T]`` without a cache and capture every layer's attention input
+    ``x [B, T, hidden]``.
+
+    Returns:
+        The per-layer inputs (in layer order) and the logits ``[B, T, vocab]``.
+    """
+    seen: list[torch.Tensor] = []
+    handles = [
+        layer.self_attn.register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach()))
+        for layer in model.model.layers
+    ]
+    try:
+        logits = model(input_ids=ids, use_cache=False).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen, logits
+
+
+def source_pair_frequencies(config: Any, source_inv_freq: torch.Tensor | None) -> torch.Tensor:
+    """``[L, R, P]`` RoPE inverse frequencies implied by the checkpoint's recorded pair indices.
+
+    Labels are ``"kv{g}.p{k}"`` (per-head: KV head ``g``, source pair ``k``) or ``"f{k}.c{m}"`` (shared:
+    frequency ``k``, component ``m``); pair ``k`` rotates at ``source_inv_freq[k]``. Without the source
+    table the config's recorded frequencies are used.
+
+    Raises:
+        ValidationError: a label that names no source pair.
+    """
+    origin = config.rope_pair_origin
+    if source_inv_freq is None or not origin:
+        return torch.tensor(config.rope_inv_freq, dtype=torch.float32)
+    out = []
+    for li, layer in enumerate(origin):
+        rows = []
+        for head in layer:
+            idx = []
+            for label in head:
+                m = re.fullmatch(r"kv\d+\.p(\d+)|f(\d+)\.c\d+", label)
+                k = int(next(g for g in m.groups() if g is not None)) if m else -1
+                if not 0 <= k < source_inv_freq.numel():
+                    raise ValidationError(
+                        f"layer {li}: RoPE pair label {label!r} names no pair of the source's "
+                        f"{source_inv_freq.numel()} pairs; the checkpoint's rope_pair_origin is corrupt"
+                    )
+                idx.append(k)
+            rows.append(source_inv_freq[torch.tensor(idx, dtype=torch.long)])
+        out.append(torch.stack(rows))
+    return torch.stack(out).float()
+
+
+# ------------------------------------------------------------------------------------------ rung 1
+@timed
+def rung_paths(model: MLAForCausalLM, ids: torch.Tensor, data: str) -> Rung:
+    """Rung 1: naive (expanded K/V) vs absorbed, per layer, on the real attention inputs of ``ids [B, T]``."""
+    rung = Rung.of(PATHS, data)
+    seen, _ = capture_attention_inputs(model, ids)
+    b, t = ids.shape
+    pos = torch.arange(t)[None].expand(b, t)
+    mask = algebra.causal_mask(b, t, 0, None, torch.float32, ids.device)
+    visible = mask[:, 0] == 0  # [B, T, T]
+    worst = {"scores": 0.0, "lse": 0.0, "output": 0.0}
+    for layer, x in zip(model.model.layers, seen, strict=True):
+        attn = layer.self_attn
+        q_nope, q_rope, c_kv, k_rope = attn.project(x, pos)
+        keys, values = algebra.expand_kv(c_kv, k_rope, *attn.up_weights())  # naive: per-KV-head K and V
+        s_naive = algebra.naive_scores(q_nope, q_rope, keys) * attn.softmax_scale
+        s_abs = attn.latent_scores(attn.absorb_query(q_nope), q_rope, c_kv, k_rope.reshape(b, t, -1))
+        s_abs = s_abs * attn.softmax_scale
+        sel = visible[:, None].expand_as(s_naive)
+        worst["scores"] = max(worst["scores"], rel_err(s_abs[sel], s_naive[sel]))
+        lse_n = (s_naive + mask).logsumexp(-1)
+        lse_a = (s_abs + mask).logsumexp(-1)
+        worst["lse"] = max(worst["lse"], float((lse_a - lse_n).abs().max()))
+        out_n = attn.o_proj(algebra.naive_output(algebra.attention_probs(s_naive, 1.0, mask), values))
+        latent = algebra.attend_latent(algebra.attention_probs(s_abs, 1.0, mask), c_kv)
+        worst["output"] = max(worst["output"], rel_err(attn.output_from_latent(latent), out_n))
+    rung.check("scaled scores before softmax, max rel. error over layers", worst["scores"], TOL_PATHS)
+    rung.check("log-sum-exp, max abs. error (nats)", worst["lse"], TOL_LSE)
+    rung.check("attention layer output, max rel. error over layers", worst["output"], TOL_PATHS)
+    return rung
+
+
+# ------------------------------------------------------------------------------------------ rung 2
+@timed
+def rung_kernel(model: MLAForCausalLM, prompts: list[torch.Tensor], page_size: int, data: str) -> Rung:
+    """Rung 2: Triton kernel vs float64 oracle, per layer, on real queries and real paged cache rows.
+
+    Each prompt ``[1, T_i]`` is one request: its first ``T_i - 1`` tokens are prefilled (absorbed path) into
+    one paged cache with shuffled pages; the query is its last token, attending over those cached rows.
+    """
+    from mla_convert.kernels import kernel_backend, latent_decode_reference, load_kernel
+
+    rung = Rung.of(KERNEL, data)
+    kernel = load_kernel()
+    rows = sum(p.shape[1] for p in prompts) + 2 * page_size
+    cache = PagedLatentCache.for_model(model.config, rows, page_size, shuffle_pages=True)
+    rids, inputs = [], []
+    model.set_attention_path("absorbed")
+    for ids in prompts:
+        rid = cache.add_request()
+        cache.bind([rid])
+        model(input_ids=ids[:, :-1], past_key_values=cache)
+        seen, _ = capture_attention_inputs(model, ids)
+        inputs.append([x[:, -1:] for x in seen])  # the last token's attention input, per layer
+        rids.append(rid)
+    cache.bind(rids)
+    lens = cache.seq_lens()
+    worst_out = worst_lse = worst_splits = 0.0
+    for li, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        q_abs, q_rope = [], []
+        for ids, x in zip(prompts, inputs, strict=True):
+            q_nope, qr, _, _ = attn.project(x[li], torch.tensor([[ids.shape[1] - 1]]))
+            q_abs.append(attn.absorb_query(q_nope)[:, 0])
+            q_rope.append(qr[:, 0])
+        args = (
+            torch.cat(q_abs).contiguous(),
+            torch.cat(q_rope).contiguous(),
+            cache.pages[li],
+            cache.block_table(),
+            lens,
+            attn.head_to_rope(),
+        )
+        ref_out, ref_lse = latent_decode_reference(*args, softmax_scale=attn.softmax_scale)
+        out, lse = kernel.latent_decode(*args, softmax_scale=attn.softmax_scale)
+        one, _ = kernel.latent_decode(*args, softmax_scale=attn.softmax_scale, num_splits=1)
+        worst_out = max(worst_out, rel_err(out, ref_out))
+        worst_lse = max(worst_lse, float((lse.double() - ref_lse).abs().max()))
+        worst_splits = max(worst_splits, rel_err(one, out))
+    rung.check("latent_out vs float64 oracle, max rel. error over layers", worst_out, TOL_KERNEL)
+    rung.check("lse vs float64 oracle, max abs. error (nats)", worst_lse, TOL_KERNEL_LSE)
+    rung.check("1 split vs default splits, max rel. difference", worst_splits, TOL_KERNEL)
+    rung.record("kernel backend", kernel_backend())
+    rung.record("cached rows per request (tokens)", ", ".join(str(int(n)) for n in lens))
+    return rung
+
+
+# ------------------------------------------------------------------------------------------ rung 3
+def _check_frequencies(rung: Rung, model: MLAForCausalLM, pair_freq: torch.Tensor, freq_source: str) -> None:
+    """The RoPE buffers the model computes with vs ``pair_freq`` and vs config.json's ``rope_inv_freq``."""
+    buffers = torch.stack([layer.self_attn.rope_inv_freq for layer in model.model.layers]).float()
+    recorded = torch.tensor(model.config.rope_inv_freq, dtype=torch.float32)
+    for name, want in ((freq_source, pair_freq), ("config.json rope_inv_freq", recorded)):
+        err = rel_err(buffers, want) if buffers.shape == want.shape else math.inf
+        rung.check(f"model RoPE frequencies vs {name}, max rel. error", err, TOL_FREQ)
+
+
+def _check_cache_rows(
+    rung: Rung,
+    model: MLAForCausalLM,
+    seen: list[torch.Tensor],
+    cache: PagedLatentCache,
+    pair_freq: torch.Tensor,
+    freq_source: str,
+) -> None:
+    """Every cache row of the decoded request vs ``[c_kv | k_rope]`` recomputed from the layer inputs
+    ``seen`` (``[1, T, hidden]`` each), ``k_rope`` rotated at its absolute position with ``pair_freq``."""
+    rid = cache.active[0]
+    t = seen[0].shape[1]
+    pos = torch.arange(t)[None]
+    worst_c = worst_r = 0.0
+    for li, (layer, x) in enumerate(zip(model.model.layers, seen, strict=True)):
+        attn = layer.self_attn
+        rows = cache.rows(li, rid)
+        _, _, c_kv, _ = attn.project(x, pos)
+        worst_c = max(worst_c, rel_err(rows[:, : attn.kv_lora_rank], c_kv[0]))
+        if attn.qk_rope_head_dim:  # independent of the model's RoPE buffer: the unrotated projection
+            k_rope = attn.kv_a_proj_with_mqa(x)[..., attn.kv_lora_rank :].reshape(
+                1, t, attn.num_rope_heads, -1
+            )
+            cos, sin = algebra.rope_angles(pos, pair_freq[li])
+            expect = algebra.apply_rope(k_rope, cos, sin).reshape(t, -1)
+            worst_r = max(worst_r, rel_err(rows[:, attn.kv_lora_rank :], expect))
+    rung.check("cache rows c_kv vs recomputed, max rel. error over layers", worst_c, TOL_ROWS)
+    if model.config.qk_rope_head_dim:
+        rung.check(
+            f"cache rows k_rope vs recomputed at absolute positions ({freq_source}), max rel. error",
+            worst_r,
+            TOL_ROWS,
+        )
+
+
+@timed
+def rung_decode(
+    model: MLAForCausalLM,
+    prompt: torch.Tensor,
+    new_tokens: int,
+    backend: str,
+    page_size: int,
+    pair_freq: torch.Tensor,
+    freq_source: str,
+    data: str,
+) -> tuple[Rung, PagedLatentCache]:
+    """Rung 3: paged prefill of ``prompt [1, T]`` + greedy decode on ``backend`` vs one full recomputation;
+    every cache row vs an independent recomputation with ``pair_freq [L, R, P]`` (named ``freq_source``).
+
+    Returns:
+        The rung and the request's paged cache (rung 5 measures it).
+    """
+    rung = Rung.of(DECODE, data)
+    if model.config.qk_rope_head_dim:
+        _check_frequencies(rung, model, pair_freq, freq_source)
+    res = generate(model, prompt, new_tokens, backend=backend, page_size=page_size, shuffle_pages=True)
+    tokens = res.tokens[:, :-1]  # the last generated token was never fed back
+    model.set_attention_path("absorbed")
+    seen, logits = capture_attention_inputs(model, tokens)
+    full = logits[:, prompt.shape[1] - 1 :].float()
+    rung.check(
+        "step logits vs full recomputation, max rel. error", rel_err(res.step_logits, full), TOL_DECODE_LOGITS
+    )
+    differing = float((res.step_logits.argmax(-1) != full.argmax(-1)).sum())
+    rung.check("greedy tokens differing from full recomputation", differing, 0, "==")
+    _check_cache_rows(rung, model, seen, res.cache, pair_freq, freq_source)
+    t = float(tokens.shape[1])
+    rung.check("committed cache length (tokens)", float(res.cache.lengths[res.cache.active[0]]), t, "==")
+    want = model.config.num_hidden_layers * (new_tokens - 1)
+    prefix = "triton-" if backend == "triton" else "absorbed-torch"
+    decode = {k: v for k, v in res.backend_log.items() if k.endswith(":decode")}
+    on_backend = sum(v for k, v in decode.items() if k.startswith(prefix))
+    rung.check(f"decode attention calls on {backend} (want {want})", float(on_backend), float(want), "==")
+    rung.check(
+        "decode attention calls on any other backend", float(sum(decode.values()) - on_backend), 0.0, "=="
+    )
+    rung.record("backends that ran", json.dumps(res.backend_log, sort_keys=True))
+    return rung, res.cache
+
+
+# ------------------------------------------------------------------------------------------ rung 4
+def _check_scale(rung: Rung, scale: float, want: float, what: str) -> None:
+    rung.check(
+        f"softmax_scale {scale:.6g} vs {what} {want:.6g}, rel. error", abs(scale - want) / want, TOL_SCALE
+    )
+
+
+@timed
+def rung_source(
+    model: MLAForCausalLM,
+    source_model: Any,
+    source_scale: float,
+    windows: torch.Tensor,
+    recorded: dict[str, float] | None,
+    data: str,
+) -> Rung:
+    """Rung 4: converted vs source on held-out ``windows [N, T]``; the scale contract; the figures
+    ``recorded`` at conversion (``perplexity``, ``kl``) reproduced when given."""
+    from mla_convert.validate.metrics import evaluate
+
+    rung = Rung.of(SOURCE, data)
+    _check_scale(rung, model.config.softmax_scale, source_scale, "source's")
+    ev = evaluate(model, windows, source_model)
+    ratio = ev.perplexity / (ev.reference_perplexity or 1.0)
+    rung.record("perplexity (converted)", round(ev.perplexity, 4))
+    rung.record("perplexity (source)", round(ev.reference_perplexity or 0.0, 4))
+    rung.record("perplexity ratio", round(ratio, 4))
+    rung.record("KL(source || converted), nats/token", round(ev.kl or 0.0, 5))
+    rung.record("top-1 agreement", round(ev.top1 or 0.0, 4))
+    if recorded:
+        rung.check(
+            f"perplexity vs recorded at conversion ({recorded['perplexity']:.4f}), rel. difference",
+            abs(ev.perplexity - recorded["perplexity"]) / recorded["perplexity"],
+            TOL_PPL,
+        )
+        rung.check(
+            f"KL vs recorded at conversion ({recorded['kl']:.5f}), abs. difference",
+            abs((ev.kl or 0.0) - recorded["kl"]),
+            TOL_KL,
+        )
+    else:
+        rung.record("recorded figures", "not comparable (different text or windows, or none recorded)")
+    return rung
+
+
+@timed
+def rung_scale_only(model: MLAForCausalLM, data: str) -> Rung:
+    """Rung 4 without the source: the scale against ``1/sqrt(head_dim)`` of the source's head width, which a
+    conversion keeps as ``v_head_dim`` (values are never narrowed per head); the rest is ``not measured``."""
+    rung = Rung.of(SOURCE, data)
+    rule = algebra.source_softmax_scale(model.config.v_head_dim)
+    _check_scale(rung, model.config.softmax_scale, rule, "1/sqrt(head_dim) =")
+    rung.record("perplexity, KL, top-1 vs source", "not measured: source not available; pass --source")
+    return rung
+
+
+# ------------------------------------------------------------------------------------------ rung 5
+@timed
+def rung_ledger(
+    model: MLAForCausalLM, cache: PagedLatentCache, source_model: Any, probe: torch.Tensor
+) -> Rung:
+    """Rung 5: measured paged-cache bytes vs the formula vs the source's KV cache measured on ``probe [1, T]``."""
+    from mla_convert.validate.metrics import measure_cache
+
+    led = cache.ledger()
+    rung = Rung.of(
+        LEDGER, f"the paged cache of rung 3 ({led['tokens']} tokens, page size {led['page_size']})"
+    )
+    elem = torch.empty(0, dtype=cache.dtype).element_size()
+    widths = model.config.cache_width
+    formula = sum(widths) / len(widths) * elem
+    payload = led["payload_bytes_per_token_per_layer"]
+    rung.check(
+        f"payload bytes/token/layer {payload:.1f} vs formula (d_c + R*d_R) x {elem} B = {formula:.1f}, difference",
+        abs(payload - formula),
+        0.0,
+        "==",
+    )
+    # read the stored tensors back: the cache holds exactly the committed rows plus NaN padding
+    stored = sum(int((~p.isnan().all(-1)).sum()) for p in cache.pages)
+    committed = float(led["tokens"] * led["layers"])
+    rung.check("rows holding data (all layers) vs committed tokens x layers", float(stored), committed, "==")
+    rung.record("bytes/token/layer with page padding", round(led["allocated_bytes_per_token_per_layer"], 1))
+    cfg = model.config
+    src_formula = 2 * cfg.num_key_value_heads * cfg.v_head_dim * elem
+    rung.record("source KV cache formula 2 x n_kv x head_dim x elem (bytes/token/layer)", src_formula)
+    if source_model is not None:
+        measured = measure_cache(source_model, probe)["bytes_per_token_per_layer"]
+        rung.record(f"source KV cache measured ({probe.shape[1]}-token prefill), bytes/token/layer", measured)
+        rung.check("measured source bytes vs its formula, difference", abs(measured - src_formula), 0.0, "==")
+        rung.record("cache ratio (converted payload / source measured)", round(payload / measured, 4))
+    return rung
