@@ -219,7 +219,7 @@ def plan_layer(
         energy_kept /= max(total_energy, 1e-30)
         # A frequency that keeps no RoPE component stays in the source basis: each KV group reads its own
         # pair as NoPE dims. (Its PCA basis would mix the groups' keys while only component m is read by
-        # group m: a wrong score function, caught by tests/test_oracle.py.)
+        # group m: a wrong score function, caught by tests/convert/test_oracle.py.)
         for k in range(half):
             if not mixed[k]:
                 unitary[k] = torch.eye(g, dtype=torch.complex128)

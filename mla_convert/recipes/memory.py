@@ -12,7 +12,7 @@ moment, and a stage's peak is its largest phase. The ``factor`` phases follow :m
 * ``build``: the kept captures, the float64 weights and factorization targets, the converted model;
 * ``evaluation``: both models and the float64 logits of :func:`~mla_convert.validate.metrics.evaluate`.
 
-``tests/test_recipe_memory.py`` checks the ``factor`` estimate of the default options on the bundled model
+``tests/recipes/test_recipe_memory.py`` checks the ``factor`` estimate of the default options on the bundled model
 against the resident peak that the pinned reference conversion measured (its manifest's ``run.peak_rss_mb``).
 The ``adapt`` estimate is rougher (activations by formula) and not checked against a measurement.
 """

@@ -139,7 +139,7 @@ def test_validate_bad_inputs(tmp_path, reference_ckpt):
 
 def test_readme_rung_table_comes_from_the_spec():
     """README.md's rung table is ``benchmarks/readme.py rungs``'s rendering of mla_convert/validate/spec.py."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     loader = importlib.util.spec_from_file_location("readme_blocks", root / "benchmarks" / "readme.py")
     assert loader is not None and loader.loader is not None
     readme = importlib.util.module_from_spec(loader)

@@ -3,7 +3,7 @@
 ``manifests/smollm2-135m-reference.json`` pins the manifest of ``mla-convert factor smollm2-135m OUT``
 (default options). Any change of output — tensors, options, RoPE pairs, ranks, calibration documents,
 reconstruction figures — changes the canonical id and fails here. After an intended change, re-pin with
-``python tests/test_reference.py --repin`` and say why in the commit.
+``python tests/convert/test_reference.py --repin`` and say why in the commit.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typer.testing import CliRunner
 from mla_convert.artifacts.manifest import canonical_id
 from mla_convert.cli.commands import app
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import run_reference  # noqa: E402
 
-PINNED = Path(__file__).resolve().parents[1] / "manifests" / "smollm2-135m-reference.json"
-SCHEMA = Path(__file__).resolve().parents[1] / "mla_convert" / "artifacts" / "mla_manifest.schema.json"
+PINNED = Path(__file__).resolve().parents[2] / "manifests" / "smollm2-135m-reference.json"
+SCHEMA = Path(__file__).resolve().parents[2] / "mla_convert" / "artifacts" / "mla_manifest.schema.json"
 
 
 @pytest.fixture(scope="module")

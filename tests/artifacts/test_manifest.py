@@ -27,7 +27,7 @@ from mla_convert.artifacts.manifest import (
 from mla_convert.artifacts.output import atomic_write_bytes, atomic_write_text
 from mla_convert.cli.commands import app
 
-PINNED = Path(__file__).resolve().parents[1] / "manifests" / "smollm2-135m-reference.json"
+PINNED = Path(__file__).resolve().parents[2] / "manifests" / "smollm2-135m-reference.json"
 VALIDATION = {"validation.json": '{"passed": true}\n', "validation.md": "# Validation: PASSED\n"}
 
 

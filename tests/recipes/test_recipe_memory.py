@@ -14,7 +14,7 @@ from mla_convert.convert.options import ConvertOptions
 from mla_convert.recipes.memory import factor_phases, peak
 from mla_convert.sources.checkpoint import open_source
 
-PINNED = Path(__file__).resolve().parents[1] / "manifests" / "smollm2-135m-reference.json"
+PINNED = Path(__file__).resolve().parents[2] / "manifests" / "smollm2-135m-reference.json"
 
 
 def test_factor_estimate_covers_the_measured_peak():
