@@ -18,7 +18,18 @@ import sys
 import time
 from pathlib import Path
 
-COMMANDS = ["", "inspect", "factor", "eval", "generate", "validate", "adapt", "run", "init-recipe", "manifest verify"]
+COMMANDS = [
+    "",
+    "inspect",
+    "factor",
+    "eval",
+    "generate",
+    "validate",
+    "adapt",
+    "run",
+    "init-recipe",
+    "manifest verify",
+]
 TARGET_S, TARGET_MB = 1.0, 150.0
 
 
@@ -54,7 +65,9 @@ def main() -> None:
         mb = statistics.median(r[1] for r in runs)
         ok = dt < TARGET_S and mb < TARGET_MB
         worst = max(worst, dt)
-        print(f"| `mla-convert {cmd + ' ' if cmd else ''}--help` | {dt:.2f} | {mb:.0f} | {'yes' if ok else 'NO'} |")
+        print(
+            f"| `mla-convert {cmd + ' ' if cmd else ''}--help` | {dt:.2f} | {mb:.0f} | {'yes' if ok else 'NO'} |"
+        )
     sys.exit(0 if worst < TARGET_S else 1)
 
 

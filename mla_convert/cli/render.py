@@ -35,10 +35,11 @@ STATE: dict[str, bool] = {"quiet": False}
 
 def setup(quiet: bool) -> None:
     """Apply ``--quiet`` and the off-terminal rules before any library is imported: transformers and
-    huggingface_hub read ``HF_HUB_DISABLE_PROGRESS_BARS`` when they start."""
+    huggingface_hub read ``HF_HUB_DISABLE_PROGRESS_BARS`` when they start, tqdm reads ``TQDM_DISABLE``."""
     STATE["quiet"] = quiet
     if quiet or not sys.stderr.isatty():
         os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+        os.environ["TQDM_DISABLE"] = "1"  # bars made with tqdm directly (transformers' GGUF de-quantizing)
         if "transformers" in sys.modules:  # already imported (in-process callers, tests)
             from transformers.utils import logging as hf_logging
 
@@ -172,5 +173,7 @@ def validation_failed(res: Any) -> None:
     bad = next((c for c in first.checks if c.passed is False), None)
     names = ", ".join(f"{r.number} ({r.name})" for r in res.failed)
     detail = f": {bad.name} = {format_value(bad.value)} (tolerance {bad.tolerance})" if bad else ""
-    err_console.print(f"[bold red]error:[/] {escape(f'validation failed at rung {names}{detail}')}", highlight=False)
+    err_console.print(
+        f"[bold red]error:[/] {escape(f'validation failed at rung {names}{detail}')}", highlight=False
+    )
     raise typer.Exit(1)

@@ -18,6 +18,7 @@ import torch
 
 from mla_convert.convert.factorize import Factors
 from mla_convert.convert.rope import RopePlan
+from mla_convert.mla.algebra import head_to_group
 
 
 def pad_plan(plan: RopePlan, d_nope: int) -> RopePlan:
@@ -95,9 +96,8 @@ def layer_tensors(
     if "bv" in w or "bo" in w:
         bias = w["bo"].clone() if "bo" in w else torch.zeros(w["o"].shape[0], dtype=torch.float64)
         if "bv" in w:
-            bv_heads = torch.cat(
-                [w["bv"][(hi // (h // g)) * d_v : (hi // (h // g) + 1) * d_v] for hi in range(h)]
-            )
+            kv_of = head_to_group(h, g).tolist()
+            bv_heads = torch.cat([w["bv"][kv_of[hi] * d_v : (kv_of[hi] + 1) * d_v] for hi in range(h)])
             bias = bias + w["o"] @ bv_heads
         out["o_proj.bias"] = bias
     return out

@@ -26,6 +26,7 @@ import torch
 from mla_convert.convert.calibration import LayerStats, second_moment
 from mla_convert.convert.options import FACTORIZATIONS, OBJECTIVES
 from mla_convert.convert.rope import RopePlan
+from mla_convert.mla.algebra import head_to_group
 
 
 class FactorError(ValueError):
@@ -107,8 +108,9 @@ def build_target(
         d = w["q"].shape[0] // h
         d_v = w["v"].shape[0] // g
         m = torch.zeros(rows, rows, dtype=torch.float64)
+        kv_of = head_to_group(h, g).tolist()
         for hi in range(h):
-            gi = hi // (h // g)
+            gi = kv_of[hi]
             qmap = plan.q_nope[hi] @ w["q"][hi * d : (hi + 1) * d]
             qb = plan.q_nope[hi] @ w["bq"][hi * d : (hi + 1) * d] if "bq" in w else None
             idx = plan.nope_index[gi]

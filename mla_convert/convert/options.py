@@ -68,7 +68,8 @@ class ConvertOptions(BaseModel):
         120, description="cache values per token per layer, averaged; latent ranks allocated per layer"
     )
     text: str = Field(
-        "wikipedia", description="calibration/evaluation text: wikipedia | news | comma-separated files or folders"
+        "wikipedia",
+        description="calibration/evaluation text: wikipedia | news | comma-separated files or folders",
     )
     calib_windows: int = Field(16, description="calibration windows")
     window: int = Field(512, description="tokens per calibration/evaluation window")
@@ -129,7 +130,9 @@ class Geometry:
         """Mean cache values per token per layer the options give (``d_c + rope_width``)."""
         if options.kv_lora_rank is not None:
             return float(options.kv_lora_rank + self.rope_width)
-        return (self.latent_total(options.cache_budget or 0.0) + self.rope_width * self.num_layers) / self.num_layers
+        return (
+            self.latent_total(options.cache_budget or 0.0) + self.rope_width * self.num_layers
+        ) / self.num_layers
 
 
 def geometry(options: ConvertOptions, src: SourceShape) -> Geometry:

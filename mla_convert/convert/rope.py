@@ -32,6 +32,7 @@ import torch
 
 from mla_convert.convert.calibration import LayerStats, second_moment
 from mla_convert.convert.options import BASES, MODES, STRATEGIES
+from mla_convert.mla.algebra import head_to_group
 
 
 class RopeError(ValueError):
@@ -164,7 +165,7 @@ def plan_layer(
     kk = second_moment(w["k"], w.get("bk"), st)
     eq = _pair_moments(qq, h, d)  # [H, d/2]
     ek = _pair_moments(kk, g, d)  # [G, d/2]
-    group = [i // (h // g) for i in range(h)]
+    group = head_to_group(h, g).tolist()
     unitary = [torch.eye(g, dtype=torch.complex128) for _ in range(half)]
     mixed = [False] * half
     slots: list[list[tuple[int, int]]]  # per rope head: (frequency k, component m)
@@ -296,8 +297,9 @@ def _assemble(
                 a, b = _rows(complex(unitary[k][m, gi]), k, d, gi * d, g * d)
                 key_rope[ri * d_r + pi] += a
                 key_rope[ri * d_r + p + pi] += b
+    rope_of = head_to_group(h, r).tolist() if r else [0] * h
     for hi in range(h):
-        ri = hi // (h // r) if r else 0
+        ri = rope_of[hi]
         gi = group[hi]
         for pi, (k, m) in enumerate(slots[ri] if r else []):
             a, b = _rows(complex(unitary[k][m, gi]), k, d, 0, d)

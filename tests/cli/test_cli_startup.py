@@ -23,7 +23,9 @@ def imported_modules(*args: str) -> tuple[set[str], subprocess.CompletedProcess[
     return names, res
 
 
-@pytest.mark.parametrize("args", [("--help",), ("factor", "--help"), ("adapt", "--help"), ("validate", "--help")])
+@pytest.mark.parametrize(
+    "args", [("--help",), ("factor", "--help"), ("adapt", "--help"), ("validate", "--help")]
+)
 def test_help_imports_nothing_heavy(args: tuple[str, ...]) -> None:
     names, res = imported_modules(*args)
     assert res.returncode == 0, res.stderr[-2000:]

@@ -31,14 +31,18 @@ def test_absorbed_equals_naive(heads: int, groups: int, rope_heads: int) -> None
     q_rope = torch.randn(b, t, heads, d_r, dtype=torch.float64)
     c_kv = torch.randn(b, t, d_c, dtype=torch.float64)
     k_rope = torch.randn(b, t, rope_heads, d_r, dtype=torch.float64)
-    w_uk, w_uv = algebra.split_up_weights(torch.randn(groups * (d_n + d_v), d_c, dtype=torch.float64), groups, d_n)
+    w_uk, w_uv = algebra.split_up_weights(
+        torch.randn(groups * (d_n + d_v), d_c, dtype=torch.float64), groups, d_n
+    )
     mask = algebra.causal_mask(b, t, dtype=torch.float64)
     # naive, written out per head: key of head h = [W_UK[g] c | k_rope[r]], value = W_UV[g] c
     g_of, r_of = algebra.head_to_group(heads, groups), algebra.head_to_group(heads, rope_heads)
     out_ref = torch.empty(b, t, heads, d_v, dtype=torch.float64)
     for h in range(heads):
         keys = torch.cat([c_kv @ w_uk[g_of[h]].T, k_rope[:, :, r_of[h]]], dim=-1)
-        scores = torch.cat([q_nope[:, :, h], q_rope[:, :, h]], dim=-1) @ keys.transpose(1, 2) * 0.3 + mask[:, 0]
+        scores = (
+            torch.cat([q_nope[:, :, h], q_rope[:, :, h]], dim=-1) @ keys.transpose(1, 2) * 0.3 + mask[:, 0]
+        )
         out_ref[:, :, h] = scores.softmax(-1) @ (c_kv @ w_uv[g_of[h]].T)
     # absorbed
     q_abs = algebra.absorb_query(q_nope, w_uk)
