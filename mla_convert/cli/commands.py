@@ -13,12 +13,12 @@ from typing import Any
 
 import typer
 from rich.markup import escape
-from rich.table import Table
 
 from mla_convert.adapt.options import AdaptOptions
 from mla_convert.cli.flags import build_options, options_from
 from mla_convert.cli.render import (
     STATE,
+    cache_table,
     console,
     err_console,
     fail,
@@ -27,9 +27,11 @@ from mla_convert.cli.render import (
     progress_bar,
     say,
     setup,
+    source_table,
     step_printer,
     user_errors,
     validation_failed,
+    validation_table,
 )
 from mla_convert.convert.options import ConvertOptions
 from mla_convert.validate.options import ValidateOptions
@@ -62,39 +64,10 @@ def inspect(source: str = typer.Argument(..., help=SOURCE_HELP)) -> None:
 
     with user_errors():
         src = open_source(source)
-    d = src.describe()
-    t = Table(title=escape(source))
-    t.add_column("field")
-    t.add_column("value")
-    for k, v in d.items():
-        t.add_row(escape(k), escape(json.dumps(v) if isinstance(v, dict | list) else str(v)))
-    console.print(t)
-    w = Table(title="KV cache per token per layer (values)")
-    for c in ("layout", "values", "bytes (float32)", "ratio to source", "suggested split"):
-        w.add_column(c, justify="right")
-    base = src.kv_cache_width
-    w.add_row(
-        "source K + V", str(base), str(4 * base), "1.000", f"{src.num_kv_heads} KV heads x {src.head_dim} x 2"
-    )
     from mla_convert.convert.suggest import MEASURED_SPLITS, suggestions
 
-    for sug in suggestions(src, MEASURED_SPLITS):
-        if sug.rope_pairs is None:
-            split = "not measured (benchmarks/perplexity.py --readme writes mla_convert/convert/measured_splits.json)"
-        else:
-            rope = 2 * sug.rope_pairs
-            split = (
-                f"--cache-budget {sug.values} --rope-pairs {sug.rope_pairs} (latent {sug.values - rope} + rope "
-                f"{rope}; the rope share measured best on {sug.measured_on} at this fraction)"
-            )
-        w.add_row(
-            escape(f"MLA [c_kv | k_rope] at {sug.fraction:.2%}"),
-            str(sug.values),
-            str(4 * sug.values),
-            f"{sug.fraction:.4f}",
-            escape(split),
-        )
-    console.print(w)
+    console.print(source_table(source, src.describe()))
+    console.print(cache_table(src, suggestions(src, MEASURED_SPLITS)))
 
 
 @app.command()
@@ -259,25 +232,12 @@ def validate(
     """
     from mla_convert.validate.ladder import validate as run_validate
     from mla_convert.validate.report import write_validation
-    from mla_convert.validate.result import format_value
 
     options = build_options(ValidateOptions, values)
     with user_errors():
         res = run_validate(ckpt, options, progress=note)
         write_validation(ckpt, res)
-    table = Table(title=f"validation of {ckpt}")
-    for col in ("rung", "check", "value", "tolerance", "result"):
-        table.add_column(col)
-    for r in res.rungs:
-        if r.skipped:
-            table.add_row(f"{r.number} {r.name}", "skipped", escape(r.skipped), "", "")
-        for i, c in enumerate(r.checks):
-            val = format_value(c.value)
-            verdict = "" if c.passed is None else ("pass" if c.passed else "[bold red]FAIL[/]")
-            table.add_row(
-                f"{r.number} {r.name}" if i == 0 else "", escape(c.name), escape(val), c.tolerance, verdict
-            )
-    console.print(table)
+    console.print(validation_table(ckpt, res))
     console.print(
         f"wrote {ckpt / 'validation.json'} and {ckpt / 'validation.md'}", highlight=False, markup=False
     )

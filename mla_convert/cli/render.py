@@ -7,6 +7,7 @@ no cell is cut. ``--quiet`` prints only results and errors.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -18,6 +19,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
 
 #: Width of tables printed off a terminal (wide enough that no cell is wrapped or cut).
 LOG_WIDTH = 1000
@@ -177,3 +179,64 @@ def validation_failed(res: Any) -> None:
         f"[bold red]error:[/] {escape(f'validation failed at rung {names}{detail}')}", highlight=False
     )
     raise typer.Exit(1)
+
+
+def source_table(title: str, described: dict[str, Any]) -> Table:
+    """``inspect``'s first table: a source's ``describe()`` fields."""
+    t = Table(title=escape(title))
+    t.add_column("field")
+    t.add_column("value")
+    for k, v in described.items():
+        t.add_row(escape(k), escape(json.dumps(v) if isinstance(v, dict | list) else str(v)))
+    return t
+
+
+def cache_table(src: Any, suggestions: list[Any]) -> Table:
+    """``inspect``'s second table: the source's KV cache per token and layer, and each suggested MLA size
+    (:func:`~mla_convert.convert.suggest.suggestions`)."""
+    w = Table(title="KV cache per token per layer (values)")
+    for c in ("layout", "values", "bytes (float32)", "ratio to source", "suggested split"):
+        w.add_column(c, justify="right")
+    base = src.kv_cache_width
+    w.add_row(
+        "source K + V", str(base), str(4 * base), "1.000", f"{src.num_kv_heads} KV heads x {src.head_dim} x 2"
+    )
+    for sug in suggestions:
+        if sug.rope_pairs is None:
+            split = "not measured (benchmarks/perplexity.py --readme writes mla_convert/convert/measured_splits.json)"
+        else:
+            rope = 2 * sug.rope_pairs
+            split = (
+                f"--cache-budget {sug.values} --rope-pairs {sug.rope_pairs} (latent {sug.values - rope} + rope "
+                f"{rope}; the rope share measured best on {sug.measured_on} at this fraction)"
+            )
+        w.add_row(
+            escape(f"MLA [c_kv | k_rope] at {sug.fraction:.2%}"),
+            str(sug.values),
+            str(4 * sug.values),
+            f"{sug.fraction:.4f}",
+            escape(split),
+        )
+    return w
+
+
+def validation_table(ckpt: Any, res: Any) -> Table:
+    """``validate``'s table: one row per check of every rung (value, tolerance, verdict)."""
+    from mla_convert.validate.result import format_value
+
+    table = Table(title=f"validation of {ckpt}")
+    for col in ("rung", "check", "value", "tolerance", "result"):
+        table.add_column(col)
+    for r in res.rungs:
+        if r.skipped:
+            table.add_row(f"{r.number} {r.name}", "skipped", escape(r.skipped), "", "")
+        for i, c in enumerate(r.checks):
+            verdict = "" if c.passed is None else ("pass" if c.passed else "[bold red]FAIL[/]")
+            table.add_row(
+                f"{r.number} {r.name}" if i == 0 else "",
+                escape(c.name),
+                escape(format_value(c.value)),
+                c.tolerance,
+                verdict,
+            )
+    return table
