@@ -12,6 +12,8 @@ from types import ModuleType
 
 import torch
 
+from mla_convert.errors import UserError
+
 from .reference import check_decode_inputs, latent_decode_reference
 
 __all__ = [
@@ -23,7 +25,7 @@ __all__ = [
 ]
 
 
-class KernelUnavailable(RuntimeError):
+class KernelUnavailable(UserError, RuntimeError):
     """Triton is missing or cannot run here; the message says why and how to fix it."""
 
 

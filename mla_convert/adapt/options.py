@@ -12,8 +12,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from mla_convert.errors import UserError
 
-class AdaptError(ValueError):
+
+class AdaptError(UserError):
     """Bad adaptation input (checkpoint, options, resume state); one line: what, where, how to fix."""
 
 

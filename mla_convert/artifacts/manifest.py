@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from mla_convert.artifacts.hashing import sha256_file, sha256_text
 from mla_convert.artifacts.output import atomic_write_bytes, atomic_write_text
+from mla_convert.errors import UserError, VerificationFailed
 
 if TYPE_CHECKING:
     from mla_convert.adapt.options import AdaptOptions
@@ -40,6 +41,7 @@ __all__ = [
     "ADDENDA",
     "MANIFEST",
     "ManifestError",
+    "ManifestMismatch",
     "adaptation_manifest",
     "canonical_id",
     "conversion_manifest",
@@ -59,8 +61,13 @@ SCHEMA_VERSION = 1
 NON_SEMANTIC = ("canonical_id", "run", "outputs")
 
 
-class ManifestError(ValueError):
+class ManifestError(UserError):
     """A manifest that does not verify (one line naming the first mismatch)."""
+
+
+class ManifestMismatch(ManifestError, VerificationFailed):
+    """Verification found a difference: a changed or missing file, a wrong canonical id, a broken addenda
+    chain (the CLI exits 1: the folder was checked and is not what its manifest says)."""
 
 
 # ---------------------------------------------------------------------------------------------- build
@@ -402,9 +409,9 @@ def _addenda_files(folder: Path, cid: str) -> tuple[dict[str, tuple[str, str]], 
         where = f"{folder / ADDENDA} entry {i} ({entry['stage']})"
         if entry["previous"] != previous:
             what = "this manifest's canonical id" if i == 0 else "the entry before it"
-            raise ManifestError(f"{where} does not chain to {what} (edited, or written for another manifest)")
+            raise ManifestMismatch(f"{where} does not chain to {what} (edited, or written for another manifest)")
         if _entry_digest(entry) != entry["digest"]:
-            raise ManifestError(f"{where} does not match its digest (changed after writing)")
+            raise ManifestMismatch(f"{where} does not match its digest (changed after writing)")
         previous = entry["digest"]
         by = f"{entry['stage']} addendum of the manifest"
         latest.update({name: (digest, by) for name, digest in entry["files"].items()})
@@ -421,9 +428,9 @@ def _check_files(folder: Path, expected: Mapping[str, tuple[str, str]]) -> None:
     for name, (digest, by) in expected.items():
         f = folder / name
         if not f.is_file():
-            raise ManifestError(f"{name} listed in the {by} is missing from {folder}")
+            raise ManifestMismatch(f"{name} listed in the {by} is missing from {folder}")
         if sha256_file(f) != digest:
-            raise ManifestError(
+            raise ManifestMismatch(
                 f"{name} in {folder} does not match its sha256 in the {by} (changed after writing)"
             )
 
@@ -454,7 +461,7 @@ def verify(folder: Path) -> dict[str, Any]:
     _check_files(folder, {name: (digest, "manifest") for name, digest in outputs.items()})
     cid = canonical_id(manifest)
     if cid != manifest["canonical_id"]:
-        raise ManifestError(
+        raise ManifestMismatch(
             f"canonical id mismatch in {path}: recorded {manifest['canonical_id']}, recomputed {cid}"
         )
     added, summary = _addenda_files(folder, cid)

@@ -18,11 +18,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mla_convert.errors import UserError
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-class OutputError(ValueError):
+class OutputError(UserError):
     """An output location that cannot be used (one line: what, where, how to fix)."""
 
 
@@ -74,6 +76,17 @@ def atomic_write_text(path: Path, text: str, encoding: str = "utf-8") -> None:
     atomic_write_bytes(path, text.encode(encoding))
 
 
+def _usual_permissions(folder: Path) -> None:
+    """Give ``folder`` and everything in it the permissions a plain ``mkdir``/``open`` would (``0o777``/``0o666``
+    less the umask): ``mkdtemp`` and some writers create owner-only ones, which would hide a checkpoint from
+    the other users of a shared machine."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for path in folder.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
 @contextmanager
 def atomic_folder(out: Path) -> Iterator[Path]:
     """Yield a temporary sibling folder; on success replace ``out`` with it, on any error remove it."""
@@ -81,6 +94,7 @@ def atomic_folder(out: Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         yield tmp
+        _usual_permissions(tmp)
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             os.replace(out, old / "x")

@@ -29,11 +29,14 @@ from mla_convert.cli.render import (
     setup,
     source_table,
     step_printer,
+    usage_error,
     user_errors,
     validation_failed,
     validation_table,
 )
 from mla_convert.convert.options import ConvertOptions
+from mla_convert.mla.checkpoint import read_checkpoint_config
+from mla_convert.sources.locate import locate_source
 from mla_convert.validate.options import ValidateOptions
 
 app = typer.Typer(
@@ -88,18 +91,19 @@ def factor(
 
       mla-convert factor ./Llama-3.2-1B out/l1b --rope-mode per-head --rope-strategy 2-norm --rope-pairs 4 --kv-lora-rank 256
     """
+    from mla_convert.artifacts.output import check_output
     from mla_convert.convert.options import check_options
 
     options = build_options(ConvertOptions, values)  # every flag, before anything heavy is imported
     with user_errors():
         check_options(options, None)  # every rule that needs no source, before any I/O
-    from mla_convert.artifacts.output import check_output
+        check_output(out, overwrite)  # refuse an occupied OUT before the source is read
+        locate_source(source)  # a wrong path, before the checkpoint libraries are imported
     from mla_convert.artifacts.report import layer_table, summary_table
     from mla_convert.convert.job import run_factor
     from mla_convert.sources.checkpoint import open_source
 
     with user_errors():
-        check_output(out, overwrite)  # refuse an occupied OUT before the source is read (seconds)
         src = open_source(source)
         check_options(options, src)  # the source's shapes: before anything is loaded
         say(
@@ -147,6 +151,10 @@ def eval_cmd(
 
     Example: mla-convert eval out/smollm2-mla --against smollm2-135m --window 2048 --windows 4
     """
+    with user_errors():  # wrong folders and paths, before the model libraries are imported
+        read_checkpoint_config(ckpt, require_mla=False)
+        if against:
+            locate_source(against)
     from transformers import AutoTokenizer
 
     from mla_convert.sources.checkpoint import load_source_model, open_source
@@ -188,15 +196,17 @@ def generate(
 
     Example: mla-convert generate out/smollm2-mla "The capital of France is" --backend triton
     """
+    if backend not in ("absorbed", "triton", "paged"):
+        fail(f"--backend {backend!r} is not one of absorbed, triton, paged")
+    if max_new_tokens < 1:
+        fail("--max-new-tokens must be at least 1")
+    with user_errors():  # a wrong folder, before the model libraries are imported
+        read_checkpoint_config(ckpt, require_mla=True)
     from transformers import AutoTokenizer
 
     from mla_convert.runtime.decode import generate as paged_generate
     from mla_convert.runtime.decode import greedy
 
-    if backend not in ("absorbed", "triton", "paged"):
-        fail(f"--backend {backend!r} is not one of absorbed, triton, paged")
-    if max_new_tokens < 1:
-        fail("--max-new-tokens must be at least 1")
     with user_errors():
         model = _load_mla(ckpt, require_mla=True)
         tok = AutoTokenizer.from_pretrained(str(ckpt))
@@ -230,10 +240,14 @@ def validate(
 
     Example: mla-convert validate out/smollm2-mla
     """
+    options = build_options(ValidateOptions, values)
+    with user_errors():  # wrong folders and paths, before the model libraries are imported
+        read_checkpoint_config(ckpt, require_mla=True)
+        if options.source:
+            locate_source(options.source)
     from mla_convert.validate.ladder import validate as run_validate
     from mla_convert.validate.report import write_validation
 
-    options = build_options(ValidateOptions, values)
     with user_errors():
         res = run_validate(ckpt, options, progress=note)
         write_validation(ckpt, res)
@@ -276,6 +290,10 @@ def adapt(
     options = build_options(AdaptOptions, values)  # every flag, before anything heavy is imported
     if stop_after is not None and stop_after < 1:
         fail("--stop-after must be at least 1")
+    with user_errors():  # wrong folders and paths, before the training libraries are imported
+        read_checkpoint_config(ckpt, require_mla=True)
+        if options.source:
+            locate_source(options.source)
     from mla_convert.adapt.train import run_adapt
 
     show = step_printer()
@@ -303,11 +321,17 @@ def adapt(
 
 
 @manifest_app.command("verify")
-def manifest_verify(out: Path = typer.Argument(..., help="An mla-convert output folder.")) -> None:
+def manifest_verify(
+    out: Path = typer.Argument(..., help="An mla-convert output folder."),
+    strict: bool = typer.Option(False, help="Also fail (exit 1) when OUT holds files the manifest does not cover."),
+) -> None:
     """Check the manifest's schema, re-hash the files it and its addenda (validate's files) list, recompute
     the canonical id, and name the files neither covers.
 
-    Example: mla-convert manifest verify out/smollm2-mla
+    Exit codes: 0 verified; 1 a difference (a changed or missing file, a wrong canonical id or addenda chain;
+    with --strict, uncovered files too); 2 not a manifest folder or a malformed manifest.
+
+    Example: mla-convert manifest verify out/smollm2-mla --strict
     """
     from mla_convert.artifacts.manifest import verify
 
@@ -321,6 +345,10 @@ def manifest_verify(out: Path = typer.Argument(..., help="An mla-convert output 
         console.print(
             f"not covered by the manifest (not verified): {', '.join(res['uncovered'])}", highlight=False
         )
+        if strict:
+            message = f"{len(res['uncovered'])} file(s) in {out} not covered by the manifest (--strict)"
+            err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
+            raise typer.Exit(1)
 
 
 # --------------------------------------------------------------------------------------------- recipes
@@ -484,8 +512,26 @@ def init_recipe_cmd(
 
 
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point: usage errors as one ``error:`` line (exit 2); help at full width in a log."""
+    import os
+
+    if not sys.stdout.isatty():
+        os.environ.setdefault("TERMINAL_WIDTH", "120")  # typer's help: no option name cut at 80 columns
+    # typer's (vendored click) usage error: the base of BadParameter, NoSuchOption, MissingParameter, ...
+    usage: type[Exception] = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+    try:
+        code = app(standalone_mode=False)
+    except usage as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":  # a bare command: its help
+            plain(exc.ctx.get_help() if exc.ctx is not None else str(exc))  # type: ignore[attr-defined]
+            sys.exit(2)
+        usage_error(exc)
+    except typer.Abort:
+        err_console.print("interrupted: nothing was written")
+        sys.exit(130)
+    except typer.Exit as exc:  # raised from a callback before a command runs
+        code = exc.exit_code
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,14 @@ def _cli_type(annotation: Any) -> tuple[Any, tuple[str, ...]]:
     return annotation, ()
 
 
+def _sentence(text: str, choices: tuple[str, ...]) -> str:
+    """A help text as a sentence: capitalised, with a full stop, unless it starts with a value the user types
+    (a choice such as ``per-head``, or a list ``a | b``), which keeps its spelling."""
+    first = text.split(" ", 1)[0].rstrip(":,")
+    literal = first in choices or " | " in text.split(":", 1)[0] or first in ("wikipedia", "teacher", "none")
+    return (text if literal else text[:1].upper() + text[1:]) + ("" if text.endswith(".") else ".")
+
+
 def option_parameters(model: type[BaseModel], skip: tuple[str, ...] = ()) -> list[inspect.Parameter]:
     """One keyword-only typer option per field of ``model`` (except ``skip``)."""
     params = []
@@ -52,7 +60,7 @@ def option_parameters(model: type[BaseModel], skip: tuple[str, ...] = ()) -> lis
             inspect.Parameter(
                 name,
                 inspect.Parameter.KEYWORD_ONLY,
-                default=typer.Option(field.default, help=text[:1].upper() + text[1:] + "."),
+                default=typer.Option(field.default, help=_sentence(text, choices)),
                 annotation=typ,
             )
         )

@@ -21,6 +21,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from mla_convert.errors import UserError, VerificationFailed
+
 #: Width of tables printed off a terminal (wide enough that no cell is wrapped or cut).
 LOG_WIDTH = 1000
 
@@ -33,6 +35,15 @@ def _width() -> int | None:
 console = Console(soft_wrap=True, width=_width())
 err_console = Console(stderr=True, soft_wrap=True)
 STATE: dict[str, bool] = {"quiet": False}
+
+
+def usage_error(exc: Any) -> None:
+    """A click usage error (unknown flag, missing argument, unknown command) as one ``error:`` line, exit 2."""
+    ctx = getattr(exc, "ctx", None)
+    where = ctx.command_path if ctx is not None else "mla-convert"
+    message = f"{exc.format_message()} (see '{where} --help')"
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    sys.exit(2)
 
 
 def setup(quiet: bool) -> None:
@@ -67,39 +78,14 @@ def fail(message: str) -> None:
 
 @contextmanager
 def user_errors() -> Iterator[None]:
-    """Turn the package's input errors into one-line messages and exit code 2."""
-    from mla_convert.adapt.options import AdaptError
-    from mla_convert.artifacts.manifest import ManifestError
-    from mla_convert.artifacts.output import OutputError
-    from mla_convert.convert.factorize import FactorError
-    from mla_convert.convert.options import OptionsError
-    from mla_convert.convert.rope import RopeError
-    from mla_convert.kernels import KernelUnavailable
-    from mla_convert.mla.checkpoint import CheckpointError
-    from mla_convert.runtime.paged_cache import CacheError
-    from mla_convert.sources.assets import AssetError
-    from mla_convert.sources.checkpoint import SourceError
-    from mla_convert.text.corpora import TextError
-    from mla_convert.validate.result import ValidationError
-
-    errors = (
-        SourceError,
-        RopeError,
-        FactorError,
-        OutputError,
-        TextError,
-        ManifestError,
-        AssetError,
-        CheckpointError,
-        ValidationError,
-        CacheError,
-        KernelUnavailable,
-        OptionsError,
-        AdaptError,
-    )
+    """Turn the package's input errors (:class:`~mla_convert.errors.UserError`) into one ``error:`` line and exit
+    code 2 (1 for a verification that found a difference); an interrupt says nothing was written (130)."""
     try:
         yield
-    except errors as exc:
+    except VerificationFailed as exc:
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    except UserError as exc:
         fail(str(exc))
     except KeyboardInterrupt:
         err_console.print("interrupted: nothing was written")
@@ -114,14 +100,22 @@ def progress_bar() -> Iterator[Callable[[str, int, int], None]]:
         return
     if not console.is_terminal:  # plain lines, so a log shows progress instead of silence
         done: dict[str, int] = {}
+        started: dict[str, float] = {}
+        shown: dict[str, float] = {}
 
         def plain(stage: str, n: int, total: int) -> None:
+            now = time.perf_counter()
             if stage not in done:
                 console.print(f"{stage}: started ({total} steps)", markup=False, highlight=False)
-                done[stage] = 0
+                done[stage], started[stage], shown[stage] = 0, now, now
             done[stage] += n
             if done[stage] == total:
-                console.print(f"{stage}: done", markup=False, highlight=False)
+                console.print(f"{stage}: done ({now - started[stage]:.0f} s)", markup=False, highlight=False)
+            elif now - shown[stage] >= 60:  # a long stage says where it is once a minute
+                shown[stage] = now
+                console.print(
+                    f"{stage}: {done[stage]}/{total} ({now - started[stage]:.0f} s)", markup=False, highlight=False
+                )
 
         yield plain
         return

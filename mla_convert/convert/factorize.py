@@ -26,10 +26,11 @@ import torch
 from mla_convert.convert.calibration import LayerStats, second_moment
 from mla_convert.convert.options import FACTORIZATIONS, OBJECTIVES
 from mla_convert.convert.rope import RopePlan
+from mla_convert.errors import UserError
 from mla_convert.mla.algebra import head_to_group
 
 
-class FactorError(ValueError):
+class FactorError(UserError):
     """Impossible factorization options (one line, with the allowed range)."""
 
 

@@ -14,6 +14,8 @@ from typing import Any, Literal, Protocol, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from mla_convert.errors import UserError
+
 RopeMode = Literal["per-head", "shared"]
 RopeStrategy = Literal["high", "low", "uniform", "2-norm", "rotation"]
 RopeBasis = Literal["complex", "real"]
@@ -29,7 +31,7 @@ OBJECTIVES: tuple[str, ...] = get_args(Objective)
 REFITS: tuple[str, ...] = get_args(Refit)
 
 
-class OptionsError(ValueError):
+class OptionsError(UserError):
     """Options impossible for this source (one line per problem, each naming the option and the allowed range)."""
 
 
@@ -165,10 +167,16 @@ def problems(options: ConvertOptions, src: SourceShape | None) -> list[tuple[str
     for key in ("calib_windows", "window", "eval_windows", "rope_context"):
         if getattr(options, key) < 1:
             out.append((key, f"{getattr(options, key)} is too small: must be at least 1"))
+    if options.rope_pairs < 0:
+        out.append(("rope_pairs", f"{options.rope_pairs} is too small: must be at least 0"))
+    if options.kv_lora_rank is not None and options.kv_lora_rank < 1:
+        out.append(("kv_lora_rank", f"{options.kv_lora_rank} is too small: must be at least 1"))
+    if options.kv_lora_rank is None and options.cache_budget is not None and options.cache_budget <= 0:
+        out.append(("cache_budget", f"{options.cache_budget:g} is too small: must be positive"))
     if options.kv_lora_rank is None and options.cache_budget is None:
         out.append(("cache_budget", "is missing: give a cache budget or a kv_lora_rank"))
-    if src is None:
-        return out
+    if src is None or out:
+        return out  # the source-dependent rules assume the source-free ones hold
     geo = geometry(options, src)
     if not 0 <= options.rope_pairs <= geo.max_rope_pairs:
         out.append(

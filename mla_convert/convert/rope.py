@@ -32,10 +32,11 @@ import torch
 
 from mla_convert.convert.calibration import LayerStats, second_moment
 from mla_convert.convert.options import BASES, MODES, STRATEGIES
+from mla_convert.errors import UserError
 from mla_convert.mla.algebra import head_to_group
 
 
-class RopeError(ValueError):
+class RopeError(UserError):
     """Impossible RoPE options (one line, with the allowed range)."""
 
 

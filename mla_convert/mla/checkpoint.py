@@ -11,8 +11,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mla_convert.errors import UserError
 
-class CheckpointError(ValueError):
+
+class CheckpointError(UserError):
     """A folder that is not a loadable (converted) checkpoint; one line: what, where, how to fix."""
 
 

@@ -16,13 +16,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mla_convert.adapt.options import AdaptOptions
 from mla_convert.convert.options import ConvertOptions
+from mla_convert.errors import UserError
 from mla_convert.validate.options import LadderSettings
 
 #: The resolved recipe (every default filled in) that ``run`` writes under the recipe's output folder.
 RESOLVED_NAME = "recipe.resolved.yaml"
 
 
-class RecipeError(ValueError):
+class RecipeError(UserError):
     """A recipe that cannot run. ``problems`` holds one line per problem (``path: message``)."""
 
     def __init__(self, file: str, problems: list[str]) -> None:

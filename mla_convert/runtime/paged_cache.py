@@ -18,8 +18,10 @@ from typing import Any
 
 import torch
 
+from mla_convert.errors import UserError
 
-class CacheError(ValueError):
+
+class CacheError(UserError):
     """Out of pages, unknown request, or a write that does not match the cache layout."""
 
 

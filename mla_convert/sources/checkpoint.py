@@ -22,18 +22,14 @@ from mla_convert.artifacts.hashing import sha256_bytes, sha256_file
 from mla_convert.artifacts.output import atomic_folder
 from mla_convert.mla.algebra import head_dim_of, source_softmax_scale
 from mla_convert.sources.families import REFUSED, Family, families
+from mla_convert.sources.locate import SourceError, locate_source
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 #: Built-in source names -> loader of the bundled real model.
-BUILTIN_MODELS = ("smollm2-135m",)
 #: RoPE types whose per-pair frequencies do not depend on sequence length.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-
-class SourceError(ValueError):
-    """A source that cannot be converted; the message is one line: what, where, how to fix."""
 
 
 @dataclass
@@ -309,24 +305,18 @@ def open_source(spec: str | Path) -> SourceModel:
             unknown family), missing/mis-shaped tensors, truncated or corrupt safetensors files.
     """
     origin = str(spec)
-    if origin.lower() in BUILTIN_MODELS:
+    kind, located = locate_source(spec)
+    if kind == "builtin":
         from mla_convert.sources.assets import bundled_gguf_path
 
         gguf = bundled_gguf_path()
         path, origin_files = gguf_to_folder(gguf), [gguf]
+    elif kind == "gguf":
+        assert located is not None
+        path, origin_files = gguf_to_folder(located), [located]
     else:
-        p = Path(spec).expanduser()
-        if not p.exists():
-            raise SourceError(
-                f"source {origin!r} not found: pass a HF folder, a .gguf file or one of {', '.join(BUILTIN_MODELS)}"
-            )
-        if p.is_file() and p.suffix == ".gguf":
-            path, origin_files = gguf_to_folder(p.resolve()), [p.resolve()]
-        elif p.is_dir():
-            path = p.resolve()
-            origin_files = []
-        else:
-            raise SourceError(f"source {origin!r} is neither a folder nor a .gguf file")
+        assert located is not None
+        path, origin_files = located, []
     config_path = path / "config.json"
     if not config_path.exists():
         raise SourceError(f"{path} has no config.json; pass a Hugging Face model folder")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from mla_convert.artifacts.hashing import sha256_file, sha256_text
 from mla_convert.artifacts.output import atomic_write_text
+from mla_convert.errors import UserError
 from mla_convert.sources.assets import NEWS_MEMBER, WIKI_MEMBER, cache_dir, gensim_text_file
 from mla_convert.text.wikitext import clean_wikitext, iter_pages
 
@@ -43,7 +44,7 @@ MIN_WIKI_CHARS = 500
 _WIKI_PARSER_VERSION = 5
 
 
-class TextError(ValueError):
+class TextError(UserError):
     """Text input is unusable (missing, empty, unreadable or too short); the message is one line."""
 
 

@@ -6,10 +6,11 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from mla_convert.errors import UserError
 from mla_convert.validate.spec import RungSpec
 
 
-class ValidationError(ValueError):
+class ValidationError(UserError):
     """The ladder cannot run on this input (options the checkpoint's text cannot satisfy, a corrupt record); one line."""
 
 

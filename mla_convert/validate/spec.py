@@ -79,8 +79,8 @@ DECODE = RungSpec(
 SOURCE = RungSpec(
     4,
     "converted-vs-source",
-    "`softmax_scale` against the source's (without the source: `1/sqrt(head_dim)` of the recorded source "
-    "head width); perplexity, KL(source ‖ converted) and top-1 agreement on held-out text (recorded, no "
+    "`softmax_scale` against the source's (without the source: `1/sqrt(head_dim)` of the source head "
+    "width, kept as `v_head_dim`); perplexity, KL(source ‖ converted) and top-1 agreement on held-out text (recorded, no "
     "threshold); with the conversion's text and windows, perplexity and KL against the figures recorded "
     "at conversion",
     f"scale rel. {tol(TOL_SCALE)}; perplexity rel. {TOL_PPL:.0%}; KL abs. {tol(TOL_KL)} nats/token",

@@ -230,3 +230,19 @@ def test_stray_file_is_listed_as_uncovered(out: Path) -> None:
     cli = CliRunner().invoke(app, ["manifest", "verify", str(out)])
     assert cli.exit_code == 0, cli.output
     assert "not covered by the manifest (not verified): extra/a.bin, notes.txt" in flat(cli.stdout)
+
+
+def test_verify_exit_codes(out: Path) -> None:
+    """0 verified; 1 a difference (changed file; uncovered files with --strict); 2 not a manifest folder."""
+    runner = CliRunner()
+    assert runner.invoke(app, ["manifest", "verify", str(out), "--strict"]).exit_code == 0
+    (out / "notes.txt").write_text("added by hand\n")
+    assert runner.invoke(app, ["manifest", "verify", str(out)]).exit_code == 0
+    strict = runner.invoke(app, ["manifest", "verify", str(out), "--strict"])
+    assert strict.exit_code == 1 and "not covered by the manifest (--strict)" in flat(strict.stderr)
+    (out / "notes.txt").unlink()
+    first = sorted(p for p in out.iterdir() if p.name != MANIFEST)[0]
+    first.write_bytes(first.read_bytes() + b"!")
+    changed = runner.invoke(app, ["manifest", "verify", str(out)])
+    assert changed.exit_code == 1 and "changed after writing" in flat(changed.stderr)
+    assert runner.invoke(app, ["manifest", "verify", str(out / "nothing")]).exit_code == 2

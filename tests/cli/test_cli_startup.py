@@ -38,3 +38,27 @@ def test_bad_option_fails_before_any_heavy_import() -> None:
     assert res.returncode == 2
     assert "--rope-mode: 'bogus' is not one of per-head, shared" in res.stderr
     assert not names & set(HEAVY), sorted(names & set(HEAVY))
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("factor", "/nonexistent/model", "out/never"), "source '/nonexistent/model' not found"),
+        (("factor", "smollm2-135m", "out/never", "--calib-windows", "0"), "--calib-windows 0 is too small"),
+        (("factor", "smollm2-135m", "out/never", "--rope-pairs", "-1"), "--rope-pairs -1 is too small"),
+        (("validate", "/nonexistent/ckpt"), "has no config.json"),
+        (("generate", "/nonexistent/ckpt", "hi"), "has no config.json"),
+        (("eval", "/nonexistent/ckpt"), "has no config.json"),
+        (("adapt", "/nonexistent/ckpt", "out/never"), "has no config.json"),
+        (("manifest", "verify", "/nonexistent/out"), "not found"),
+        (("factor", "smollm2-135m", "out/never", "--rope-pair", "4"), "No such option: --rope-pair"),
+        (("factor", "smollm2-135m"), "Missing argument 'out'"),
+        (("bogus",), "No such command 'bogus'"),
+    ],
+)
+def test_bad_input_is_one_line_before_any_heavy_import(args: tuple[str, ...], needle: str) -> None:
+    names, res = imported_modules(*args)
+    assert res.returncode == 2, res.stderr[-2000:]
+    lines = [line for line in res.stderr.splitlines() if not line.startswith("import time:")]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines
+    assert not names & set(HEAVY), sorted(names & set(HEAVY))
