@@ -12,7 +12,3 @@ from __future__ import annotations
 
 class UserError(ValueError):
     """Bad input or an environment the user must change; ``str(exc)`` is the one-line message."""
-
-
-class VerificationFailed(UserError):
-    """A check of existing files found a difference (a tampered or stale artifact): exit 1, not 2."""

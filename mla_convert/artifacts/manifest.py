@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from mla_convert.artifacts.hashing import sha256_file, sha256_text
 from mla_convert.artifacts.output import atomic_write_bytes, atomic_write_text
-from mla_convert.errors import UserError, VerificationFailed
+from mla_convert.errors import UserError
 
 if TYPE_CHECKING:
     from mla_convert.adapt.options import AdaptOptions
@@ -65,9 +65,9 @@ class ManifestError(UserError):
     """A manifest that does not verify (one line naming the first mismatch)."""
 
 
-class ManifestMismatch(ManifestError, VerificationFailed):
+class ManifestMismatch(ManifestError):
     """Verification found a difference: a changed or missing file, a wrong canonical id, a broken addenda
-    chain (the CLI exits 1: the folder was checked and is not what its manifest says)."""
+    chain: the folder was checked and is not what its manifest says."""
 
 
 # ---------------------------------------------------------------------------------------------- build

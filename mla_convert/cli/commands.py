@@ -323,13 +323,13 @@ def adapt(
 @manifest_app.command("verify")
 def manifest_verify(
     out: Path = typer.Argument(..., help="An mla-convert output folder."),
-    strict: bool = typer.Option(False, help="Also fail (exit 1) when OUT holds files the manifest does not cover."),
+    strict: bool = typer.Option(False, help="Also fail when OUT holds files the manifest does not cover."),
 ) -> None:
     """Check the manifest's schema, re-hash the files it and its addenda (validate's files) list, recompute
     the canonical id, and name the files neither covers.
 
-    Exit codes: 0 verified; 1 a difference (a changed or missing file, a wrong canonical id or addenda chain;
-    with --strict, uncovered files too); 2 not a manifest folder or a malformed manifest.
+    Exit code 2 (one error: line) when anything differs (a changed or missing file, a wrong canonical id or
+    addenda chain; with --strict also files the manifest does not cover) or OUT holds no valid manifest.
 
     Example: mla-convert manifest verify out/smollm2-mla --strict
     """
@@ -346,9 +346,7 @@ def manifest_verify(
             f"not covered by the manifest (not verified): {', '.join(res['uncovered'])}", highlight=False
         )
         if strict:
-            message = f"{len(res['uncovered'])} file(s) in {out} not covered by the manifest (--strict)"
-            err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
-            raise typer.Exit(1)
+            fail(f"{len(res['uncovered'])} file(s) in {out} not covered by the manifest (--strict)")
 
 
 # --------------------------------------------------------------------------------------------- recipes

@@ -21,7 +21,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from mla_convert.errors import UserError, VerificationFailed
+from mla_convert.errors import UserError
 
 #: Width of tables printed off a terminal (wide enough that no cell is wrapped or cut).
 LOG_WIDTH = 1000
@@ -79,12 +79,9 @@ def fail(message: str) -> None:
 @contextmanager
 def user_errors() -> Iterator[None]:
     """Turn the package's input errors (:class:`~mla_convert.errors.UserError`) into one ``error:`` line and exit
-    code 2 (1 for a verification that found a difference); an interrupt says nothing was written (130)."""
+    code 2; an interrupt says nothing was written (130)."""
     try:
         yield
-    except VerificationFailed as exc:
-        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
-        raise typer.Exit(1) from None
     except UserError as exc:
         fail(str(exc))
     except KeyboardInterrupt:
