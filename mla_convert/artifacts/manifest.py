@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from mla_convert.adapt.options import AdaptOptions
     from mla_convert.convert.build import Conversion
     from mla_convert.convert.options import ConvertOptions
+    from mla_convert.convert.stream import Streamed
     from mla_convert.sources.checkpoint import SourceModel
     from mla_convert.validate.metrics import EvalResult
 
@@ -86,7 +87,7 @@ def origin_name(origin: str) -> str:
 def conversion_manifest(
     src: SourceModel,
     options: ConvertOptions,
-    conv: Conversion,
+    conv: Conversion | Streamed,
     ev: EvalResult,
     text_name: str,
     documents: Mapping[str, list[dict[str, Any]]],
@@ -144,7 +145,7 @@ def conversion_manifest(
             "num_rope_heads": cfg.num_rope_heads,
             "qk_rope_head_dim": cfg.qk_rope_head_dim,
             "rope_layout": "rotate_half within each rope head; k_rope cached already rotated at its absolute position",
-            "dtype": "float32",
+            "dtype": getattr(conv, "dtype", "float32"),
             "values_per_token_per_layer": cfg.cache_width,
             "softmax_scale": cfg.softmax_scale,
         },

@@ -13,10 +13,10 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mla_convert.errors import UserError
 
@@ -46,11 +46,19 @@ def check_output(out: Path, overwrite: bool, source_dir: Path | None = None) -> 
     return out
 
 
+def current_umask() -> int:
+    """The process umask (read by setting and restoring it; ``os.umask`` has no read-only form)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same folder and ``os.replace``.
 
-    Creates missing parent folders. The file gets mode 0644 (``mkstemp`` creates 0600). No fsync: the
-    rename is atomic against other readers and crashes of this process, not against power loss.
+    Creates missing parent folders. The file gets the mode a plain ``open`` would give, ``0o666`` less the
+    umask (``mkstemp`` creates 0600). No fsync: the rename is atomic against other readers and crashes of
+    this process, not against power loss.
 
     Raises:
         OSError: The folder cannot be created or written.
@@ -60,7 +68,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, 0o666 & ~current_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -79,12 +87,12 @@ def atomic_write_text(path: Path, text: str, encoding: str = "utf-8") -> None:
 def _usual_permissions(folder: Path) -> None:
     """Give ``folder`` and everything in it the permissions a plain ``mkdir``/``open`` would (``0o777``/``0o666``
     less the umask): ``mkdtemp`` and some writers create owner-only ones, which would hide a checkpoint from
-    the other users of a shared machine."""
-    umask = os.umask(0)
-    os.umask(umask)
+    the other users of a shared machine. Symbolic links are left alone (``chmod`` would follow them)."""
+    umask = current_umask()
     folder.chmod(0o777 & ~umask)
     for path in folder.rglob("*"):
-        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 @contextmanager
@@ -110,19 +118,73 @@ def atomic_folder(out: Path) -> Iterator[Path]:
 def save_checkpoint(
     model: PreTrainedModel,
     folder: Path,
-    tokenizer_files: list[Path],
+    source: Path | Sequence[Path] | None,
     model_card: str,
     max_shard_size: str = "200MB",
-) -> None:
-    """Write a loadable MLA checkpoint: sharded safetensors + index (huggingface_hub sharding via
-    ``save_pretrained``), config, generation config, the source's tokenizer files and a model card."""
-    from transformers import GenerationConfig
+) -> list[str]:
+    """Write a loadable MLA checkpoint into ``folder``: sharded safetensors + index (huggingface_hub
+    sharding via ``save_pretrained``), config, and everything the source ships
+    (:func:`~mla_convert.sources.carry.copy_carried`): its ``generation_config.json`` verbatim (else one
+    from the model config's bos/eos/pad), tokenizer and chat-template files, license and README (as
+    ``SOURCE_README.md``); then the model card as ``README.md``, ending with a line naming the carried files
+    (:func:`write_carried`).
 
+    Args:
+        source: the source folder; or (older form) a list of files in it, whose folder is then carried
+            (the listed files too); None carries nothing.
+
+    Returns:
+        The carried files' names in ``folder`` (relative POSIX paths, sorted).
+
+    Raises:
+        OSError: a file cannot be read or written.
+    """
+    if isinstance(source, Path) or source is None:
+        src_dir, listed = source, []
+    else:
+        listed = [Path(f) for f in source]
+        parents = {f.parent for f in listed}
+        src_dir = parents.pop() if len(parents) == 1 else None
     model.save_pretrained(str(folder), max_shard_size=max_shard_size, safe_serialization=True)
-    cfg = model.config
-    GenerationConfig(
-        bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id
-    ).save_pretrained(str(folder))
-    for f in tokenizer_files:
-        shutil.copy2(f, folder / f.name)
-    (folder / "README.md").write_text(model_card)
+    return write_carried(folder, src_dir, model.config, model_card, listed)
+
+
+def write_carried(
+    folder: Path,
+    src_dir: Path | None,
+    config: Any,
+    model_card: str,
+    extra_files: Sequence[Path] = (),
+) -> list[str]:
+    """Write everything of a checkpoint but its weights and config: what the source ships
+    (:func:`~mla_convert.sources.carry.copy_carried`: tokenizer and chat-template files, license, README as
+    ``SOURCE_README.md``), ``generation_config.json`` (the source's verbatim, else one from ``config``'s
+    bos/eos/pad), and ``model_card`` as ``README.md`` ending with a line naming the carried files.
+
+    Args:
+        folder: the checkpoint folder being built (inside :func:`atomic_folder` or a staging folder).
+        src_dir: the source folder, or None to carry nothing.
+        config: the converted model's config (``bos_token_id``, ``eos_token_id``, ``pad_token_id``).
+        model_card: the card's Markdown (the carried-files line is appended unless already in it).
+        extra_files: more files copied under their own name.
+
+    Returns:
+        The carried files' names in ``folder`` (relative POSIX paths, sorted).
+
+    Raises:
+        OSError: a file cannot be read or written.
+    """
+    from mla_convert.sources.carry import copy_carried, model_card_source_files, write_generation_config
+
+    carried = copy_carried(src_dir, folder) if src_dir is not None else []
+    for f in extra_files:
+        if f.name not in carried:
+            shutil.copy2(f, folder / f.name)
+            carried.append(f.name)
+    if write_generation_config(folder, src_dir, config) and "generation_config.json" not in carried:
+        carried.append("generation_config.json")
+    carried.sort()
+    line = model_card_source_files(carried)
+    card = model_card.rstrip("\n") + "\n" + (f"\n{line}\n" if line and line not in model_card else "")
+    (folder / "README.md").write_text(card)
+    return carried

@@ -81,9 +81,15 @@ def factor(
         ..., help="Output folder (built in a temporary sibling, renamed when complete)."
     ),
     overwrite: bool = typer.Option(False, help="Replace a non-empty OUT."),
+    resume: bool = typer.Option(
+        False, help="Continue a stopped conversion of OUT (same source and options) after its last finished layer."
+    ),
+    max_shard_size: str = typer.Option(
+        "2GB", help="Largest output shard (e.g. 500MB, 5GB); one shard is held in memory while it is written."
+    ),
     **values: Any,
 ) -> None:
-    """Partial RoPE + low-rank K/V -> MLA checkpoint + report + manifest in OUT.
+    """Partial RoPE + low-rank K/V -> MLA checkpoint + report + manifest in OUT, streamed layer by layer.
 
     Examples:
 
@@ -110,7 +116,9 @@ def factor(
             f"source: {src.origin} ({src.family.name}, {src.num_layers} layers, {src.num_heads}/{src.num_kv_heads} heads)"
         )
         with progress_bar() as cb:
-            report = run_factor(src, out, options, overwrite=overwrite, progress=cb)
+            report = run_factor(
+                src, out, options, overwrite=overwrite, progress=cb, resume=resume, max_shard_size=max_shard_size
+            )
     if not STATE["quiet"]:
         console.print(layer_table(report))
         console.print(summary_table(report))

@@ -19,6 +19,7 @@ from mla_convert.convert.calibration import HeldOut, LayerStats, collect_stats
 from mla_convert.convert.factorize import (
     FactorError,
     Factors,
+    LayerTarget,
     allocate_ranks,
     build_target,
     factor_layer,
@@ -74,65 +75,38 @@ def _ranks(options: ConvertOptions, targets: list[Any], geo: Geometry) -> list[i
     return allocate_ranks([spectrum(t) for t in targets], geo.latent_total(options.cache_budget))
 
 
-def build_mla(
-    src: SourceModel,
-    source_model: PreTrainedModel,
-    stats: list[LayerStats],
-    options: ConvertOptions,
-    progress: ProgressFn | None = None,
-    check_ids: torch.Tensor | None = None,
-) -> tuple[MLAForCausalLM, MLAConfig, list[LayerRecord], list[RopePlan]]:
-    """Convert with given calibration statistics (no text I/O): plans, factors, tensors, model.
-
-    ``check_ids [M, T]`` (held-out calibration tokens): when given, the ``o_proj`` refit is kept only if
-    it lowers the converted model's mean loss over the M windows (a teacher-forced fit can amplify errors that compound
-    through layers); ``config.source["o_proj_refit"]`` records the losses and the decision.
-
-    Raises:
-        OptionsError: impossible options (before any tensor is built).
-    """
-    check_options(options, src)
-    geo = geometry(options, src)
-    h, g, n_layers = src.num_heads, src.num_kv_heads, src.num_layers
-    weights = [src.attention_weights(i) for i in range(n_layers)]
-    plans = [
-        plan_layer(
-            weights[i],
-            stats[i],
-            src.inv_freq,
-            h,
-            g,
-            options.rope_mode,
-            options.rope_strategy,
-            options.rope_pairs,
-            options.rope_context,
-            options.rope_basis,
-        )
-        for i in range(n_layers)
-    ]
+def plan_and_target(
+    src: SourceModel, options: ConvertOptions, weights: dict[str, torch.Tensor], stats: LayerStats
+) -> tuple[RopePlan, LayerTarget]:
+    """One layer's partial-RoPE plan and the weighted K/V matrix it factors (float64, CPU)."""
+    plan = plan_layer(
+        weights,
+        stats,
+        src.inv_freq,
+        src.num_heads,
+        src.num_kv_heads,
+        options.rope_mode,
+        options.rope_strategy,
+        options.rope_pairs,
+        options.rope_context,
+        options.rope_basis,
+    )
     balance = options.kv_balance and options.factorization == "joint"
-    targets = [
-        build_target(weights[i], plans[i], stats[i], h, options.objective, balance) for i in range(n_layers)
-    ]
-    rope_heads = len(plans[0].origin)
-    d_r = plans[0].q_rope.shape[1]
-    if rope_heads * d_r != geo.rope_width:
-        raise RuntimeError(f"internal error: the plans keep {rope_heads * d_r} RoPE values, geometry says {geo.rope_width}")
-    ranks = _ranks(options, targets, geo)
-    factors: list[Factors] = []
-    for i in range(n_layers):
-        factors.append(factor_layer(targets[i], ranks[i], options.factorization))
-        if progress:
-            progress("factorize", 1, n_layers)
-    d_nope = max(p.q_nope.shape[1] for p in plans)
-    cfg = source_model.config
-    config = MLAConfig(
+    return plan, build_target(weights, plan, stats, src.num_heads, options.objective, balance)
+
+
+def mla_config(
+    src: SourceModel, options: ConvertOptions, ranks: list[int], plans: list[RopePlan], d_nope: int
+) -> MLAConfig:
+    """The converted model's config: the source's sizes, per-layer ranks and the plans' RoPE pairs."""
+    cfg = src.config
+    return MLAConfig(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=n_layers,
-        num_attention_heads=h,
-        num_key_value_heads=g,
+        num_hidden_layers=src.num_layers,
+        num_attention_heads=src.num_heads,
+        num_key_value_heads=src.num_kv_heads,
         hidden_act=cfg.hidden_act,
         max_position_embeddings=cfg.max_position_embeddings,
         rms_norm_eps=cfg.rms_norm_eps,
@@ -142,10 +116,10 @@ def build_mla(
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
         kv_lora_rank=ranks,
-        qk_rope_head_dim=d_r,
+        qk_rope_head_dim=plans[0].q_rope.shape[1],
         qk_nope_head_dim=d_nope,
         v_head_dim=src.head_dim,
-        num_rope_heads=rope_heads,
+        num_rope_heads=len(plans[0].origin),
         rope_inv_freq=[p.inv_freq.tolist() for p in plans],
         rope_pair_origin=[p.origin for p in plans],
         softmax_scale=src.softmax_scale,
@@ -160,6 +134,76 @@ def build_mla(
             "tool": f"mla-convert {__version__}",
         },
     )
+
+
+def layer_state(
+    src: SourceModel, weights: dict[str, torch.Tensor], plan: RopePlan, factors: Factors, d_nope: int
+) -> dict[str, torch.Tensor]:
+    """One layer's MLA attention tensors (float32), keyed by name inside ``self_attn`` (``q_proj.weight``,
+    ..., ``rope_inv_freq``)."""
+    tensors = layer_tensors(weights, pad_plan(plan, d_nope), factors, src.num_heads, src.attention_scaling)
+    out = {k: v.to(torch.float32) for k, v in tensors.items()}
+    out["rope_inv_freq"] = plan.inv_freq.clone()
+    return out
+
+
+def layer_record(layer: int, plan: RopePlan, factors: Factors) -> LayerRecord:
+    """The report row of one converted layer (attention error filled in later)."""
+    rope_width = len(plan.origin) * plan.q_rope.shape[1]
+    return LayerRecord(
+        layer=layer,
+        rope_pairs=plan.origin,
+        rank=factors.rank,
+        cache_width=factors.rank + rope_width,
+        energy=factors.energy,
+        rel_error=factors.rel_error,
+        rel_error_act=factors.rel_error_act,
+        rope_energy=plan.rope_energy,
+    )
+
+
+def is_lossless(plans: list[RopePlan], factors: list[Factors]) -> bool:
+    """True when every layer keeps all RoPE components and full rank: the conversion is the same function."""
+    return all(p.key_nope.shape[0] == 0 for p in plans) and all(f.rel_error < 1e-9 for f in factors)
+
+
+def build_mla(
+    src: SourceModel,
+    source_model: PreTrainedModel,
+    stats: list[LayerStats],
+    options: ConvertOptions,
+    progress: ProgressFn | None = None,
+    check_ids: torch.Tensor | None = None,
+) -> tuple[MLAForCausalLM, MLAConfig, list[LayerRecord], list[RopePlan]]:
+    """Convert with given calibration statistics (no text I/O): plans, factors, tensors, model — in memory
+    (tests, benchmarks); ``factor`` streams the same per-layer steps (:mod:`mla_convert.convert.stream`).
+
+    ``check_ids [M, T]`` (held-out calibration tokens): when given, the ``o_proj`` refit is kept only if
+    it lowers the converted model's mean loss over the M windows (a teacher-forced fit can amplify errors that compound
+    through layers); ``config.source["o_proj_refit"]`` records the losses and the decision.
+
+    Raises:
+        OptionsError: impossible options (before any tensor is built).
+    """
+    check_options(options, src)
+    geo = geometry(options, src)
+    n_layers = src.num_layers
+    weights = [src.attention_weights(i) for i in range(n_layers)]
+    pts = [plan_and_target(src, options, weights[i], stats[i]) for i in range(n_layers)]
+    plans = [p for p, _ in pts]
+    targets = [t for _, t in pts]
+    rope_heads = len(plans[0].origin)
+    d_r = plans[0].q_rope.shape[1]
+    if rope_heads * d_r != geo.rope_width:
+        raise RuntimeError(f"internal error: the plans keep {rope_heads * d_r} RoPE values, geometry says {geo.rope_width}")
+    ranks = _ranks(options, targets, geo)
+    factors: list[Factors] = []
+    for i in range(n_layers):
+        factors.append(factor_layer(targets[i], ranks[i], options.factorization))
+        if progress:
+            progress("factorize", 1, n_layers)
+    d_nope = max(p.q_nope.shape[1] for p in plans)
+    config = mla_config(src, options, ranks, plans, d_nope)
     model = MLAForCausalLM(config).to(torch.float32).eval()  # type: ignore[arg-type]  # transformers' wrapped .to
     state: dict[str, torch.Tensor] = {}
     src_state = source_model.state_dict()
@@ -171,22 +215,9 @@ def build_mla(
         state["lm_head.weight"] = src_state["model.embed_tokens.weight"]
     records = []
     for i in range(n_layers):
-        tensors = layer_tensors(weights[i], pad_plan(plans[i], d_nope), factors[i], h, src.attention_scaling)
-        for k, v in tensors.items():
-            state[f"model.layers.{i}.self_attn.{k}"] = v.to(torch.float32)
-        state[f"model.layers.{i}.self_attn.rope_inv_freq"] = plans[i].inv_freq.clone()
-        records.append(
-            LayerRecord(
-                layer=i,
-                rope_pairs=plans[i].origin,
-                rank=ranks[i],
-                cache_width=ranks[i] + rope_heads * d_r,
-                energy=factors[i].energy,
-                rel_error=factors[i].rel_error,
-                rel_error_act=factors[i].rel_error_act,
-                rope_energy=plans[i].rope_energy,
-            )
-        )
+        for k, v in layer_state(src, weights[i], plans[i], factors[i], d_nope).items():
+            state[f"model.layers.{i}.self_attn.{k}"] = v
+        records.append(layer_record(i, plans[i], factors[i]))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
@@ -195,7 +226,7 @@ def build_mla(
         )
     if config.tie_word_embeddings:
         model.tie_weights()
-    lossless = all(p.key_nope.shape[0] == 0 for p in plans) and all(f.rel_error < 1e-9 for f in factors)
+    lossless = is_lossless(plans, factors)
     if options.refit_o_proj != "none" and not lossless:  # a lossless conversion stays the same function
         if any(st.x is None or st.out is None for st in stats):
             raise FactorError(

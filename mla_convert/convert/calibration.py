@@ -57,6 +57,65 @@ def _attn_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
     return kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
 
 
+class StatsAccumulator:
+    """Running second moments of one layer's attention input (the sums behind :class:`LayerStats`).
+
+    Args:
+        weights: the layer's float64 source weights (``q``, ``k`` and optional ``bq``, ``bk``).
+        num_heads, num_kv_heads, head_dim: ``H``, ``G``, ``d``.
+        device: where the sums live (the device the inputs arrive on).
+    """
+
+    def __init__(
+        self,
+        weights: dict[str, torch.Tensor],
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        hid = weights["q"].shape[1]
+        self.h, self.g, self.d, self.hid = num_heads, num_kv_heads, head_dim, hid
+        self.w = {k: v.to(device) for k, v in weights.items() if k in ("q", "k", "bq", "bk")}
+        self.xx = torch.zeros(hid, hid, dtype=torch.float64, device=device)
+        self.sum = torch.zeros(hid, dtype=torch.float64, device=device)
+        self.q = torch.zeros(num_heads, head_dim // 2, dtype=torch.float64, device=device)
+        self.k = torch.zeros(num_kv_heads, head_dim // 2, dtype=torch.float64, device=device)
+        self.n = 0
+
+    @torch.no_grad()
+    def add(self, x: torch.Tensor) -> None:
+        """Add the attention inputs ``x [..., hidden]`` (any float dtype) to the sums."""
+        x64 = x.detach().reshape(-1, self.hid).double()
+        w = self.w
+        self.xx += x64.T @ x64
+        self.sum += x64.sum(0)
+        q = x64 @ w["q"].T + (w["bq"] if "bq" in w else 0)
+        k = x64 @ w["k"].T + (w["bk"] if "bk" in w else 0)
+        self.q += _pair_norms(q, self.h, self.d) * x64.shape[0]
+        self.k += _pair_norms(k, self.g, self.d) * x64.shape[0]
+        self.n += x64.shape[0]
+
+    def finish(self, x: torch.Tensor | None = None, out: torch.Tensor | None = None) -> LayerStats:
+        """The means as :class:`LayerStats` on the CPU (``x``/``out``: kept calibration inputs/outputs).
+
+        Raises:
+            ValueError: when no token was added.
+        """
+        if self.n == 0:
+            raise ValueError("no calibration tokens")
+        n = self.n
+        return LayerStats(
+            xx=(self.xx / n).cpu(),
+            x_mean=(self.sum / n).cpu(),
+            q_pair_norm=(self.q / n).cpu(),
+            k_pair_norm=(self.k / n).cpu(),
+            tokens=int(n),
+            x=x,
+            out=out,
+        )
+
+
 @torch.no_grad()
 def collect_stats(
     model: PreTrainedModel,
@@ -66,7 +125,8 @@ def collect_stats(
     progress: Callable[[int], None] | None = None,
     keep_calibration: bool = False,
 ) -> tuple[list[LayerStats], list[HeldOut]]:
-    """Run the source model over token windows and accumulate per-layer statistics.
+    """Run a whole source model over token windows and accumulate per-layer statistics (the in-memory
+    path of tests and benchmarks; ``factor`` streams layer by layer, :mod:`mla_convert.convert.stream`).
 
     Args:
         model: the source causal LM (transformers, float32, eval mode).
@@ -87,19 +147,8 @@ def collect_stats(
     if windows.numel() == 0:
         raise ValueError("no calibration windows")
     layers = model.model.layers  # type: ignore[union-attr]
-    h, g, d, hid = src.num_heads, src.num_kv_heads, src.head_dim, src.hidden_size
-    weights = [src.attention_weights(i) for i in range(src.num_layers)]
-    acc: list[dict[str, Any]] = [
-        {
-            "xx": torch.zeros(hid, hid, dtype=torch.float64),
-            "sum": torch.zeros(hid, dtype=torch.float64),
-            "q": torch.zeros(h, d // 2, dtype=torch.float64),
-            "k": torch.zeros(g, d // 2, dtype=torch.float64),
-            "n": 0,
-            "batches": 0,
-        }
-        for _ in range(src.num_layers)
-    ]
+    h, g, d = src.num_heads, src.num_kv_heads, src.head_dim
+    acc = [StatsAccumulator(src.attention_weights(i), h, g, d) for i in range(src.num_layers)]
     capture: dict[int, list[torch.Tensor]] = {}
     outputs: dict[int, list[torch.Tensor]] = {}
     mode = {"held": False}
@@ -114,15 +163,7 @@ def collect_stats(
                 return
             if keep_calibration:
                 kept_x.setdefault(idx, []).append(x.detach().float().clone())
-            x64 = x.detach().reshape(-1, hid).double()
-            a, w = acc[idx], weights[idx]
-            a["xx"] += x64.T @ x64
-            a["sum"] += x64.sum(0)
-            q = x64 @ w["q"].T + (w["bq"] if "bq" in w else 0)
-            k = x64 @ w["k"].T + (w["bk"] if "bk" in w else 0)
-            a["q"] += _pair_norms(q, h, d) * x64.shape[0]
-            a["k"] += _pair_norms(k, g, d) * x64.shape[0]
-            a["n"] += x64.shape[0]
+            acc[idx].add(x)
 
         return fn
 
@@ -153,14 +194,9 @@ def collect_stats(
         for hd in handles:
             hd.remove()
     stats = [
-        LayerStats(
-            xx=a["xx"] / a["n"],
-            x_mean=a["sum"] / a["n"],
-            q_pair_norm=a["q"] / a["n"],
-            k_pair_norm=a["k"] / a["n"],
-            tokens=int(a["n"]),
-            x=torch.cat(kept_x[i]) if i in kept_x else None,
-            out=torch.cat(kept_out[i]) if i in kept_out else None,
+        a.finish(
+            torch.cat(kept_x[i]) if i in kept_x else None,
+            torch.cat(kept_out[i]) if i in kept_out else None,
         )
         for i, a in enumerate(acc)
     ]

@@ -17,14 +17,17 @@ import torch
 
 from mla_convert import __version__
 from mla_convert.artifacts.manifest import conversion_manifest, write_manifest
-from mla_convert.artifacts.output import atomic_folder, check_output, save_checkpoint
+from mla_convert.artifacts.output import write_carried
 from mla_convert.artifacts.report import write_report
-from mla_convert.convert.build import Conversion, ProgressFn, convert
+from mla_convert.artifacts.shards import DEFAULT_MAX_SHARD_SIZE, write_shards
 from mla_convert.convert.options import ConvertOptions, check_options
-from mla_convert.sources.checkpoint import SourceModel, tokenizer_files
+from mla_convert.convert.stream import ProgressFn, Streamed, StreamedConversion, Texts
+from mla_convert.convert.workdir import check_start, close_work, load_torch, open_work, publish
+from mla_convert.errors import UserError
+from mla_convert.sources.checkpoint import SourceModel
+from mla_convert.sources.integrity import preflight
 from mla_convert.text.corpora import TextError, load_documents, parse_text_spec
 from mla_convert.text.windows import documents_record, split_documents, token_windows
-from mla_convert.validate.metrics import EvalResult, evaluate, measure_cache
 
 #: Held-out calibration windows: per-layer attention error and the o_proj refit's keep/revert check
 #: (several, so one window's noise cannot decide it; every window's loss is recorded).
@@ -81,9 +84,10 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def model_card(src: SourceModel, options: ConvertOptions, conv: Conversion, ev: EvalResult) -> str:
+def model_card(src: SourceModel, options: ConvertOptions, res: Streamed) -> str:
     """A short model card naming the source and the method."""
-    widths = conv.config.cache_width
+    widths = res.config.cache_width
+    ev = res.eval
     return (
         "---\nlibrary_name: transformers\ntags: [mla, mla-convert]\n---\n"
         f"# MLA conversion of {src.origin}\n\n"
@@ -91,12 +95,42 @@ def model_card(src: SourceModel, options: ConvertOptions, conv: Conversion, ev: 
         f"{src.num_heads} query / {src.num_kv_heads} KV heads) into Multi-Head Latent Attention.\n\n"
         f"Method: partial RoPE `{options.rope_mode}` / `{options.rope_strategy}` with {options.rope_pairs} pairs "
         f"per rope head, `{options.factorization}` factorization with the `{options.objective}` objective.\n"
-        f"KV cache: {sum(widths) / len(widths):.1f} values per token per layer (source: {src.kv_cache_width}).\n\n"
+        f"KV cache: {sum(widths) / len(widths):.1f} values per token per layer (source: {src.kv_cache_width}).\n"
+        f"Weights: {res.dtype}.\n\n"
         f"Held-out perplexity {ev.perplexity:.3f} (source {ev.reference_perplexity:.3f}) on {ev.tokens} tokens "
         f"of the {options.text} evaluation split ({ev.windows} windows of {ev.window}).\n\n"
         f"Source weights: {src.describe()['weights']}.\n\n"
         "Load with `import mla_convert` then `AutoModelForCausalLM.from_pretrained(path)`.\n"
     )
+
+
+def job_record(src: SourceModel, options: ConvertOptions, max_shard_size: str) -> dict[str, Any]:
+    """What a stopped job must match to be resumed: the source files, the options and the output settings."""
+    return {
+        "source": src.origin,
+        "source_files": [[f.name, f.stat().st_size, int(f.stat().st_mtime)] for f in src.origin_files],
+        "options": options.model_dump(),
+        "max_shard_size": max_shard_size,
+        "tool": __version__,
+    }
+
+
+#: Largest fp32 model (bytes) whose written checkpoint is loaded whole for the report's greedy sample.
+SAMPLE_MAX_BYTES = 2 * 2**30
+
+
+def _sample(folder: Path, tokenizer: Any, prompt: str | None, params: int, dtype: torch.dtype) -> str | None:
+    """Greedy 24 tokens from the written checkpoint (loaded whole in its dtype), or None when it is too large."""
+    if not prompt or params * 4 > SAMPLE_MAX_BYTES:
+        return None
+    from mla_convert.mla.checkpoint import load_checkpoint
+    from mla_convert.runtime.decode import greedy
+
+    model = load_checkpoint(folder, dtype=dtype)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    text = tokenizer.decode(greedy(model, ids, 24)[0], skip_special_tokens=True)
+    del model
+    return str(text)
 
 
 def run_factor(
@@ -106,40 +140,86 @@ def run_factor(
     overwrite: bool = False,
     progress: ProgressFn | None = None,
     sample_prompt: str | None = "The capital of France is",
+    resume: bool = False,
+    max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
 ) -> dict[str, Any]:
-    """Convert ``src`` into an MLA checkpoint in ``out`` with report and manifest.
+    """Convert ``src`` into an MLA checkpoint in ``out`` with report and manifest, layer by layer
+    (:mod:`mla_convert.convert.stream`) in the work folder ``.OUT.factor`` (:mod:`mla_convert.convert.workdir`).
+
+    Args:
+        resume: continue the stopped job of the same source, options and shard size after its last layer.
+        max_shard_size: largest output shard (``"2GB"``, bytes); one shard is held in memory while written.
 
     Returns:
         The report dict (also written to ``out/report.json``).
 
     Raises:
-        OutputError, RopeError, FactorError, TextError, SourceError: bad input, before heavy work.
+        OutputError, ResumeError, RopeError, FactorError, TextError, SourceError: bad input, before heavy work.
     """
     from transformers import AutoTokenizer
 
     t0 = time.perf_counter()
-    out = check_output(out, overwrite, src.path)
     check_options(options, src)
+    warnings = preflight(src)  # broken sources: before any work
+    job = job_record(src, options, max_shard_size)
+    out = check_start(out, job, resume, overwrite, src.path)
     tokenizer = AutoTokenizer.from_pretrained(str(src.path))
     text = prepare_text(tokenizer, options)
-    conv, source_model = convert(src, options, text.calibration, text.held_out, progress=progress)
-    t1 = time.perf_counter()
-    ev = evaluate(
-        conv.model,
-        text.evaluation,
-        source_model,
-        progress=(lambda n: progress("evaluate", n, len(text.evaluation))) if progress else None,
-    )
+    if text.calibration.numel() < src.hidden_size:
+        warnings.append(
+            f"only {text.calibration.numel()} calibration tokens for hidden size {src.hidden_size}: the statistics "
+            "cannot describe the activations (energies near 1 and errors near 0 mean nothing); use more "
+            "--calib-windows or a longer --window"
+        )
     probe = text.evaluation[:1, :128]
-    cache_src = measure_cache(source_model, probe)
-    cache_mla = measure_cache(conv.model, probe)
-    sample = None
-    if sample_prompt:
-        from mla_convert.runtime.decode import greedy
+    texts = Texts(text.calibration, text.held_out, text.evaluation, probe)
+    work, done = open_work(out, job, resume)
+    try:
+        conv = StreamedConversion(src, options, texts, work, progress)
+        if done is not None:
+            conv.state = load_torch(work / "state.pt")
+        step = (done["pass"], done["layer"]) if done is not None else (1, -1)
+        n = src.num_layers
 
-        ids = tokenizer(sample_prompt, return_tensors="pt").input_ids
-        sample = tokenizer.decode(greedy(conv.model, ids, 24)[0], skip_special_tokens=True)
-    t2 = time.perf_counter()
+        def first(p: int) -> int:
+            """First layer pass ``p`` still has to run."""
+            return n if step[0] > p else (step[1] + 1 if step[0] == p else 0)
+
+        conv.pass_one(first(1))
+        t1 = time.perf_counter()
+        config = conv.ranks_and_config()
+        conv.pass_two(config, first(2))
+        if step[0] < 3:
+            conv.decide_refit()
+        conv.pass_three(config, first(3))
+        t2 = time.perf_counter()
+        ev = conv.score()
+        res = conv.result(config, ev)
+        t3 = time.perf_counter()
+        staged = work / "out"
+        staged.mkdir()
+
+        def shard_done(_: int, total: int) -> None:
+            src.release()  # the shard's source pages leave the resident set
+            if progress:
+                progress("write", 1, total)
+
+        config.save_pretrained(str(staged))
+        write_shards(
+            staged,
+            conv.layout(config),
+            conv.loader(),
+            max_shard_size,
+            shard_done,
+        )
+        params = sum(t.numel() for t in conv.layout(config).values())
+        write_carried(staged, src.path, config, model_card(src, options, res))
+        sample = _sample(staged, tokenizer, sample_prompt, params, conv.dtype)
+    except UserError:
+        close_work(work)  # a damaged source or impossible step: nothing to resume
+        raise
+    t4 = time.perf_counter()
+    cache_src, cache_mla = res.cache_source, res.cache_converted
     report: dict[str, Any] = {
         "source": src.describe(),
         "options": options.model_dump(),
@@ -147,37 +227,50 @@ def run_factor(
             "name": text.name,
             "calibration": text.records["calibration"],
             "evaluation": text.records["evaluation"],
-            "calibration_tokens": conv.calib_tokens,
+            "calibration_tokens": res.calib_tokens,
             "held_out_tokens": int(text.held_out.numel()),
             "window": options.window,
         },
-        "layers": [asdict(r) for r in conv.layers],
+        "layers": [asdict(r) for r in res.layers],
+        "warnings": warnings,
         "model": {
             "eval": ev.as_dict(),
             "cache": {
                 "source": cache_src,
                 "converted": cache_mla,
                 "ratio": cache_mla["values_per_token_per_layer"] / cache_src["values_per_token_per_layer"],
-                "formula_values_per_token_per_layer": sum(conv.config.cache_width)
-                / len(conv.config.cache_width),
-                "measured_on": f"prefill of {probe.shape[1]} evaluation tokens",
+                "formula_values_per_token_per_layer": sum(config.cache_width) / len(config.cache_width),
+                "measured_on": f"prefill of {probe.shape[1]} evaluation tokens, layer by layer",
             },
-            "sample": {"prompt": sample_prompt, "greedy_24_tokens": sample},
+            "sample": {
+                "prompt": sample_prompt,
+                "greedy_24_tokens": sample,
+                "skipped": None if sample or not sample_prompt else "model larger than the in-memory sample limit",
+            },
+            "dtype": res.dtype,
         },
         "run": {
-            "wall_s": t2 - t0,
-            "convert_s": t1 - t0,
-            "timings": conv.timings,
+            "wall_s": t4 - t0,
+            "convert_s": t2 - t0,
+            "timings": {
+                "source_pass_s": t1 - t0,
+                "convert_pass_s": t2 - t1,
+                "score_s": t3 - t2,
+                "write_s": t4 - t3,
+                **res.timings,
+            },
+            "per_layer": res.per_layer,
+            "device": res.device,
+            "resumed_after": done,
             "peak_rss_mb": peak_rss_mb(),
             "torch": torch.__version__,
             "python": platform.python_version(),
             "threads": torch.get_num_threads(),
         },
     }
-    manifest = conversion_manifest(src, options, conv, ev, text.name, text.records, report["run"])
-    with atomic_folder(out) as tmp:
-        save_checkpoint(conv.model, tmp, tokenizer_files(src), model_card(src, options, conv, ev))
-        write_report(tmp, report)
-        write_manifest(tmp, manifest, sorted(p.name for p in tmp.iterdir() if p.is_file()))
+    manifest = conversion_manifest(src, options, res, ev, text.name, text.records, report["run"])
+    write_report(staged, report)
+    write_manifest(staged, manifest, sorted(p.name for p in staged.iterdir() if p.is_file()))
+    publish(staged, out)
+    close_work(work)
     return report
-

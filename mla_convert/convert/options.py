@@ -8,6 +8,7 @@ The geometry follows docs/math.md (partial RoPE, latent width).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, get_args
@@ -22,6 +23,7 @@ RopeBasis = Literal["complex", "real"]
 Factorization = Literal["joint", "split"]
 Objective = Literal["weight", "activation", "output"]
 Refit = Literal["none", "teacher"]
+OutputDtype = Literal["auto", "bfloat16", "float16", "float32"]
 
 MODES: tuple[str, ...] = get_args(RopeMode)
 STRATEGIES: tuple[str, ...] = get_args(RopeStrategy)
@@ -76,6 +78,14 @@ class ConvertOptions(BaseModel):
     calib_windows: int = Field(16, description="calibration windows")
     window: int = Field(512, description="tokens per calibration/evaluation window")
     eval_windows: int = Field(8, description="held-out evaluation windows for perplexity")
+    dtype: OutputDtype = Field(
+        "auto",
+        description="dtype of the written checkpoint (auto: the source's torch_dtype; the math runs in "
+        "float32/float64 either way)",
+    )
+    device: str = Field(
+        "auto", description="where layers run for calibration and evaluation: auto (a GPU when present) | cpu | cuda[:N]"
+    )
 
     @model_validator(mode="after")
     def _rank_replaces_budget(self) -> ConvertOptions:
@@ -167,6 +177,8 @@ def problems(options: ConvertOptions, src: SourceShape | None) -> list[tuple[str
     for key in ("calib_windows", "window", "eval_windows", "rope_context"):
         if getattr(options, key) < 1:
             out.append((key, f"{getattr(options, key)} is too small: must be at least 1"))
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", options.device):
+        out.append(("device", f"{options.device!r} is not one of auto, cpu, cuda, cuda:N"))
     if options.rope_pairs < 0:
         out.append(("rope_pairs", f"{options.rope_pairs} is too small: must be at least 0"))
     if options.kv_lora_rank is not None and options.kv_lora_rank < 1:

@@ -34,10 +34,12 @@ def refit_o_proj(attn: MLAAttention, x: torch.Tensor, target: torch.Tensor, ridg
     captured: list[torch.Tensor] = []
     hook = attn.o_proj.register_forward_pre_hook(lambda _m, a: captured.append(a[0].detach()))
     try:
-        t = x.shape[1]
-        pos = torch.arange(t)[None]
-        for row in x:
-            attn(row[None], pos, causal_mask(1, t), None)
+        n, t = x.shape[:2]
+        rows = max(1, 2**22 // max(1, attn.num_heads * t * t))  # ~16 MB of float32 scores per call
+        for start in range(0, n, rows):
+            b = min(rows, n - start)
+            pos = torch.arange(t, device=x.device)[None].expand(b, t)
+            attn(x[start : start + b], pos, causal_mask(b, t, 0, None, x.dtype, x.device), None)
     finally:
         hook.remove()
     z = torch.cat(captured).reshape(-1, captured[0].shape[-1]).double()
@@ -47,6 +49,6 @@ def refit_o_proj(attn: MLAAttention, x: torch.Tensor, target: torch.Tensor, ridg
     gram = z.T @ z
     lam = ridge * float(torch.diagonal(gram).mean().clamp_min(1e-30))
     w0 = attn.o_proj.weight.detach().double().T  # shrink toward the assembled o_proj, not toward zero
-    w = torch.linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype), z.T @ y + lam * w0)
+    w = torch.linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device), z.T @ y + lam * w0)
     attn.o_proj.weight.copy_(w.T.to(attn.o_proj.weight.dtype))
     return float((z @ w - y).norm() / y.norm().clamp_min(1e-30))

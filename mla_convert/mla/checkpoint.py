@@ -48,8 +48,9 @@ def read_checkpoint_config(ckpt: Path, require_mla: bool = True) -> dict[str, An
     return config
 
 
-def load_checkpoint(ckpt: Path, require_mla: bool = True) -> Any:
-    """The model in ``ckpt`` (float32, eval mode) through ``AutoModelForCausalLM``, after
+def load_checkpoint(ckpt: Path, require_mla: bool = True, dtype: Any = None) -> Any:
+    """The model in ``ckpt`` (float32 unless ``dtype`` names another torch dtype, eval mode) through
+    ``AutoModelForCausalLM``, after
     :func:`read_checkpoint_config`'s checks; registers the ``mla`` model type first.
 
     Returns:
@@ -67,7 +68,7 @@ def load_checkpoint(ckpt: Path, require_mla: bool = True) -> Any:
     read_checkpoint_config(ckpt, require_mla)
     register()  # model_type "mla" (the CLI starts without transformers)
     try:
-        return AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+        return AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=dtype or torch.float32).eval()
     except (OSError, ValueError) as exc:
         raise CheckpointError(
             f"{ckpt} cannot be loaded as a checkpoint: {str(exc).splitlines()[0]}"

@@ -1,10 +1,13 @@
 """Source checkpoints: resolve, validate before any work, and read tensors lazily.
 
 A SOURCE is a local Hugging Face folder (``config.json`` + single or sharded ``*.safetensors``), a
-``.gguf`` file (read by transformers with the ``gguf`` package and converted once into a cached
-safetensors folder), or the built-in name of the bundled demo model (:data:`BUILTIN_MODELS`).
-Everything that can be checked without reading weights is checked in :func:`open_source`: family,
-attention layout, RoPE type, tensor presence and shapes, file integrity. Remote code never runs.
+``.gguf`` file (its metadata turned once into a small cached folder of config and tokenizer files, its
+tensors dequantized one at a time from the memory-mapped file: :mod:`mla_convert.sources.gguf`), or the
+built-in name of the bundled demo model (:data:`BUILTIN_MODELS`). Everything that can be checked without
+reading weights is checked in :func:`open_source`: family (for a GGUF from its metadata, before anything
+else), attention layout, RoPE type, tensor presence and shapes, file integrity. Remote code never runs.
+Tensors are read through a :class:`TensorReader` (:class:`SafetensorsTensors` or
+:class:`~mla_convert.sources.gguf.GGUFTensors`), never all at once.
 """
 
 from __future__ import annotations
@@ -12,24 +15,106 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from mla_convert.artifacts.hashing import sha256_bytes, sha256_file
-from mla_convert.artifacts.output import atomic_folder
 from mla_convert.mla.algebra import head_dim_of, source_softmax_scale
+from mla_convert.sources import gguf as gguf_source
 from mla_convert.sources.families import REFUSED, Family, families
 from mla_convert.sources.locate import SourceError, locate_source
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-#: Built-in source names -> loader of the bundled real model.
 #: RoPE types whose per-pair frequencies do not depend on sequence length.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+#: safetensors dtype names -> torch dtypes (``storage_dtype``).
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class TensorReader(Protocol):
+    """Lazy access to a source's tensors under their Hugging Face names (one tensor read at a time)."""
+
+    def names(self) -> list[str]:
+        """Every tensor name, in file order."""
+        ...
+
+    def weight_map(self) -> dict[str, str]:
+        """Tensor name -> the file holding it."""
+        ...
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape without reading the tensor."""
+        ...
+
+    def storage_dtype(self, name: str) -> torch.dtype:
+        """The dtype as stored (a dequantized type for quantized storage)."""
+        ...
+
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor, in :meth:`storage_dtype` or wider."""
+        ...
+
+
+class SafetensorsTensors:
+    """Tensors of a safetensors folder (single file or sharded), each file opened once with ``safe_open``.
+
+    Args:
+        path: the folder.
+        weight_map: tensor name -> file name in ``path`` (index order, or each file's keys in turn).
+    """
+
+    def __init__(self, path: Path, weight_map: dict[str, str]) -> None:
+        self.path = path
+        self._map = weight_map
+        self._handles: dict[str, Any] = {}
+
+    def _handle(self, name: str) -> Any:
+        file = self._map[name]
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(self.path / file), framework="pt")
+        return self._handles[file]
+
+    def names(self) -> list[str]:
+        return list(self._map)
+
+    def weight_map(self) -> dict[str, str]:
+        return dict(self._map)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def storage_dtype(self, name: str) -> torch.dtype:
+        stored = str(self._handle(name).get_slice(name).get_dtype())
+        if stored not in _SAFETENSORS_DTYPES:
+            raise SourceError(f"tensor {name!r} in {self.path} has unsupported dtype {stored}")
+        return _SAFETENSORS_DTYPES[stored]
+
+    def read(self, name: str) -> torch.Tensor:
+        tensor: torch.Tensor = self._handle(name).get_tensor(name)
+        return tensor
+
+    def release(self) -> None:
+        """Close the open files: their mapped pages stop counting as this process's resident memory."""
+        self._handles.clear()
 
 
 @dataclass
@@ -37,15 +122,18 @@ class SourceModel:
     """A validated source checkpoint with lazy per-tensor access.
 
     Attributes:
-        path: the safetensors folder actually read.
+        path: a folder holding ``config.json`` and the tokenizer files: the source folder itself, or for a
+            GGUF the cached metadata folder (no weights there; they are read from the GGUF file).
         origin: what the user passed (folder, GGUF file or built-in name).
         origin_files: the user's files (the GGUF file, or the folder's safetensors) for hashing.
         config: the transformers config of the source.
         family: the source family (tensor names, biases).
-        weight_map: tensor name -> safetensors file name inside ``path``.
+        weight_map: tensor name -> file name holding it (a safetensors file in ``path``, or the GGUF
+            file's name); its keys are every tensor of the source (a tied ``lm_head`` is not one).
         inv_freq: ``[head_dim/2]`` float32 RoPE inverse frequencies (radians per token), pair ``k`` =
             dims ``(k, k + head_dim/2)`` (rotate_half layout).
         attention_scaling: RoPE attention factor (1.0 except YaRN); multiplies cos and sin in HF.
+        reader: where tensors are read from, one at a time.
     """
 
     path: Path
@@ -56,7 +144,12 @@ class SourceModel:
     weight_map: dict[str, str]
     inv_freq: torch.Tensor
     attention_scaling: float
-    _handles: dict[str, Any] = field(default_factory=dict, repr=False)
+    reader: TensorReader = field(repr=False)
+
+    @property
+    def gguf_file(self) -> Path | None:
+        """The GGUF file the tensors come from, or None for a safetensors source."""
+        return self.reader.file if isinstance(self.reader, gguf_source.GGUFTensors) else None
 
     @property
     def num_layers(self) -> int:
@@ -91,24 +184,49 @@ class SourceModel:
     def has(self, name: str) -> bool:
         return name in self.weight_map
 
+    def _require(self, name: str) -> None:
+        if name not in self.weight_map:
+            where = self.gguf_file or self.path
+            raise SourceError(f"tensor {name!r} is missing from {where}; is the checkpoint complete?")
+
+    def release(self) -> None:
+        """Drop open file handles (a streamed conversion calls this after each layer, so the source's mapped
+        pages of finished layers leave the resident set); later reads reopen the files."""
+        release = getattr(self.reader, "release", None)
+        if release is not None:
+            release()
+
     def tensor(self, name: str, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-        """Read one tensor from disk (``safe_open``, one tensor at a time) as ``dtype``.
+        """Read one tensor from disk as ``dtype`` (safetensors: ``safe_open``; GGUF: dequantized alone).
 
         Raises:
             SourceError: when the tensor is missing.
         """
-        if name not in self.weight_map:
-            raise SourceError(f"tensor {name!r} is missing from {self.path}; is the checkpoint complete?")
-        file = self.weight_map[name]
-        if file not in self._handles:
-            self._handles[file] = safe_open(str(self.path / file), framework="pt")
-        return self._handles[file].get_tensor(name).to(dtype)
+        self._require(name)
+        return self.reader.read(name).to(dtype)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        file = self.weight_map[name]
-        if file not in self._handles:
-            self._handles[file] = safe_open(str(self.path / file), framework="pt")
-        return tuple(self._handles[file].get_slice(name).get_shape())
+        """The tensor's shape, without reading it.
+
+        Raises:
+            SourceError: when the tensor is missing.
+        """
+        self._require(name)
+        return self.reader.shape(name)
+
+    def tensor_names(self) -> list[str]:
+        """Every tensor name (Hugging Face names), in file order."""
+        return self.reader.names()
+
+    def storage_dtype(self, name: str) -> torch.dtype:
+        """The dtype as stored: bf16/fp16/fp32 for safetensors; for a GGUF ``float16``/``bfloat16`` for
+        F16/BF16 tensors and ``float32`` (the dequantized result) for F32 and quantized ones.
+
+        Raises:
+            SourceError: when the tensor is missing.
+        """
+        self._require(name)
+        return self.reader.storage_dtype(name)
 
     def attention_weights(self, layer: int) -> dict[str, torch.Tensor]:
         """float64 ``q, k, v, o`` weights (``[out, in]``) and any biases (``bq, bk, bv, bo``) of a layer."""
@@ -121,9 +239,10 @@ class SourceModel:
 
     def describe(self) -> dict[str, Any]:
         """Plain facts about the source for reports, manifests and ``inspect``."""
+        reader = self.reader
         weights = (
-            f"GGUF file {self.origin_files[0].name}, dequantized to float32 by transformers"
-            if self.origin_files and self.origin_files[0].suffix == ".gguf"
+            f"GGUF file {reader.file.name} ({reader.label}), dequantized tensor by tensor"
+            if isinstance(reader, gguf_source.GGUFTensors)
             else f"safetensors in {self.path.name} ({len(set(self.weight_map.values()))} file(s))"
         )
         return {
@@ -159,35 +278,23 @@ def _cache_root() -> Path:
     return cache_dir()
 
 
-def gguf_to_folder(gguf: Path) -> Path:
-    """Convert a GGUF file once into a cached float32 safetensors folder (config, tokenizer, weights).
+def _open_gguf(gguf: Path, digest: str | None = None) -> tuple[Path, Any, dict[str, Any]]:
+    """Check a GGUF file (architecture from its metadata first, then its tensor table) and return its
+    cached metadata folder (built on first use), its tensor table and its metadata.
 
-    The folder is keyed by the file's sha256 and built in a temporary sibling, then renamed.
+    Args:
+        gguf: the file.
+        digest: its sha256 when already known (the verified bundled file), else computed here.
 
     Raises:
-        SourceError: when transformers cannot read the file.
+        SourceError: unreadable or truncated file, unsupported architecture, config or tokenizer that
+            transformers cannot derive from the metadata.
     """
-    digest = sha256_file(gguf)
-    target = _cache_root() / "models" / f"{gguf.stem}-{digest[:16]}"
-    if (target / "config.json").exists():
-        return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-        )
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    except Exception as exc:  # noqa: BLE001 - any reader failure is one user-facing line
-        raise SourceError(f"cannot read GGUF file {gguf}: {str(exc).splitlines()[0]}") from exc
-    model.hf_quantizer = None  # type: ignore[assignment]  # set dynamically by transformers, not declared
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    with atomic_folder(target) as tmp:
-        model.save_pretrained(str(tmp))
-        tok.save_pretrained(str(tmp))
-        (tmp / "gguf_origin.json").write_text(json.dumps({"file": gguf.name, "sha256": digest}, indent=2))
-    return target
+    metadata = gguf_source.read_metadata(gguf)
+    architecture = gguf_source.check_architecture(gguf, metadata)
+    header = gguf_source.read_header(gguf)
+    folder = gguf_source.cached_folder(gguf, digest or sha256_file(gguf), architecture, _cache_root())
+    return folder, header, metadata
 
 
 def _weight_map(path: Path) -> dict[str, str]:
@@ -284,12 +391,13 @@ def _check_tensors(src: SourceModel) -> None:
         expected.setdefault(name, ())
     if not getattr(src.config, "tie_word_embeddings", False):
         expected[src.family.lm_head] = (int(src.config.vocab_size), hid)
+    where = src.gguf_file or src.path
     for name, shape in expected.items():
         if name not in src.weight_map:
-            raise SourceError(f"tensor {name!r} is missing from {src.path}; is the checkpoint complete?")
+            raise SourceError(f"tensor {name!r} is missing from {where}; is the checkpoint complete?")
         if shape and src.shape(name) != shape:
             raise SourceError(
-                f"tensor {name!r} in {src.path} has shape {list(src.shape(name))}, expected {list(shape)} "
+                f"tensor {name!r} in {where} has shape {list(src.shape(name))}, expected {list(shape)} "
                 "from config.json; the config does not match the weights"
             )
 
@@ -300,23 +408,29 @@ def open_source(spec: str | Path) -> SourceModel:
     Args:
         spec: a folder, a ``.gguf`` file or a name in :data:`BUILTIN_MODELS`.
 
+    A GGUF's architecture is checked from its metadata before anything else (milliseconds); its config
+    and tokenizer files are then derived once into a cached folder (``src.path``) and its tensors are
+    read from the file itself, one at a time.
+
     Raises:
         SourceError: unknown path, unsupported architecture (QK-norm, sliding window, dynamic RoPE,
-            unknown family), missing/mis-shaped tensors, truncated or corrupt safetensors files.
+            unknown family), missing/mis-shaped tensors, truncated or corrupt safetensors or GGUF files.
     """
     origin = str(spec)
     kind, located = locate_source(spec)
+    gguf: Path | None = None
     if kind == "builtin":
-        from mla_convert.sources.assets import bundled_gguf_path
+        from mla_convert.sources.assets import GGUF_SHA256, bundled_gguf_path
 
-        gguf = bundled_gguf_path()
-        path, origin_files = gguf_to_folder(gguf), [gguf]
+        gguf = bundled_gguf_path()  # verified against GGUF_SHA256
+        path, header, metadata = _open_gguf(gguf, GGUF_SHA256)
     elif kind == "gguf":
         assert located is not None
-        path, origin_files = gguf_to_folder(located), [located]
+        gguf = located
+        path, header, metadata = _open_gguf(gguf)
     else:
         assert located is not None
-        path, origin_files = located, []
+        path = located
     config_path = path / "config.json"
     if not config_path.exists():
         raise SourceError(f"{path} has no config.json; pass a Hugging Face model folder")
@@ -324,21 +438,52 @@ def open_source(spec: str | Path) -> SourceModel:
     family = families()[model_type]
     config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
     _check_attention(config, family, config_path)
-    wmap = _weight_map(path)
-    for file in sorted(set(wmap.values())):
-        _open_checked(path / file)
-    if not origin_files:
+    reader: TensorReader
+    if gguf is not None:
+        reader = gguf_source.GGUFTensors(gguf, header, path, config, metadata)
+        origin_files = [gguf]
+    else:
+        wmap = _weight_map(path)
+        for file in sorted(set(wmap.values())):
+            _open_checked(path / file)
         origin_files = [path / f for f in sorted(set(wmap.values()))]
+        reader = SafetensorsTensors(path, wmap)
     inv_freq, scaling = _rope_tables(config)
-    src = SourceModel(path, origin, origin_files, config, family, wmap, inv_freq, scaling)
+    src = SourceModel(
+        path, origin, origin_files, config, family, reader.weight_map(), inv_freq, scaling, reader
+    )
     _check_tensors(src)
     return src
 
 
 def load_source_model(src: SourceModel, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """The source as a transformers causal LM (eval mode, eager attention) for calibration and evaluation."""
+    """The source as a transformers causal LM (eval mode, eager attention) for calibration and evaluation.
+
+    A safetensors source loads with ``from_pretrained(src.path)``. A GGUF source is built by transformers'
+    loader from its config and the tensors of :meth:`SourceModel.tensor` (``from_pretrained(None,
+    config=..., state_dict=...)``): the same weights ``from_pretrained(dir, gguf_file=name)`` gives
+    (tests/sources/test_gguf.py compares every tensor), in seconds instead of that loader's half minute,
+    and as a plain float model (no GGUF quantizer attached).
+
+    Memory: the model in ``dtype`` plus, for a GGUF, the state dict in ``dtype`` while it loads.
+    """
     from transformers import AutoModelForCausalLM
 
+    if src.gguf_file is not None:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        model_class: Any = MODEL_FOR_CAUSAL_LM_MAPPING[type(src.config)]
+        state = {name: src.tensor(name, dtype) for name in src.tensor_names()}
+        model = model_class.from_pretrained(
+            None,
+            config=src.config,
+            state_dict=state,
+            dtype=dtype,
+            trust_remote_code=False,
+            attn_implementation="eager",
+        )
+        del state
+        return model.eval()
     model = AutoModelForCausalLM.from_pretrained(
         str(src.path), dtype=dtype, trust_remote_code=False, attn_implementation="eager"
     )

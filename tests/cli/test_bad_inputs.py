@@ -52,7 +52,7 @@ def tripwire(monkeypatch: pytest.MonkeyPatch) -> None:
     def convert(*args: Any, **kwargs: Any) -> Any:
         raise ConversionStarted("conversion started: the bad input was not caught before heavy work")
 
-    monkeypatch.setattr(pipeline, "convert", convert)
+    monkeypatch.setattr(pipeline, "StreamedConversion", convert)
 
 
 @pytest.fixture(scope="module")

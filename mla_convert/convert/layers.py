@@ -1,0 +1,196 @@
+"""One decoder layer at a time: build a source or MLA layer from tensors read lazily, run token windows through it.
+
+The streamed conversion (:mod:`mla_convert.convert.stream`) never builds a whole model. A source layer is the
+family's own transformers decoder layer class (found on a ``meta``-device skeleton of the model, so no weight
+is allocated) with its tensors assigned from the checkpoint; an MLA layer is
+:class:`~mla_convert.mla.modeling.MLADecoderLayer` with the converted attention tensors and the source's MLP and
+norms. Windows run in chunks sized so one chunk's attention scores and MLP activations stay near
+:data:`CHUNK_BYTES`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from mla_convert.mla.algebra import causal_mask
+from mla_convert.mla.configuration import MLAConfig
+from mla_convert.mla.modeling import MLADecoderLayer
+from mla_convert.sources.checkpoint import SourceModel
+from mla_convert.sources.locate import SourceError
+
+#: Target bytes of one chunk's attention scores and MLP activations (float32).
+CHUNK_BYTES = 256 * 2**20
+
+
+def layer_prefix(layer: int) -> str:
+    """Tensor-name prefix of decoder layer ``layer`` (all supported families use the Llama layout)."""
+    return f"model.layers.{layer}."
+
+
+def read_checked(src: SourceModel, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One source tensor as ``dtype`` on ``device``.
+
+    Raises:
+        SourceError: the tensor holds NaN or Inf values (names the tensor).
+    """
+    t = src.tensor(name, dtype)
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise SourceError(
+            f"tensor {name!r} of {src.origin} holds NaN or Inf values; the checkpoint is damaged, re-download or "
+            "re-save it"
+        )
+    return t.to(device)
+
+
+def chunk_rows(num_heads: int, tokens: int, hidden: int, intermediate: int) -> int:
+    """Windows per chunk so that ``3 H T² + 3 T I + 8 T hidden`` float32 values fit :data:`CHUNK_BYTES`."""
+    per_window = 4 * (3 * num_heads * tokens * tokens + 3 * tokens * intermediate + 8 * tokens * hidden)
+    return max(1, CHUNK_BYTES // per_window)
+
+
+def chunks(x: torch.Tensor, rows: int) -> Iterator[slice]:
+    """Slices of ``rows`` windows over the first dimension of ``x``."""
+    for start in range(0, x.shape[0], rows):
+        yield slice(start, min(start + rows, x.shape[0]))
+
+
+class SourceLayers:
+    """Builds the source's decoder layers one at a time (float32, SDPA attention) on ``device``.
+
+    Args:
+        src: the opened source.
+        device: where layers and activations live.
+    """
+
+    def __init__(self, src: SourceModel, device: torch.device) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.src = src
+        self.device = device
+        config = copy.deepcopy(src.config)
+        config._attn_implementation = "sdpa"
+        self.config = config
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+        self.layer_cls: type[nn.Module] = type(skeleton.model.layers[0])
+        self.rotary = type(skeleton.model.rotary_emb)(config=config).to(device)
+        del skeleton
+
+    def layer(self, i: int, state: dict[str, torch.Tensor]) -> nn.Module:
+        """Decoder layer ``i`` holding ``state`` (its float32 tensors, names inside the layer) on the device.
+
+        Raises:
+            SourceError: the tensors do not fit the family's layer class.
+        """
+        with torch.device("meta"):
+            layer = self.layer_cls(self.config, i)
+        try:
+            layer.load_state_dict({k: v.to(self.device) for k, v in state.items()}, assign=True, strict=True)
+        except RuntimeError as exc:
+            raise SourceError(
+                f"layer {i} of {self.src.origin} does not match its config: {str(exc).splitlines()[0]}"
+            ) from exc
+        return layer.eval()
+
+    @torch.no_grad()
+    def run(
+        self,
+        layer: nn.Module,
+        hidden: torch.Tensor,
+        capture: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+        cache: Any = None,
+    ) -> torch.Tensor:
+        """Hidden states after ``layer`` for windows ``hidden [N, T, hidden]`` (float32).
+
+        ``capture(x, out)`` receives each chunk's attention input (after ``input_layernorm``) and the source
+        attention output. ``cache``: a transformers ``Cache`` the layer writes its K/V to (one chunk only).
+        """
+        rows = chunk_rows(self.src.num_heads, hidden.shape[1], self.src.hidden_size, self._intermediate())
+        out = torch.empty_like(hidden)
+        seen: dict[str, torch.Tensor] = {}
+
+        def pre(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            seen["x"] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+
+        def post(_m: nn.Module, _a: Any, _k: Any, output: Any) -> None:
+            seen["out"] = output[0] if isinstance(output, tuple) else output
+
+        attn: Any = layer.self_attn
+        handles = []
+        if capture is not None:
+            handles = [
+                attn.register_forward_pre_hook(pre, with_kwargs=True),
+                attn.register_forward_hook(post, with_kwargs=True),
+            ]
+        try:
+            for sl in chunks(hidden, rows):
+                h = hidden[sl]
+                b, t, _ = h.shape
+                pos = torch.arange(t, device=h.device)[None].expand(b, t)
+                mask = causal_mask(b, t, 0, None, h.dtype, h.device)
+                res = layer(
+                    h,
+                    attention_mask=mask,
+                    position_ids=pos,
+                    position_embeddings=self.rotary(h, pos),
+                    past_key_values=cache,
+                    use_cache=cache is not None,
+                )
+                out[sl] = res[0] if isinstance(res, tuple) else res
+                if capture is not None:
+                    capture(seen["x"], seen["out"])
+        finally:
+            for hd in handles:
+                hd.remove()
+        return out
+
+    def _intermediate(self) -> int:
+        return int(getattr(self.src.config, "intermediate_size", 4 * self.src.hidden_size))
+
+
+def mla_layer(
+    config: MLAConfig, i: int, tensors: dict[str, torch.Tensor], device: torch.device
+) -> MLADecoderLayer:
+    """:class:`MLADecoderLayer` ``i`` with ``tensors`` (names inside the layer, float32) assigned on ``device``
+    (on the same device the parameters are the given tensors, not copies).
+
+    Raises:
+        RuntimeError: the tensors do not match the config (an internal error).
+    """
+    with torch.device("meta"):
+        layer = MLADecoderLayer(config, i)
+    layer.load_state_dict({k: v.to(device) for k, v in tensors.items()}, assign=True, strict=True)
+    return layer.eval()
+
+
+@torch.no_grad()
+def run_mla(
+    layer: MLADecoderLayer, hidden: torch.Tensor, num_heads: int, intermediate: int, cache: Any = None
+) -> torch.Tensor:
+    """Hidden states after an MLA ``layer`` for windows ``hidden [N, T, hidden]`` (absorbed path)."""
+    rows = chunk_rows(num_heads, hidden.shape[1], hidden.shape[2], intermediate)
+    out = torch.empty_like(hidden)
+    for sl in chunks(hidden, rows):
+        h = hidden[sl]
+        b, t, _ = h.shape
+        pos = torch.arange(t, device=h.device)[None].expand(b, t)
+        out[sl] = layer(h, pos, causal_mask(b, t, 0, None, h.dtype, h.device), cache)
+    return out
+
+
+@torch.no_grad()
+def run_attention(attn: nn.Module, x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """An MLA attention module's output for its inputs ``x [N, T, hidden]`` (normalised hidden states)."""
+    rows = chunk_rows(num_heads, x.shape[1], x.shape[2], 0)
+    out = torch.empty_like(x)
+    for sl in chunks(x, rows):
+        h = x[sl]
+        b, t, _ = h.shape
+        pos = torch.arange(t, device=h.device)[None].expand(b, t)
+        out[sl] = attn(h, pos, causal_mask(b, t, 0, None, h.dtype, h.device), None)
+    return out

@@ -1,0 +1,551 @@
+"""The ``factor`` conversion streamed layer by layer, in bounded memory (docs/design.md §Streaming).
+
+No whole model is ever built. Token windows (calibration, held-out calibration, evaluation, a cache probe)
+enter as embedding rows and travel through the layers as hidden-state streams ``[N, T, hidden]`` (float32):
+
+* **Pass 1** (source): per layer, read its tensors (``safe_open``/GGUF, one at a time), run every stream
+  through the source layer, accumulate the calibration statistics of its attention input, keep the held-out
+  (and, for the ``o_proj`` refit, calibration) attention inputs/outputs, and build its RoPE plan and the
+  weighted K/V matrix; these go to the work folder. Ranks that depend on every layer (``--cache-budget``)
+  and the shared ``qk_nope_head_dim`` are known once pass 1 ends.
+* **Pass 2** (converted): per layer, factor, assemble, refit ``o_proj``, round to the output dtype, measure
+  the attention error on held-out tokens, run the converted streams through the MLA layer (the refit and
+  plain variants when a refit is in play) and write the layer's attention tensors.
+* **Finish**: the final norm and LM head score every stream (vocabulary in chunks), the refit is kept or
+  dropped on the held-out loss, the checkpoint is written shard by shard (MLP, norms and embeddings copied
+  straight from the source in the output dtype).
+
+Peak memory is about one layer in float32 (plus the float64 matrices of its factorization), the streams, the
+embedding/LM-head matrix in its stored dtype while it is used, and one output shard (README §Memory).
+Every step is recorded in the work folder, so ``--resume`` continues after the last finished layer with the
+same result.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mla_convert.convert.build import (
+    LayerRecord,
+    _ranks,
+    is_lossless,
+    layer_record,
+    layer_state,
+    mla_config,
+    plan_and_target,
+)
+from mla_convert.convert.calibration import HeldOut, StatsAccumulator
+from mla_convert.convert.factorize import factor_layer, spectrum
+from mla_convert.convert.layers import (
+    SourceLayers,
+    layer_prefix,
+    mla_layer,
+    read_checked,
+    run_attention,
+    run_mla,
+)
+from mla_convert.convert.options import ConvertOptions, geometry
+from mla_convert.convert.refit import refit_o_proj
+from mla_convert.convert.workdir import load_torch, mark_done, save_torch
+from mla_convert.mla.configuration import MLAConfig
+from mla_convert.mla.modeling import latent_cache_bytes
+from mla_convert.sources.checkpoint import SourceModel
+from mla_convert.validate.metrics import EvalResult, head_scores
+
+ProgressFn = Callable[[str, int, int], None]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``auto`` (a CUDA GPU when present, else the CPU), ``cpu`` or ``cuda[:N]``."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec)
+
+
+def resolve_dtype(spec: str, src: SourceModel) -> torch.dtype:
+    """The written checkpoint's dtype: ``auto`` is the source config's ``dtype``/``torch_dtype`` (float32 when
+    it names none or another type), else the named one."""
+    if spec != "auto":
+        return DTYPES[spec]
+    named = getattr(src.config, "dtype", None) or getattr(src.config, "torch_dtype", None)
+    name = str(named).replace("torch.", "") if named is not None else "float32"
+    return DTYPES.get(name, torch.float32)
+
+
+@dataclass
+class Texts:
+    """Token windows of each role: ``calib [N, T]``, ``held [M, T]``, ``eval [E, T]``, ``probe [1, P]``."""
+
+    calib: torch.Tensor
+    held: torch.Tensor
+    eval: torch.Tensor
+    probe: torch.Tensor
+
+
+@dataclass
+class Streamed:
+    """What a streamed conversion measured and wrote (report and manifest inputs)."""
+
+    config: MLAConfig
+    layers: list[LayerRecord]
+    eval: EvalResult
+    refit: dict[str, Any] | None
+    cache_source: dict[str, Any]
+    cache_converted: dict[str, Any]
+    calib_tokens: int
+    timings: dict[str, float] = field(default_factory=dict)
+    per_layer: list[dict[str, float]] = field(default_factory=list)
+    dtype: str = "float32"
+    device: str = "cpu"
+
+
+def _cache_record(measured: list[tuple[int, int]], tokens: int, dtype: torch.dtype) -> dict[str, Any]:
+    nbytes = sum(b for b, _ in measured)
+    values = sum(v for _, v in measured)
+    layers = len(measured)
+    return {
+        "values_per_token_per_layer": values / tokens / layers,
+        "bytes_per_token_per_layer": nbytes / tokens / layers,
+        "dtype": str(dtype).replace("torch.", ""),
+        "tokens": tokens,
+        "layers": layers,
+    }
+
+
+class StreamedConversion:
+    """One streamed conversion in a work folder (see the module docstring).
+
+    Args:
+        src: the opened, checked source.
+        options: checked conversion options (``options.dtype``/``options.device`` decide the output dtype and
+            where layers run).
+        texts: the token windows.
+        work: the work folder (:mod:`mla_convert.convert.workdir`).
+        progress: ``(stage, advance, total)`` callback.
+    """
+
+    def __init__(
+        self,
+        src: SourceModel,
+        options: ConvertOptions,
+        texts: Texts,
+        work: Path,
+        progress: ProgressFn | None = None,
+    ) -> None:
+        self.src = src
+        self.options = options
+        self.texts = texts
+        self.work = work
+        self.progress = progress or (lambda stage, n, total: None)
+        self.device = resolve_device(options.device)
+        self.dtype = resolve_dtype(options.dtype, src)
+        self.refit = options.refit_o_proj != "none"
+        self.n_layers = src.num_layers
+        self.state: dict[str, Any] = {}
+        self.intermediate = int(getattr(src.config, "intermediate_size", None) or 4 * src.hidden_size)
+
+    # ------------------------------------------------------------------ helpers
+    def _embed(self) -> dict[str, torch.Tensor]:
+        """Embedding rows of every window (float32 on the device), the table read once in its stored dtype."""
+        name = "model.embed_tokens.weight"
+        table = read_checked(self.src, name, self.src.storage_dtype(name), torch.device("cpu"))
+        t = self.texts
+        out = {
+            role: table[ids].to(torch.float32).to(self.device)
+            for role, ids in (("calib", t.calib), ("held", t.held), ("eval", t.eval), ("probe", t.probe))
+        }
+        del table
+        return out
+
+    def _save_state(self, step: dict[str, Any]) -> None:
+        save_torch(self.work / "state.pt", self.state)
+        mark_done(self.work, step)
+
+    def _layer_file(self, i: int, suffix: str) -> Path:
+        return self.work / f"layer-{i:03d}.{suffix}"
+
+    # ------------------------------------------------------------------ pass 1: source
+    def pass_one(self, start: int) -> None:
+        """Source streams, statistics, plans and weighted K/V matrices of layers ``start..L-1``."""
+        src, st = self.src, self.state
+        layers = SourceLayers(src, self.device)
+        if start == 0:
+            emb = self._embed()
+            st.update(
+                streams={f"src_{k}": v for k, v in emb.items()}
+                | {f"mla_{k}": self._round(v) for k, v in emb.items() if k != "calib"},
+                spectra=[],
+                d_nope=[],
+                cache_source=[],
+                timings=[{} for _ in range(self.n_layers)],
+            )
+        for i in range(start, self.n_layers):
+            self._source_layer(layers, i)
+            src.release()
+            self._save_state({"pass": 1, "layer": i})
+            self.progress("calibrate", 1, self.n_layers)
+
+    def _source_layer(self, layers: SourceLayers, i: int) -> None:
+        src, st = self.src, self.state
+        s = st["streams"]
+        t0 = time.perf_counter()
+        source = self._source_tensors(i)
+        if src.gguf_file is not None:  # dequantize once: pass 2 and 3 read the float32 copy
+            from safetensors.torch import save_file
+
+            save_file(source, str(self._layer_file(i, "src.safetensors")))
+        layer = layers.layer(i, source)
+        weights = self._attention(i, source)
+        del source
+        acc = StatsAccumulator(weights, src.num_heads, src.num_kv_heads, src.head_dim, self.device)
+        kept_x: list[torch.Tensor] = []
+        kept_out: list[torch.Tensor] = []
+
+        def calib(x: torch.Tensor, out: torch.Tensor) -> None:
+            acc.add(x)
+            if self.refit:
+                kept_x.append(x.detach().float().cpu())
+                kept_out.append(out.detach().float().cpu())
+
+        held_x: list[torch.Tensor] = []
+        held_out: list[torch.Tensor] = []
+
+        def held(x: torch.Tensor, out: torch.Tensor) -> None:
+            held_x.append(x.detach().float().cpu())
+            held_out.append(out.detach().float().cpu())
+
+        s["src_calib"] = layers.run(layer, s["src_calib"], calib)
+        s["src_held"] = layers.run(layer, s["src_held"], held)
+        s["src_eval"] = layers.run(layer, s["src_eval"])
+        cache = self._source_cache()
+        s["src_probe"] = layers.run(layer, s["src_probe"], cache=cache)
+        st["cache_source"].append(latent_cache_bytes(cache))
+        del layer, cache
+        t1 = time.perf_counter()
+        stats = acc.finish(
+            torch.cat(kept_x) if kept_x else None, torch.cat(kept_out) if kept_out else None
+        )
+        plan, target = plan_and_target(src, self.options, weights, stats)
+        if self.options.kv_lora_rank is None:
+            st["spectra"].append(spectrum(target))
+        st["d_nope"].append(int(plan.q_nope.shape[1]))
+        t2 = time.perf_counter()
+        save_torch(self._layer_file(i, "plan.pt"), plan)
+        save_torch(
+            self._layer_file(i, "p1.pt"),
+            {
+                "target": target,
+                "tokens": stats.tokens,
+                "refit": (stats.x, stats.out),
+                "held": HeldOut(torch.cat(held_x), torch.cat(held_out)) if held_x else None,
+            },
+        )
+        st["timings"][i].update(source_forward_s=t1 - t0, plan_s=t2 - t1, save_s=time.perf_counter() - t2)
+
+    def _source_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.src.config)
+
+    # ------------------------------------------------------------------ between passes
+    def ranks_and_config(self) -> MLAConfig:
+        """Per-layer ranks (fixed or allocated over every layer's spectrum) and the MLA config."""
+        geo = geometry(self.options, self.src)
+        ranks = _ranks(self.options, [None] * self.n_layers, geo) if self.options.kv_lora_rank is not None else (
+            _allocate(self.state["spectra"], geo.latent_total(self.options.cache_budget or 0))
+        )
+        plans = [load_torch(self._layer_file(i, "plan.pt")) for i in range(self.n_layers)]
+        config = mla_config(self.src, self.options, ranks, plans, max(self.state["d_nope"]))
+        config.dtype = str(self.dtype).replace("torch.", "")
+        return config
+
+    # ------------------------------------------------------------------ pass 2: converted
+    def pass_two(self, config: MLAConfig, start: int) -> None:
+        """Factor, assemble and refit layers ``start..L-1``; run the held-out streams (plain and refit variants)."""
+        st = self.state
+        s = st["streams"]
+        if start == 0:
+            st.update(records=[], attn_err={"plain": [], "fit": []}, refit_layers=[], cache_converted=[])
+            for k in ("src_calib", "src_held", "src_probe"):
+                s.pop(k, None)  # pass 1's streams are spent; their layer data is in the work folder
+            if self.refit:
+                s["mla_held_fit"] = s["mla_held"].clone()
+        for i in range(start, self.n_layers):
+            self._convert_layer(config, i)
+            self.src.release()
+            self._save_state({"pass": 2, "layer": i})
+            self.progress("convert", 1, self.n_layers)
+
+    def _convert_layer(self, config: MLAConfig, i: int) -> None:
+        src, st = self.src, self.state
+        s = st["streams"]
+        t0 = time.perf_counter()
+        p1 = load_torch(self._layer_file(i, "p1.pt"))
+        plan = load_torch(self._layer_file(i, "plan.pt"))
+        factors = factor_layer(p1["target"], config.kv_lora_rank[i], self.options.factorization)
+        source = self._source_tensors(i)
+        attn = layer_state(src, self._attention(i, source), plan, factors, config.qk_nope_head_dim)
+        t1 = time.perf_counter()
+        layer = self._mla(config, i, source, attn)  # its parameters are the tensors of ``attn`` and ``source``
+        del source
+        plain_w = layer.self_attn.o_proj.weight.detach().clone()
+        fit_w = None
+        if self.refit and not is_lossless([plan], [factors]):  # an exact layer keeps the source's o_proj
+            x, out = p1["refit"]
+            refit_o_proj(layer.self_attn, x.to(self.device), out.to(self.device))
+            fit_w = self._round(layer.self_attn.o_proj.weight.detach().clone())
+            with torch.no_grad():
+                layer.self_attn.o_proj.weight.copy_(plain_w)
+        t2 = time.perf_counter()
+        ho: HeldOut | None = p1["held"]
+        variants = {"plain": None, "fit": fit_w} if self.refit else {"plain": None}
+        for name, w in variants.items():
+            stream = "mla_held" if name == "plain" else "mla_held_fit"
+            if w is not None:
+                with torch.no_grad():
+                    layer.self_attn.o_proj.weight.copy_(w)
+            if ho is not None:
+                if w is None and name == "fit":
+                    err = st["attn_err"]["plain"][-1]  # no refit at this layer: the plain layer
+                else:
+                    pred = run_attention(layer.self_attn, ho.x.to(self.device), src.num_heads)
+                    err = float((pred - ho.out.to(self.device)).norm() / ho.out.norm().clamp_min(1e-30))
+                st["attn_err"][name].append(err)
+            s[stream] = run_mla(layer, s[stream], src.num_heads, self.intermediate)
+        if fit_w is not None:
+            with torch.no_grad():
+                layer.self_attn.o_proj.weight.copy_(plain_w)
+        cache = self._mla_cache(config)
+        s["mla_probe"] = run_mla(layer, s["mla_probe"], src.num_heads, self.intermediate, cache)
+        st["cache_converted"].append(latent_cache_bytes(cache))
+        t3 = time.perf_counter()
+        self._write_layer(i, attn, fit_w)
+        st["refit_layers"].append(fit_w is not None)
+        st["records"].append(layer_record(i, plan, factors))
+        st["timings"][i].update(
+            factor_s=t1 - t0, assemble_refit_s=t2 - t1, held_forward_s=t3 - t2, write_s=time.perf_counter() - t3
+        )
+
+    def _source_tensors(self, i: int) -> dict[str, torch.Tensor]:
+        """Layer ``i``'s source tensors (float32, names inside the layer): from the work folder's float32 copy
+        when pass 1 left one (quantized GGUF sources: dequantized once), else read from the source."""
+        from safetensors.torch import load_file
+
+        cached = self._layer_file(i, "src.safetensors")
+        if cached.is_file():
+            return load_file(str(cached))
+        prefix = layer_prefix(i)
+        return {
+            n[len(prefix) :]: read_checked(self.src, n, torch.float32, torch.device("cpu"))
+            for n in self.src.weight_map
+            if n.startswith(prefix)
+        }
+
+    def _attention(self, i: int, source: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """float64 ``q, k, v, o`` weights and biases (``bq``...) of layer ``i`` from its source tensors."""
+        prefix = layer_prefix(i)
+        out: dict[str, torch.Tensor] = {}
+        for p in "qkvo":
+            out[p] = source[self.src.family.attn(f"{p}_proj", i)[len(prefix) :]].double()
+            if self.src.family.has_bias(p, self.src.config):
+                out[f"b{p}"] = source[self.src.family.attn(f"{p}_proj", i, "bias")[len(prefix) :]].double()
+        return out
+
+    def _mla(
+        self, config: MLAConfig, i: int, source: dict[str, torch.Tensor], attn: dict[str, torch.Tensor]
+    ) -> Any:
+        """The converted layer ``i`` on the device, every weight rounded to the output dtype (as written)."""
+        tensors = {k: v for k, v in source.items() if not k.startswith("self_attn.")}
+        tensors.update({f"self_attn.{k}": v for k, v in attn.items()})
+        layer = mla_layer(config, i, tensors, self.device)
+        self._round_layer(layer)
+        return layer
+
+    # ------------------------------------------------------------------ refit decision, pass 3
+    def _head(self) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
+        """The LM head (stored dtype) and the final norms of the source and the converted model."""
+        src = self.src
+        head_name = "model.embed_tokens.weight" if getattr(src.config, "tie_word_embeddings", False) else "lm_head.weight"
+        head = read_checked(src, head_name, src.storage_dtype(head_name), self.device)
+        norm_w = read_checked(src, "model.norm.weight", torch.float32, self.device)
+        eps = float(src.config.rms_norm_eps)
+
+        def rms(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+            def fn(x: torch.Tensor) -> torch.Tensor:
+                var = x.pow(2).mean(-1, keepdim=True)
+                return weight * (x * torch.rsqrt(var + eps))
+
+            return fn
+
+        return head, rms(norm_w), rms(self._round(norm_w))
+
+    def decide_refit(self) -> None:
+        """Keep the ``o_proj`` refit only if it lowers the converted model's mean next-token loss on the held-out
+        windows; records the losses (nats) and the decision in the state."""
+        st, s, t = self.state, self.state["streams"], self.texts
+        st["variant"], st["refit"] = "", None
+        if not any(st["refit_layers"]) or not t.held.numel():
+            return
+        head, _, mla_norm = self._head()
+        _, before = head_scores(s["mla_held"], t.held, mla_norm, head, head_dtype=self.dtype)
+        _, after = head_scores(s["mla_held_fit"], t.held, mla_norm, head, head_dtype=self.dtype)
+        mb, ma = sum(before) / len(before), sum(after) / len(after)
+        st["refit"] = {
+            "kept": ma < mb,
+            "loss_before": mb,
+            "loss_after": ma,
+            "window_losses_before": before,
+            "window_losses_after": after,
+        }
+        st["variant"] = "fit" if ma < mb else ""
+
+    def pass_three(self, config: MLAConfig, start: int) -> None:
+        """Run the evaluation stream through the converted layers ``start..L-1`` as written (the kept variant)."""
+        from safetensors import safe_open
+
+        s = self.state["streams"]
+        fit = self.state.get("variant") == "fit"
+        for i in range(start, self.n_layers):
+            t0 = time.perf_counter()
+            prefix = f"{layer_prefix(i)}self_attn."
+            with safe_open(str(self._layer_file(i, "safetensors")), framework="pt") as f:
+                attn = {k[len(prefix) :]: f.get_tensor(k).float() for k in f.keys() if not k.endswith("@fit")}
+                if fit and f"{prefix}o_proj.weight@fit" in f.keys():
+                    attn["o_proj.weight"] = f.get_tensor(f"{prefix}o_proj.weight@fit").float()
+            layer = self._mla(config, i, self._source_tensors(i), attn)
+            s["mla_eval"] = run_mla(layer, s["mla_eval"], self.src.num_heads, self.intermediate)
+            del layer
+            self.src.release()
+            self.state["timings"][i]["eval_forward_s"] = time.perf_counter() - t0
+            self._save_state({"pass": 3, "layer": i})
+            self._layer_file(i, "src.safetensors").unlink(missing_ok=True)
+            self.progress("evaluate", 1, self.n_layers)
+
+    def _mla_cache(self, config: MLAConfig) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=config)
+
+    def _round(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as the written checkpoint holds it (rounded to the output dtype), back in float32."""
+        return t.to(self.dtype).to(torch.float32)
+
+    @torch.no_grad()
+    def _round_layer(self, layer: torch.nn.Module) -> None:
+        for p in layer.parameters():
+            p.copy_(self._round(p))
+
+    def _write_layer(self, i: int, attn: dict[str, torch.Tensor], fit_w: torch.Tensor | None) -> None:
+        from safetensors.torch import save_file
+
+        prefix = f"{layer_prefix(i)}self_attn."
+        tensors = {
+            prefix + k: (v if k == "rope_inv_freq" else v.to(self.dtype)).contiguous() for k, v in attn.items()
+        }
+        if fit_w is not None:
+            tensors[prefix + "o_proj.weight@fit"] = fit_w.to(self.dtype).cpu().contiguous()
+        tmp = self._layer_file(i, "safetensors.tmp")
+        save_file(tensors, str(tmp))
+        tmp.replace(self._layer_file(i, "safetensors"))
+
+    # ------------------------------------------------------------------ finish
+    def score(self) -> EvalResult:
+        """Perplexity, KL and top-1 of the converted model against the source on the evaluation windows."""
+        s = self.state["streams"]
+        head, src_norm, mla_norm = self._head()
+        ev, _ = head_scores(
+            s["mla_eval"], self.texts.eval, mla_norm, head, (s["src_eval"], src_norm, head), head_dtype=self.dtype
+        )
+        return ev
+
+    def result(self, config: MLAConfig, ev: EvalResult) -> Streamed:
+        """Records with the kept variant's attention errors, caches and timings."""
+        st = self.state
+        refit = st.get("refit")
+        errs = st["attn_err"]["fit" if st.get("variant") else "plain"]
+        records: list[LayerRecord] = st["records"]
+        for rec, err in zip(records, errs, strict=False):
+            rec.attn_rel_error = err
+        if refit is not None:
+            config.source["o_proj_refit"] = refit
+        probe_tokens = int(self.texts.probe.numel())
+        tokens = load_torch(self._layer_file(0, "p1.pt"))["tokens"]
+        per_layer = st["timings"]
+        totals: dict[str, float] = {}
+        for row in per_layer:
+            for k, v in row.items():
+                totals[k] = totals.get(k, 0.0) + v
+        return Streamed(
+            config,
+            records,
+            ev,
+            refit,
+            _cache_record(st["cache_source"], probe_tokens, torch.float32),
+            _cache_record(st["cache_converted"], probe_tokens, torch.float32),
+            int(tokens),
+            totals,
+            per_layer,
+            str(self.dtype).replace("torch.", ""),
+            str(self.device),
+        )
+
+    def layout(self, config: MLAConfig) -> dict[str, torch.Tensor]:
+        """Every tensor of the output checkpoint as a meta tensor (name, shape, dtype), in model order."""
+        from safetensors import safe_open
+
+        src = self.src
+        out: dict[str, torch.Tensor] = {}
+
+        def meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return torch.empty(shape, dtype=dtype, device="meta")
+
+        out["model.embed_tokens.weight"] = meta(src.shape("model.embed_tokens.weight"), self.dtype)
+        for i in range(self.n_layers):
+            with safe_open(str(self._layer_file(i, "safetensors")), framework="pt") as f:
+                for name in f.keys():
+                    if name.endswith("@fit"):
+                        continue
+                    sl = f.get_slice(name)
+                    dt = torch.float32 if name.endswith("rope_inv_freq") else self.dtype
+                    out[name] = meta(tuple(sl.get_shape()), dt)
+            prefix = layer_prefix(i)
+            for name in src.weight_map:
+                if name.startswith(prefix) and ".self_attn." not in name:
+                    out[name] = meta(src.shape(name), self.dtype)
+        out["model.norm.weight"] = meta(src.shape("model.norm.weight"), self.dtype)
+        if not config.tie_word_embeddings:
+            out["lm_head.weight"] = meta(src.shape("lm_head.weight"), self.dtype)
+        return out
+
+    def loader(self) -> Callable[[str], torch.Tensor]:
+        """Returns each output tensor: converted attention from the layer files (the kept ``o_proj``
+        variant), everything else from the source in the output dtype."""
+        from safetensors import safe_open
+
+        fit = self.state.get("variant") == "fit"
+
+        def load(name: str) -> torch.Tensor:
+            if ".self_attn." in name:
+                i = int(name.split(".")[2])
+                with safe_open(str(self._layer_file(i, "safetensors")), framework="pt") as f:
+                    if fit and name.endswith("o_proj.weight") and f"{name}@fit" in f.keys():
+                        return f.get_tensor(f"{name}@fit")
+                    return f.get_tensor(name)
+            tensor = read_checked(self.src, name, self.src.storage_dtype(name), torch.device("cpu")).to(self.dtype)
+            self.src.release()  # the shard's source pages leave the resident set tensor by tensor
+            return tensor
+
+        return load
+
+
+def _allocate(spectra: list[torch.Tensor], total: int) -> list[int]:
+    from mla_convert.convert.factorize import allocate_ranks
+
+    return allocate_ranks(spectra, total)
