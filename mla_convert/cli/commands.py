@@ -34,7 +34,7 @@ from mla_convert.cli.render import (
     validation_failed,
     validation_table,
 )
-from mla_convert.convert.options import ConvertOptions
+from mla_convert.convert.options import ConvertOptions, shard_size_of
 from mla_convert.mla.checkpoint import read_checkpoint_config
 from mla_convert.sources.locate import locate_source
 from mla_convert.validate.options import ValidateOptions
@@ -103,6 +103,7 @@ def factor(
     options = build_options(ConvertOptions, values)  # every flag, before anything heavy is imported
     with user_errors():
         check_options(options, None)  # every rule that needs no source, before any I/O
+        shard_size = shard_size_of(max_shard_size)
         check_output(out, overwrite)  # refuse an occupied OUT before the source is read
         locate_source(source)  # a wrong path, before the checkpoint libraries are imported
     from mla_convert.artifacts.report import layer_table, summary_table
@@ -117,7 +118,7 @@ def factor(
         )
         with progress_bar() as cb:
             report = run_factor(
-                src, out, options, overwrite=overwrite, progress=cb, resume=resume, max_shard_size=max_shard_size
+                src, out, options, overwrite=overwrite, progress=cb, resume=resume, max_shard_size=shard_size
             )
     if not STATE["quiet"]:
         console.print(layer_table(report))

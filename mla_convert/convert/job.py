@@ -104,7 +104,7 @@ def model_card(src: SourceModel, options: ConvertOptions, res: Streamed) -> str:
     )
 
 
-def job_record(src: SourceModel, options: ConvertOptions, max_shard_size: str) -> dict[str, Any]:
+def job_record(src: SourceModel, options: ConvertOptions, max_shard_size: str | int) -> dict[str, Any]:
     """What a stopped job must match to be resumed: the source files, the options and the output settings."""
     return {
         "source": src.origin,
@@ -141,7 +141,7 @@ def run_factor(
     progress: ProgressFn | None = None,
     sample_prompt: str | None = "The capital of France is",
     resume: bool = False,
-    max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
 ) -> dict[str, Any]:
     """Convert ``src`` into an MLA checkpoint in ``out`` with report and manifest, layer by layer
     (:mod:`mla_convert.convert.stream`) in the work folder ``.OUT.factor`` (:mod:`mla_convert.convert.workdir`).
@@ -270,7 +270,7 @@ def run_factor(
     }
     manifest = conversion_manifest(src, options, res, ev, text.name, text.records, report["run"])
     write_report(staged, report)
-    write_manifest(staged, manifest, sorted(p.name for p in staged.iterdir() if p.is_file()))
+    write_manifest(staged, manifest, sorted(str(p.relative_to(staged)) for p in staged.rglob("*") if p.is_file()))
     publish(staged, out)
     close_work(work)
     return report

@@ -250,3 +250,18 @@ def literal_choices(error: Mapping[str, Any]) -> tuple[str, ...]:
     """The allowed values named by a pydantic ``literal_error`` (its ``ctx.expected``: ``'a', 'b' or 'c'``)."""
     expected = str(error.get("ctx", {}).get("expected", ""))
     return tuple(x.strip().strip("'") for x in expected.replace(" or ", ", ").split(", ") if x.strip())
+
+
+def shard_size_of(text: str) -> str | int:
+    """``--max-shard-size``: a number of bytes, or digits with a unit KB, MB, GB or TB (huggingface_hub's units,
+    powers of 1000), returned as ``int`` or the string itself.
+
+    Raises:
+        OptionsError: anything else (one line with examples).
+    """
+    text = text.strip()
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    if re.fullmatch(r"\d+(\.\d+)?\s*[KMGT]B", text, re.IGNORECASE) and float(text[:-2]) > 0:
+        return text
+    raise OptionsError(f"--max-shard-size {text!r} is not a size; use e.g. 500MB, 2GB or a number of bytes")

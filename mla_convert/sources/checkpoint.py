@@ -24,6 +24,7 @@ from transformers import AutoConfig, PretrainedConfig
 from mla_convert.artifacts.hashing import sha256_bytes, sha256_file
 from mla_convert.mla.algebra import head_dim_of, source_softmax_scale
 from mla_convert.sources import gguf as gguf_source
+from mla_convert.sources import integrity
 from mla_convert.sources.families import REFUSED, Family, families
 from mla_convert.sources.locate import SourceError, locate_source
 
@@ -435,6 +436,7 @@ def open_source(spec: str | Path) -> SourceModel:
     if not config_path.exists():
         raise SourceError(f"{path} has no config.json; pass a Hugging Face model folder")
     model_type = _check_architecture(config_path)
+    integrity.check_config_fields(config_path)
     family = families()[model_type]
     config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
     _check_attention(config, family, config_path)
@@ -446,6 +448,8 @@ def open_source(spec: str | Path) -> SourceModel:
         wmap = _weight_map(path)
         for file in sorted(set(wmap.values())):
             _open_checked(path / file)
+        if (path / "model.safetensors.index.json").exists():
+            integrity.check_index(path, wmap)
         origin_files = [path / f for f in sorted(set(wmap.values()))]
         reader = SafetensorsTensors(path, wmap)
     inv_freq, scaling = _rope_tables(config)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def test_inspect_log_has_no_bars_and_whole_rows(tmp_path: Path) -> None:
-    # a fresh cache makes transformers de-quantize the bundled GGUF (a tqdm bar on a terminal)
+    # a fresh cache makes transformers parse the bundled GGUF's config and tokenizer (a tqdm bar on a terminal)
     env = {
         k: v
         for k, v in os.environ.items()

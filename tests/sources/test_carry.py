@@ -189,11 +189,6 @@ def test_save_checkpoint_older_file_list_form(source: Path, tiny_model, tmp_path
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    reason="the streamed job writes its side files itself: job._side_files must call "
-    "artifacts.output.write_carried(folder, src.path, config, card) (lead)",
-    strict=True,
-)
 def test_factor_carries_source_files(source: Path, tmp_path: Path) -> None:
     from typer.testing import CliRunner
 

@@ -201,13 +201,7 @@ CASES: dict[str, tuple[str, Callable[[Path], None], tuple[str, ...]]] = {
 }  # fmt: skip
 
 #: Cases a later stage checks: what they wait for (strict: an xpass means the check arrived).
-LATER = {
-    "tensor-nan-mlp": ("checked during streaming (lead)", False),
-    "index-wrong-shard-for-tensor": (
-        "open_source reads shapes before integrity.check_index runs: call it in checkpoint.py",
-        True,
-    ),
-}
+LATER: dict[str, tuple[str, bool]] = {}  # cases refused later than they should be (none)
 
 
 def _params() -> list:
