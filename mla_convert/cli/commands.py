@@ -21,6 +21,7 @@ from mla_convert.cli.render import (
     cache_table,
     console,
     err_console,
+    estimate_lines,
     fail,
     note,
     plain,
@@ -58,19 +59,46 @@ def _main(quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only re
 
 
 @app.command()
-def inspect(source: str = typer.Argument(..., help=SOURCE_HELP)) -> None:
-    """Show the architecture, the KV cache per token now, and what conversions would give.
+@options_from(ConvertOptions)
+def inspect(
+    source: str = typer.Argument(..., help=SOURCE_HELP),
+    max_shard_size: str = typer.Option(
+        "2GB", help="Largest output shard of the conversion the estimate is for (as for factor)."
+    ),
+    **values: Any,
+) -> None:
+    """Show the architecture, the KV cache per token now, what conversions would give, and the peak memory, disk
+    and time that `factor` with the given options would take (estimates, from the config and tensor headers).
 
-    Example: mla-convert inspect smollm2-135m
+    Examples:
+
+      mla-convert inspect smollm2-135m
+
+      mla-convert inspect ./Llama-3.1-8B --calib-windows 2 --window 256 --eval-windows 1 --dtype bfloat16
     """
+    from mla_convert.convert.options import check_options
+
+    options = build_options(ConvertOptions, values)
+    with user_errors():
+        check_options(options, None)
+        locate_source(source)
+    from mla_convert.convert.estimate import parse_size
+
+    try:
+        parse_size(max_shard_size)
+    except ValueError:
+        fail(f"--max-shard-size {max_shard_size!r} is not a size; write it like 500MB or 5GB (KB, MB, GB, TB)")
     from mla_convert.sources.checkpoint import open_source
 
     with user_errors():
         src = open_source(source)
+        check_options(options, src)
+    from mla_convert.convert.estimate import factor_lines
     from mla_convert.convert.suggest import MEASURED_SPLITS, suggestions
 
     console.print(source_table(source, src.describe()))
     console.print(cache_table(src, suggestions(src, MEASURED_SPLITS)))
+    estimate_lines(options, max_shard_size, factor_lines(options, src, max_shard_size))
 
 
 @app.command()
@@ -442,7 +470,7 @@ def run_recipe_cmd(
         plain("\nshapes per layer (from the config; no weights loaded):")
         for line in shape_lines(r, src):
             plain(line)
-        plain("\nmemory (rough estimate, float32, GB):")
+        plain("\nmemory (estimate, GB; factor streams layer by layer, checkpoints in their dtype):")
         for line in memory_lines(r, src):
             plain(line)
     stop = blocked_problems(plan)

@@ -211,6 +211,22 @@ def cache_table(src: Any, suggestions: list[Any]) -> Table:
     return w
 
 
+def estimate_lines(options: Any, max_shard_size: str, lines: list[str]) -> None:
+    """``inspect``'s last lines: what ``factor`` with ``options`` (the flags that differ from the defaults) would
+    need (:func:`~mla_convert.convert.estimate.factor_lines`: peak memory, disk, time)."""
+    from mla_convert.convert.options import flag
+
+    defaults = type(options)()
+    changed = [
+        f"{flag(k)} {v}" for k, v in options.model_dump().items() if v != getattr(defaults, k) and v is not None
+    ]
+    if max_shard_size != "2GB":
+        changed.append(f"--max-shard-size {max_shard_size}")
+    plain(f"\nfactor {' '.join(changed) or 'with the default options'} would need (estimates, before any work):")
+    for line in lines:
+        plain(f"  {line}")
+
+
 def validation_table(ckpt: Any, res: Any) -> Table:
     """``validate``'s table: one row per check of every rung (value, tolerance, verdict)."""
     from mla_convert.validate.result import format_value

@@ -79,7 +79,9 @@ def layer_tensors(
         if "bq" in w:
             bq = w["bq"][hi * d : (hi + 1) * d]
             q_bias += [plan.q_nope[hi] @ bq, plan.q_rope[hi] @ bq]
-    out = {"q_proj.weight": torch.cat(q_rows) * s2}
+    q_weight = torch.cat(q_rows)
+    del q_rows  # the query map is the largest float64 tensor of a layer (1 GB at 8B): one copy at a time
+    out = {"q_proj.weight": q_weight.mul_(s2) if s2 != 1.0 else q_weight}
     if q_bias:
         out["q_proj.bias"] = torch.cat(q_bias) * s2
     out["kv_a_proj_with_mqa.weight"] = torch.cat([factors.down, plan.key_rope @ w["k"]])

@@ -15,7 +15,7 @@ measure each converted layer's attention error on tokens the statistics never sa
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,6 +37,7 @@ class LayerStats:
     tokens: int
     x: torch.Tensor | None = None  # [N, T, hidden] float32 calibration inputs (keep_calibration only)
     out: torch.Tensor | None = None  # [N, T, hidden] float32 source attention outputs (keep_calibration only)
+    moments: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # projection_moment's memo
 
 
 @dataclass
@@ -218,3 +219,12 @@ def second_moment(w: torch.Tensor, b: torch.Tensor | None, st: LayerStats) -> to
         wm = w @ st.x_mean
         m = m + torch.outer(wm, b) + torch.outer(b, wm) + torch.outer(b, b)
     return m
+
+
+def projection_moment(w: dict[str, torch.Tensor], which: str, st: LayerStats) -> torch.Tensor:
+    """``E[y yᵀ]`` of the layer's source projection ``which`` (``"q"`` or ``"k"``: ``y = W x + b``), computed once
+    per layer and kept in ``st.moments`` (``[H*d, H*d]`` or ``[G*d, G*d]`` float64). The RoPE plan and the
+    output-aware factorization both read it; for an 8B layer it is ~140 GFLOP, so it must not be repeated."""
+    if which not in st.moments:
+        st.moments[which] = second_moment(w[which], w.get(f"b{which}"), st)
+    return st.moments[which]

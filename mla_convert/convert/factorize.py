@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_convert.convert.calibration import LayerStats, second_moment
+from mla_convert.convert.calibration import LayerStats, projection_moment
 from mla_convert.convert.options import FACTORIZATIONS, OBJECTIVES
 from mla_convert.convert.rope import RopePlan
 from mla_convert.errors import UserError
@@ -51,6 +51,7 @@ class LayerTarget:
     left: torch.Tensor
     right: torch.Tensor
     xx: torch.Tensor
+    singular_values: torch.Tensor | None = None  # spectrum()'s memo
 
 
 @dataclass
@@ -110,13 +111,14 @@ def build_target(
         d_v = w["v"].shape[0] // g
         m = torch.zeros(rows, rows, dtype=torch.float64)
         kv_of = head_to_group(h, g).tolist()
+        qq = projection_moment(w, "q", st)  # E[q qᵀ] of every source query head, bias included
         for hi in range(h):
             gi = kv_of[hi]
-            qmap = plan.q_nope[hi] @ w["q"][hi * d : (hi + 1) * d]
-            qb = plan.q_nope[hi] @ w["bq"][hi * d : (hi + 1) * d] if "bq" in w else None
+            q_h = qq[hi * d : (hi + 1) * d, hi * d : (hi + 1) * d]
             idx = plan.nope_index[gi]
             if idx.numel():
-                m[idx[:, None], idx[None, :]] += second_moment(qmap, qb, st)
+                # second moment of the head's NoPE query q_nope = P q_h: P E[q_h q_hᵀ] Pᵀ
+                m[idx[:, None], idx[None, :]] += plan.q_nope[hi] @ q_h @ plan.q_nope[hi].T
             wo = w["o"][:, hi * d_v : (hi + 1) * d_v]
             vs = slice(n + gi * d_v, n + (gi + 1) * d_v)
             m[vs, vs] += wo.T @ wo
@@ -137,8 +139,11 @@ def build_target(
 
 
 def spectrum(t: LayerTarget) -> torch.Tensor:
-    """Singular values (descending) of the weighted matrix ``L W R`` of a layer (its rank budget curve)."""
-    return torch.linalg.svdvals(t.left @ t.w @ t.right)
+    """Singular values (descending) of the weighted matrix ``L W R`` of a layer (its rank budget curve);
+    computed once per target (kept in ``t.singular_values``)."""
+    if t.singular_values is None:
+        t.singular_values = torch.linalg.svdvals(t.left @ t.w @ t.right)
+    return t.singular_values
 
 
 def _fix_signs(u: torch.Tensor) -> torch.Tensor:

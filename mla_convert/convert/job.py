@@ -21,7 +21,7 @@ from mla_convert.artifacts.output import write_carried
 from mla_convert.artifacts.report import write_report
 from mla_convert.artifacts.shards import DEFAULT_MAX_SHARD_SIZE, write_shards
 from mla_convert.convert.options import ConvertOptions, check_options
-from mla_convert.convert.stream import ProgressFn, Streamed, StreamedConversion, Texts
+from mla_convert.convert.stream import ProgressFn, Streamed, StreamedConversion, Texts, trim_heap
 from mla_convert.convert.workdir import check_start, close_work, load_torch, open_work, publish
 from mla_convert.errors import UserError
 from mla_convert.sources.checkpoint import SourceModel
@@ -119,14 +119,16 @@ def job_record(src: SourceModel, options: ConvertOptions, max_shard_size: str | 
 SAMPLE_MAX_BYTES = 2 * 2**30
 
 
-def _sample(folder: Path, tokenizer: Any, prompt: str | None, params: int, dtype: torch.dtype) -> str | None:
-    """Greedy 24 tokens from the written checkpoint (loaded whole in its dtype), or None when it is too large."""
+def _sample(folder: Path, tokenizer: Any, prompt: str | None, params: int) -> str | None:
+    """Greedy 24 tokens from the written checkpoint (loaded whole in float32: on a CPU, decoding a bf16 model
+    grows the heap by about twice its size), or None when it is too large."""
     if not prompt or params * 4 > SAMPLE_MAX_BYTES:
         return None
     from mla_convert.mla.checkpoint import load_checkpoint
     from mla_convert.runtime.decode import greedy
 
-    model = load_checkpoint(folder, dtype=dtype)
+    trim_heap()
+    model = load_checkpoint(folder)
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     text = tokenizer.decode(greedy(model, ids, 24)[0], skip_special_tokens=True)
     del model
@@ -214,7 +216,7 @@ def run_factor(
         )
         params = sum(t.numel() for t in conv.layout(config).values())
         write_carried(staged, src.path, config, model_card(src, options, res))
-        sample = _sample(staged, tokenizer, sample_prompt, params, conv.dtype)
+        sample = _sample(staged, tokenizer, sample_prompt, params)
     except UserError:
         close_work(work)  # a damaged source or impossible step: nothing to resume
         raise

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mla_convert.convert.calibration import LayerStats, second_moment
+from mla_convert.convert.calibration import LayerStats, projection_moment
 from mla_convert.convert.options import BASES, MODES, STRATEGIES
 from mla_convert.errors import UserError
 from mla_convert.mla.algebra import head_to_group
@@ -162,8 +162,8 @@ def plan_layer(
             f"--rope-pairs {pairs} is out of range: {mode} mode with strategy {strategy} allows 0..{limit} "
             f"(head_dim/2 = {half})"
         )
-    qq = second_moment(w["q"], w.get("bq"), st)
-    kk = second_moment(w["k"], w.get("bk"), st)
+    qq = projection_moment(w, "q", st)
+    kk = projection_moment(w, "k", st)
     eq = _pair_moments(qq, h, d)  # [H, d/2]
     ek = _pair_moments(kk, g, d)  # [G, d/2]
     group = head_to_group(h, g).tolist()

@@ -62,6 +62,19 @@ ProgressFn = Callable[[str, int, int], None]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def trim_heap() -> None:
+    """Hand freed heap pages back to the system (glibc ``malloc_trim``; a no-op elsewhere), so the resident
+    set after a layer is what the next layer holds, not the high-water mark of the last one."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def resolve_device(spec: str) -> torch.device:
     """``auto`` (a CUDA GPU when present, else the CPU), ``cpu`` or ``cuda[:N]``."""
     if spec == "auto":
@@ -162,6 +175,7 @@ class StreamedConversion:
             for role, ids in (("calib", t.calib), ("held", t.held), ("eval", t.eval), ("probe", t.probe))
         }
         del table
+        self.src.release()
         return out
 
     def _save_state(self, step: dict[str, Any]) -> None:
@@ -189,6 +203,7 @@ class StreamedConversion:
         for i in range(start, self.n_layers):
             self._source_layer(layers, i)
             src.release()
+            trim_heap()
             self._save_state({"pass": 1, "layer": i})
             self.progress("calibrate", 1, self.n_layers)
 
@@ -280,6 +295,7 @@ class StreamedConversion:
         for i in range(start, self.n_layers):
             self._convert_layer(config, i)
             self.src.release()
+            trim_heap()
             self._save_state({"pass": 2, "layer": i})
             self.progress("convert", 1, self.n_layers)
 
@@ -423,6 +439,7 @@ class StreamedConversion:
             s["mla_eval"] = run_mla(layer, s["mla_eval"], self.src.num_heads, self.intermediate)
             del layer
             self.src.release()
+            trim_heap()
             self.state["timings"][i]["eval_forward_s"] = time.perf_counter() - t0
             self._save_state({"pass": 3, "layer": i})
             self._layer_file(i, "src.safetensors").unlink(missing_ok=True)

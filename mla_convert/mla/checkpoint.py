@@ -2,7 +2,8 @@
 before a command loads it (``validate``, ``eval``, ``generate``, ``adapt``).
 
 :func:`read_checkpoint_config` is cheap (reads ``config.json`` only), so a command can refuse a wrong folder
-before any slow work; :func:`load_checkpoint` then loads the model in float32.
+before any slow work; :func:`load_checkpoint` then loads the model in float32 (or a given dtype), and
+:func:`checkpoint_dtype` says which dtype the weights are stored in (from the safetensors headers only).
 """
 
 from __future__ import annotations
@@ -46,6 +47,42 @@ def read_checkpoint_config(ckpt: Path, require_mla: bool = True) -> dict[str, An
             f"{ckpt} holds a {kind!r} model, not a converted MLA checkpoint; run 'mla-convert factor' first"
         )
     return config
+
+
+#: safetensors dtype codes of the floating dtypes a checkpoint may hold, as torch names them.
+_FLOAT_CODES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def checkpoint_dtype(ckpt: Path) -> str:
+    """The dtype the weights of ``ckpt`` are stored in: ``"float16"`` or ``"bfloat16"`` when every floating
+    tensor but the ``rope_inv_freq`` buffers (float32 by design) is stored so, else ``"float32"`` (float32 or
+    float64 weights, or half-precision types mixed: the narrowest dtype that holds every weight exactly).
+
+    Reads only the safetensors headers (``*.safetensors`` in ``ckpt``; no tensor data).
+
+    Raises:
+        CheckpointError: no ``*.safetensors`` file, or one whose header does not read.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    files = sorted(ckpt.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(
+            f"{ckpt} holds no *.safetensors weights; pass a folder written by 'mla-convert factor'"
+        )
+    found: set[str] = set()
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as fh:
+                for name in fh.keys():
+                    if not name.endswith("rope_inv_freq"):
+                        found.add(fh.get_slice(name).get_dtype())
+        except (OSError, SafetensorError) as exc:
+            raise CheckpointError(
+                f"{file} does not read as safetensors ({str(exc).splitlines()[0]}); the checkpoint is damaged"
+            ) from None
+    floats = {_FLOAT_CODES[c] for c in found if c in _FLOAT_CODES}
+    return floats.pop() if floats in ({"float16"}, {"bfloat16"}) else "float32"
 
 
 def load_checkpoint(ckpt: Path, require_mla: bool = True, dtype: Any = None) -> Any:

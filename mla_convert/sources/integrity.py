@@ -157,6 +157,8 @@ def check_attention_finite(src: SourceModel) -> None:
                         f"tensor {name!r} (layer {layer}) in {src.path} contains {bad} values; "
                         "the checkpoint is damaged: re-download or re-save it"
                     )
+                del t
+        src.release()  # the layer's mapped pages leave the resident set
 
 
 def preflight(src: SourceModel) -> list[str]:

@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mla_convert.mla.checkpoint import load_checkpoint, read_checkpoint_config
+from mla_convert.mla.checkpoint import checkpoint_dtype, load_checkpoint, read_checkpoint_config
 from mla_convert.validate import rungs
 from mla_convert.validate.options import ValidateOptions
 from mla_convert.validate.report import validation_markdown, write_validation
 from mla_convert.validate.result import Check, Rung, ValidationError, ValidationResult, format_value
+from mla_convert.validate.spec import tolerances_for
 
 if TYPE_CHECKING:
     from mla_convert.mla.modeling import MLAForCausalLM
@@ -129,7 +130,8 @@ def evaluation_ids(ckpt: Path, options: ValidateOptions) -> torch.Tensor:
 
 @dataclass
 class _Ladder:
-    """What every rung reads: the loaded model, the source (or None), the evaluation windows, the settings."""
+    """What every rung reads: the loaded model (float32), the dtype its weights are stored in, the source (or
+    None), the evaluation windows, the settings."""
 
     ckpt: Path
     model: MLAForCausalLM
@@ -138,6 +140,7 @@ class _Ladder:
     ids: torch.Tensor
     options: ValidateOptions
     say: Callable[[str], None]
+    dtype: str = "float32"
 
     @property
     def data(self) -> str:
@@ -167,7 +170,7 @@ class _Ladder:
             f"the first {long - 1} and {short - 1} tokens prefilled into one paged cache with shuffled pages, "
             "the query of each prompt's last token attending over its cached rows"
         )
-        return rungs.rung_kernel(self.model, prompts, self.options.page_size, data)
+        return rungs.rung_kernel(self.model, prompts, self.options.page_size, data, self.dtype)
 
     def rung_decode(self) -> tuple[Rung, Any]:
         o = self.options
@@ -182,7 +185,7 @@ class _Ladder:
         )
         prompt = self.ids[:1, : o.prompt_tokens]
         return rungs.rung_decode(
-            self.model, prompt, o.new_tokens, o.backend, o.page_size, pair_freq, freq_source, data
+            self.model, prompt, o.new_tokens, o.backend, o.page_size, pair_freq, freq_source, data, self.dtype
         )
 
     def rung_source(self) -> Rung:
@@ -215,6 +218,19 @@ def environment() -> dict[str, Any]:
     }
 
 
+def dtype_record(dtype: str) -> dict[str, Any]:
+    """``validation.json``'s ``dtype``: the dtype the checkpoint's weights are stored in, how the ladder loads
+    them, and the tolerance set (row of :data:`~mla_convert.validate.spec.TOLERANCES`) of the checks that run
+    in that dtype."""
+    return {
+        "checkpoint": dtype,
+        "loaded_as": "float32" if dtype == "float32" else f"float32 (the {dtype} weights upcast exactly)",
+        "float32_checks": "float32 tolerances (spec.RUNGS)",
+        "tolerance_set": dtype,
+        "tolerances": tolerances_for(dtype).as_dict(),
+    }
+
+
 def validate(
     ckpt: Path,
     options: ValidateOptions | None = None,
@@ -239,6 +255,10 @@ def validate(
         CheckpointError: not a loadable converted checkpoint. ValidationError: text too short for the
         settings, a corrupt RoPE record. SourceError, TextError: a bad source or text.
         pydantic.ValidationError: invalid keyword settings.
+
+    A float16/bfloat16 checkpoint is loaded in float32 (exact), so every check keeps its float32 tolerance;
+    rungs 2, 3 and 5 add checks in the checkpoint's own dtype, with that dtype's tolerances
+    (:data:`~mla_convert.validate.spec.TOLERANCES`); ``ValidationResult.dtype`` records which.
     """
     from mla_convert import register
     from mla_convert.sources.checkpoint import load_source_model
@@ -251,14 +271,19 @@ def validate(
     config = read_checkpoint_config(ckpt)  # before anything slow
     opts = resolve_options(ckpt, config, asked)
     src = open_ladder_source(asked.source, opts.source)
-    say("loading checkpoint")
+    dtype = checkpoint_dtype(ckpt)
+    say(
+        f"loading checkpoint ({dtype} weights, computed in float32)"
+        if dtype != "float32"
+        else "loading checkpoint"
+    )
     model = load_checkpoint(ckpt)
     ids = evaluation_ids(ckpt, opts)
     source_model = load_source_model(src) if src is not None else None
-    ladder = _Ladder(ckpt, model, src, source_model, ids, opts, say)
+    ladder = _Ladder(ckpt, model, src, source_model, ids, opts, say, dtype)
     rung_list = ladder.run()
     settings_out = {**opts.model_dump(), "dtype": "float32"}
-    return ValidationResult(str(ckpt), rung_list, settings_out, environment())
+    return ValidationResult(str(ckpt), rung_list, settings_out, environment(), dtype_record(dtype))
 
 
 __all__ = [

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from mla_convert.validate.result import ValidationResult, format_value
-from mla_convert.validate.spec import spec_of
+from mla_convert.validate.spec import spec_of, tol, tolerance_table
 
 
 def table_cell(text: str) -> str:
@@ -24,15 +24,21 @@ def validation_markdown(res: ValidationResult) -> str:
         "",
         f"Backend: {env['kernel_backend']} (triton {env['triton']}, torch {env['torch']}); settings: "
         + ", ".join(f"{k}={v}" for k, v in res.settings.items()),
-        "Relative error = max|a - b| / max|b| over all compared entries; tolerances are float32 figures.",
+        "Relative error = max|a - b| / max|b| over all compared entries.",
+        "",
+        *dtype_lines(res),
         "",
     ]
+    half = res.dtype.get("checkpoint", "float32") != "float32"
     for r in res.rungs:
         verdict = f"skipped ({r.skipped})" if r.skipped else ("pass" if r.passed else "FAIL")
         lines += [f"## {r.number}. {r.name}: {verdict}", ""]
         spec = spec_of(r.number)
         if spec is not None and spec.name == r.name:
-            lines += [f"Compares: {spec.compares}.", f"Tolerances: {spec.tolerances}.", ""]
+            lines += [f"Compares: {spec.compares}.", f"Tolerances: {spec.tolerances}."]
+            if half and spec.in_dtype:
+                lines.append(f"In {res.dtype['checkpoint']}: {spec.in_dtype}.")
+            lines.append("")
         lines += [f"Data: {r.data}; {r.seconds:.1f} s.", ""]
         if r.checks:
             lines += ["| check | value | tolerance | result |", "|---|---|---|---|"]
@@ -42,6 +48,25 @@ def validation_markdown(res: ValidationResult) -> str:
                 lines.append("| " + " | ".join(table_cell(x) for x in row) + " |")
             lines.append("")
     return "\n".join(lines)
+
+
+def dtype_lines(res: ValidationResult) -> list[str]:
+    """``validation.md``'s dtype paragraph: the dtype the checkpoint holds and the tolerance set that applied
+    (with the table of every set when it is not float32)."""
+    d = res.dtype
+    dtype = d.get("checkpoint", "float32")
+    if dtype == "float32":
+        return ["Checkpoint dtype: float32. Every check computes in float32; tolerance set: float32."]
+    t = d.get("tolerances", {})
+    return [
+        f"Checkpoint dtype: {dtype}. Loaded as {d.get('loaded_as', 'float32')}: the checks without a dtype in "
+        "their name compute in float32 and use the float32 tolerances; the checks named "
+        f"`{dtype}: ...` compute in {dtype} and use the {d.get('tolerance_set', dtype)} tolerance set "
+        f"(kernel rel. {tol(t.get('kernel', 0.0))}, kernel lse abs. {tol(t.get('kernel_lse', 0.0))} nats, "
+        f"decode step logits rel. {tol(t.get('logits', 0.0))}, cache rows rel. {tol(t.get('rows', 0.0))}).",
+        "",
+        tolerance_table(),
+    ]
 
 
 def write_validation(ckpt: Path, res: ValidationResult) -> None:

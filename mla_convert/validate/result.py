@@ -56,12 +56,18 @@ class Rung:
 
 @dataclass
 class ValidationResult:
-    """All rungs plus provenance; ``passed`` is True when no rung failed (skipped rungs do not fail)."""
+    """All rungs plus provenance; ``passed`` is True when no rung failed (skipped rungs do not fail).
+
+    ``dtype``: the dtype the checkpoint's weights are stored in (``checkpoint``), how they were loaded, and
+    the tolerance set of the checks run in that dtype (``tolerance_set``, ``tolerances``); see
+    :func:`~mla_convert.validate.ladder.dtype_record`. Empty for a result built without it.
+    """
 
     checkpoint: str
     rungs: list[Rung]
     settings: dict[str, Any]
     environment: dict[str, Any]
+    dtype: dict[str, Any] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -90,6 +96,7 @@ class ValidationResult:
             "not_measured": self.partial,
             "failed_rungs": [f"{r.number}:{r.name}" for r in self.failed],
             "settings": self.settings,
+            "dtype": self.dtype,
             "environment": self.environment,
             "rungs": [dict(asdict(r), passed=r.passed) for r in self.rungs],
         }

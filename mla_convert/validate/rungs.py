@@ -4,6 +4,10 @@
 The rungs use only the model's public methods and :mod:`mla_convert.mla.algebra`; rung 3 recomputes cache
 rows independently of the model's RoPE buffers on purpose (from the recorded pair indices and the source's
 RoPE table), so corrupted frequencies cannot hide behind the code that wrote the rows.
+
+The model comes loaded in float32 (a float16/bfloat16 checkpoint upcast exactly). Rungs 2 and 3 take the
+checkpoint's dtype and, when it is not float32, add the same checks run in that dtype
+(:func:`in_dtype`, :data:`~mla_convert.validate.spec.TOLERANCES`); rung 5 measures the cache rung 3 returns.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import json
 import math
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import torch
@@ -38,6 +43,7 @@ from mla_convert.validate.spec import (
     TOL_PPL,
     TOL_ROWS,
     TOL_SCALE,
+    tolerances_for,
 )
 
 if TYPE_CHECKING:  # importing the model class imports transformers' Llama code, which imports Triton
@@ -62,6 +68,39 @@ def timed(fn: Callable[P, R]) -> Callable[P, R]:
         return out
 
     return run
+
+
+#: torch dtypes by name (the names :func:`~mla_convert.mla.checkpoint.checkpoint_dtype` returns).
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def kernel_unsupported(dtype: str) -> str | None:
+    """Why the Triton kernel cannot run ``dtype`` on this machine (the interpreter has no bfloat16: it runs but
+    returns garbage), or None when it can."""
+    from mla_convert.kernels import kernel_backend
+
+    if dtype == "bfloat16" and kernel_backend() == "triton-interpreter":
+        return "the Triton interpreter (no GPU) does not support bfloat16"
+    return None
+
+
+@contextmanager
+def in_dtype(model: torch.nn.Module, dtype: str) -> Iterator[None]:
+    """Run ``model`` (loaded in float32 from a checkpoint stored in ``dtype``) with its parameters in ``dtype``,
+    as ``from_pretrained(..., dtype=dtype)`` loads them; buffers (the float32 ``rope_inv_freq``) stay as they
+    are. The weights go back to float32 on exit, exactly (they were ``dtype`` values). Memory: the weights
+    are replaced one by one, so no second copy of the model is held."""
+    target = DTYPES[dtype]
+    if target == torch.float32:
+        yield
+        return
+    for param in model.parameters():
+        param.data = param.data.to(target)
+    try:
+        yield
+    finally:
+        for param in model.parameters():
+            param.data = param.data.to(torch.float32)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -159,14 +198,39 @@ def rung_paths(model: MLAForCausalLM, ids: torch.Tensor, data: str) -> Rung:
 
 
 # ------------------------------------------------------------------------------------------ rung 2
+def _kernel_errors(
+    kernel: Any, layers: list[tuple[Any, ...]], scales: list[float], dtype: torch.dtype
+) -> tuple[float, float, float]:
+    """The kernel against the float64 oracle over every layer's ``(q_abs, q_rope, pages, block_table,
+    seq_lens, head_to_rope)``, the floating inputs rounded to ``dtype`` for both: the worst ``latent_out``
+    rel. error, ``lse`` abs. error, and 1 split vs default splits rel. difference."""
+    from mla_convert.kernels import latent_decode_reference
+
+    worst_out = worst_lse = worst_splits = 0.0
+    for layer_args, scale in zip(layers, scales, strict=True):
+        q_abs, q_rope, pages, *rest = layer_args
+        args = (q_abs.to(dtype), q_rope.to(dtype), pages.to(dtype), *rest)
+        ref_out, ref_lse = latent_decode_reference(*args, softmax_scale=scale)
+        out, lse = kernel.latent_decode(*args, softmax_scale=scale)
+        one, _ = kernel.latent_decode(*args, softmax_scale=scale, num_splits=1)
+        worst_out = max(worst_out, rel_err(out, ref_out))
+        worst_lse = max(worst_lse, float((lse.double() - ref_lse).abs().max()))
+        worst_splits = max(worst_splits, rel_err(one, out))
+    return worst_out, worst_lse, worst_splits
+
+
 @timed
-def rung_kernel(model: MLAForCausalLM, prompts: list[torch.Tensor], page_size: int, data: str) -> Rung:
+def rung_kernel(
+    model: MLAForCausalLM, prompts: list[torch.Tensor], page_size: int, data: str, dtype: str = "float32"
+) -> Rung:
     """Rung 2: Triton kernel vs float64 oracle, per layer, on real queries and real paged cache rows.
 
     Each prompt ``[1, T_i]`` is one request: its first ``T_i - 1`` tokens are prefilled (absorbed path) into
-    one paged cache with shuffled pages; the query is its last token, attending over those cached rows.
+    one paged cache with shuffled pages; the query is its last token, attending over those cached rows. For a
+    checkpoint stored in ``dtype`` float16/bfloat16 the checks run again with the queries and rows rounded to
+    ``dtype`` (its tolerances), unless the kernel cannot run ``dtype`` here (recorded).
     """
-    from mla_convert.kernels import kernel_backend, latent_decode_reference, load_kernel
+    from mla_convert.kernels import kernel_backend, load_kernel
 
     rung = Rung.of(KERNEL, data)
     kernel = load_kernel()
@@ -183,7 +247,8 @@ def rung_kernel(model: MLAForCausalLM, prompts: list[torch.Tensor], page_size: i
         rids.append(rid)
     cache.bind(rids)
     lens = cache.seq_lens()
-    worst_out = worst_lse = worst_splits = 0.0
+    layers: list[tuple[Any, ...]] = []
+    scales: list[float] = []
     for li, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         q_abs, q_rope = [], []
@@ -191,23 +256,33 @@ def rung_kernel(model: MLAForCausalLM, prompts: list[torch.Tensor], page_size: i
             q_nope, qr, _, _ = attn.project(x[li], torch.tensor([[ids.shape[1] - 1]]))
             q_abs.append(attn.absorb_query(q_nope)[:, 0])
             q_rope.append(qr[:, 0])
-        args = (
-            torch.cat(q_abs).contiguous(),
-            torch.cat(q_rope).contiguous(),
-            cache.pages[li],
-            cache.block_table(),
-            lens,
-            attn.head_to_rope(),
+        layers.append(
+            (
+                torch.cat(q_abs).contiguous(),
+                torch.cat(q_rope).contiguous(),
+                cache.pages[li],
+                cache.block_table(),
+                lens,
+                attn.head_to_rope(),
+            )
         )
-        ref_out, ref_lse = latent_decode_reference(*args, softmax_scale=attn.softmax_scale)
-        out, lse = kernel.latent_decode(*args, softmax_scale=attn.softmax_scale)
-        one, _ = kernel.latent_decode(*args, softmax_scale=attn.softmax_scale, num_splits=1)
-        worst_out = max(worst_out, rel_err(out, ref_out))
-        worst_lse = max(worst_lse, float((lse.double() - ref_lse).abs().max()))
-        worst_splits = max(worst_splits, rel_err(one, out))
+        scales.append(attn.softmax_scale)
+    worst_out, worst_lse, worst_splits = _kernel_errors(kernel, layers, scales, torch.float32)
     rung.check("latent_out vs float64 oracle, max rel. error over layers", worst_out, TOL_KERNEL)
     rung.check("lse vs float64 oracle, max abs. error (nats)", worst_lse, TOL_KERNEL_LSE)
     rung.check("1 split vs default splits, max rel. difference", worst_splits, TOL_KERNEL)
+    if dtype != "float32":
+        why = kernel_unsupported(dtype)
+        if why:
+            rung.record(f"{dtype}: kernel", f"ran in float32 only: {why}; the float32 checks above stand")
+        else:
+            tol = tolerances_for(dtype)
+            worst_out, worst_lse, worst_splits = _kernel_errors(kernel, layers, scales, DTYPES[dtype])
+            rung.check(
+                f"{dtype}: latent_out vs float64 oracle, max rel. error over layers", worst_out, tol.kernel
+            )
+            rung.check(f"{dtype}: lse vs float64 oracle, max abs. error (nats)", worst_lse, tol.kernel_lse)
+            rung.check(f"{dtype}: 1 split vs default splits, max rel. difference", worst_splits, tol.kernel)
     rung.record("kernel backend", kernel_backend())
     rung.record("cached rows per request (tokens)", ", ".join(str(int(n)) for n in lens))
     return rung
@@ -230,9 +305,12 @@ def _check_cache_rows(
     cache: PagedLatentCache,
     pair_freq: torch.Tensor,
     freq_source: str,
+    tol: float = TOL_ROWS,
+    prefix: str = "",
 ) -> None:
     """Every cache row of the decoded request vs ``[c_kv | k_rope]`` recomputed from the layer inputs
-    ``seen`` (``[1, T, hidden]`` each), ``k_rope`` rotated at its absolute position with ``pair_freq``."""
+    ``seen`` (``[1, T, hidden]`` each), ``k_rope`` rotated at its absolute position with ``pair_freq``;
+    checks named with ``prefix``, within ``tol``."""
     rid = cache.active[0]
     t = seen[0].shape[1]
     pos = torch.arange(t)[None]
@@ -249,13 +327,29 @@ def _check_cache_rows(
             cos, sin = algebra.rope_angles(pos, pair_freq[li])
             expect = algebra.apply_rope(k_rope, cos, sin).reshape(t, -1)
             worst_r = max(worst_r, rel_err(rows[:, attn.kv_lora_rank :], expect))
-    rung.check("cache rows c_kv vs recomputed, max rel. error over layers", worst_c, TOL_ROWS)
+    rung.check(f"{prefix}cache rows c_kv vs recomputed, max rel. error over layers", worst_c, tol)
     if model.config.qk_rope_head_dim:
         rung.check(
-            f"cache rows k_rope vs recomputed at absolute positions ({freq_source}), max rel. error",
+            f"{prefix}cache rows k_rope vs recomputed at absolute positions ({freq_source}), max rel. error",
             worst_r,
-            TOL_ROWS,
+            tol,
         )
+
+
+def _check_backend_calls(rung: Rung, log: dict[str, int], backend: str, want: int, prefix: str = "") -> None:
+    """Decode attention calls in ``log`` (a ``backend_log``): ``want`` on ``backend``, none elsewhere."""
+    start = "triton-" if backend == "triton" else "absorbed-torch"
+    decode = {k: v for k, v in log.items() if k.endswith(":decode")}
+    on_backend = sum(v for k, v in decode.items() if k.startswith(start))
+    rung.check(
+        f"{prefix}decode attention calls on {backend} (want {want})", float(on_backend), float(want), "=="
+    )
+    rung.check(
+        f"{prefix}decode attention calls on any other backend",
+        float(sum(decode.values()) - on_backend),
+        0.0,
+        "==",
+    )
 
 
 @timed
@@ -268,12 +362,15 @@ def rung_decode(
     pair_freq: torch.Tensor,
     freq_source: str,
     data: str,
+    dtype: str = "float32",
 ) -> tuple[Rung, PagedLatentCache]:
     """Rung 3: paged prefill of ``prompt [1, T]`` + greedy decode on ``backend`` vs one full recomputation;
     every cache row vs an independent recomputation with ``pair_freq [L, R, P]`` (named ``freq_source``).
+    For a checkpoint stored in ``dtype`` float16/bfloat16, the same again in that dtype
+    (:func:`_decode_in_dtype`).
 
     Returns:
-        The rung and the request's paged cache (rung 5 measures it).
+        The rung and the paged cache rung 5 measures: the request's cache in the checkpoint's dtype.
     """
     rung = Rung.of(DECODE, data)
     if model.config.qk_rope_head_dim:
@@ -292,15 +389,74 @@ def rung_decode(
     t = float(tokens.shape[1])
     rung.check("committed cache length (tokens)", float(res.cache.lengths[res.cache.active[0]]), t, "==")
     want = model.config.num_hidden_layers * (new_tokens - 1)
-    prefix = "triton-" if backend == "triton" else "absorbed-torch"
-    decode = {k: v for k, v in res.backend_log.items() if k.endswith(":decode")}
-    on_backend = sum(v for k, v in decode.items() if k.startswith(prefix))
-    rung.check(f"decode attention calls on {backend} (want {want})", float(on_backend), float(want), "==")
-    rung.check(
-        "decode attention calls on any other backend", float(sum(decode.values()) - on_backend), 0.0, "=="
-    )
+    _check_backend_calls(rung, res.backend_log, backend, want)
     rung.record("backends that ran", json.dumps(res.backend_log, sort_keys=True))
-    return rung, res.cache
+    if dtype == "float32":
+        return rung, res.cache
+    return rung, _decode_in_dtype(
+        rung, model, prompt, new_tokens, backend, page_size, pair_freq, freq_source, dtype
+    )
+
+
+def _decode_in_dtype(
+    rung: Rung,
+    model: MLAForCausalLM,
+    prompt: torch.Tensor,
+    new_tokens: int,
+    backend: str,
+    page_size: int,
+    pair_freq: torch.Tensor,
+    freq_source: str,
+    dtype: str,
+) -> PagedLatentCache:
+    """Rung 3's decode with the weights and the paged cache in ``dtype`` (float16/bfloat16), checked against
+    one full pass in ``dtype`` over the same tokens with ``dtype``'s tolerances (checks named ``"{dtype}: "``).
+
+    On the absorbed backend when ``backend`` is triton and the kernel cannot run ``dtype`` here (recorded).
+    Greedy tokens are recorded, not checked: with every step's logits within the tolerance of the full pass
+    they can differ only where its top-2 margin is below twice that error. The step logits against float32
+    recomputation of the same tokens (the precision the dtype costs) are recorded too.
+
+    Returns:
+        The request's paged cache in ``dtype``.
+    """
+    tol = tolerances_for(dtype)
+    prefix = f"{dtype}: "
+    ran = backend
+    why = kernel_unsupported(dtype) if backend == "triton" else None
+    if why:
+        ran = "absorbed"
+        rung.record(
+            f"{prefix}decode backend", f"absorbed (torch): {why}; the triton decode above ran in float32"
+        )
+    with in_dtype(model, dtype):
+        res = generate(model, prompt, new_tokens, backend=ran, page_size=page_size, shuffle_pages=True)
+        tokens = res.tokens[:, :-1]
+        model.set_attention_path("absorbed")
+        seen, logits = capture_attention_inputs(model, tokens)
+        full = logits[:, prompt.shape[1] - 1 :].float()
+        rung.check(
+            f"{prefix}step logits vs full recomputation in {dtype}, max rel. error",
+            rel_err(res.step_logits, full),
+            tol.logits,
+        )
+        differing = int((res.step_logits.argmax(-1) != full.argmax(-1)).sum())
+        rung.record(f"{prefix}greedy tokens differing from full recomputation (near ties)", float(differing))
+        _check_cache_rows(rung, model, seen, res.cache, pair_freq, freq_source, tol.rows, prefix)
+    t = float(tokens.shape[1])
+    rung.check(
+        f"{prefix}committed cache length (tokens)", float(res.cache.lengths[res.cache.active[0]]), t, "=="
+    )
+    _check_backend_calls(
+        rung, res.backend_log, ran, model.config.num_hidden_layers * (new_tokens - 1), prefix
+    )
+    rung.record(f"{prefix}backends that ran", json.dumps(res.backend_log, sort_keys=True))
+    _, logits32 = capture_attention_inputs(model, tokens)
+    rung.record(
+        f"{prefix}step logits vs float32 recomputation of the same tokens, max rel. difference",
+        rel_err(res.step_logits, logits32[:, prompt.shape[1] - 1 :]),
+    )
+    return res.cache
 
 
 # ------------------------------------------------------------------------------------------ rung 4
@@ -369,7 +525,8 @@ def rung_ledger(
 
     led = cache.ledger()
     rung = Rung.of(
-        LEDGER, f"the paged cache of rung 3 ({led['tokens']} tokens, page size {led['page_size']})"
+        LEDGER,
+        f"the paged cache of rung 3 ({led['tokens']} tokens, page size {led['page_size']}, {led['dtype']})",
     )
     elem = torch.empty(0, dtype=cache.dtype).element_size()
     widths = model.config.cache_width
@@ -387,11 +544,15 @@ def rung_ledger(
     rung.check("rows holding data (all layers) vs committed tokens x layers", float(stored), committed, "==")
     rung.record("bytes/token/layer with page padding", round(led["allocated_bytes_per_token_per_layer"], 1))
     cfg = model.config
-    src_formula = 2 * cfg.num_key_value_heads * cfg.v_head_dim * elem
+    # the source as loaded (float32) when it is measured, else in the converted cache's element size
+    src_elem = elem if source_model is None else torch.empty(0, dtype=source_model.dtype).element_size()
+    src_formula = 2 * cfg.num_key_value_heads * cfg.v_head_dim * src_elem
     rung.record("source KV cache formula 2 x n_kv x head_dim x elem (bytes/token/layer)", src_formula)
     if source_model is not None:
         measured = measure_cache(source_model, probe)["bytes_per_token_per_layer"]
         rung.record(f"source KV cache measured ({probe.shape[1]}-token prefill), bytes/token/layer", measured)
         rung.check("measured source bytes vs its formula, difference", abs(measured - src_formula), 0.0, "==")
-        rung.record("cache ratio (converted payload / source measured)", round(payload / measured, 4))
+        # values per token, not bytes: the source is measured in float32 whatever the checkpoint's dtype
+        ratio = (payload / elem) / (measured / src_elem)
+        rung.record("cache ratio (converted payload / source measured)", round(ratio, 4))
     return rung

@@ -1,9 +1,17 @@
-"""The ladder's one table: each rung's number, name, what it compares and its tolerances (float32).
+"""The ladder's tables: each rung's number, name, what it compares and its tolerances (float32), and the
+tolerances per dtype of the checks that compute in a float16/bfloat16 checkpoint's own dtype.
 
-The rungs check against the ``TOL_*`` constants; ``validation.md`` (per checkpoint) and README.md's rung
-table (``benchmarks/readme.py rungs``) print :data:`RUNGS`, whose tolerance texts are built from the same
-constants, so a tolerance changed here changes everywhere. The reasons for each size, and the faults each
-rung catches, are in docs/validation.md. Light on purpose (no torch).
+The rungs check against the ``TOL_*`` constants and :data:`TOLERANCES`; ``validation.md`` (per checkpoint)
+and README.md's rung table (``benchmarks/readme.py rungs``) print :data:`RUNGS`, whose tolerance texts are
+built from the same constants, so a tolerance changed here changes everywhere. The reasons for each size,
+and the faults each rung catches, are in docs/validation.md. Light on purpose (no torch).
+
+Dtypes: the ladder loads every checkpoint in float32. A float16/bfloat16 checkpoint's weights upcast
+exactly, so every check of :data:`RUNGS` keeps its float32 tolerance (the figures recorded at conversion
+were computed the same way: float32 math on the rounded weights). A half-precision checkpoint adds checks
+that run in its own dtype (:attr:`RungSpec.in_dtype`: rung 2's kernel on inputs in that dtype, rung 3's
+decode with the model and its paged cache in that dtype, rung 5's ledger of that cache); those use the
+checkpoint dtype's row of :data:`TOLERANCES`.
 
 Relative error is ``max|a - b| / max|b|`` over all compared entries.
 """
@@ -34,6 +42,81 @@ TOL_PPL = 0.01
 TOL_KL = 0.01
 
 
+@dataclass(frozen=True)
+class DtypeTolerances:
+    """One row of :data:`TOLERANCES`: the tolerances of the checks that compute in ``dtype``.
+
+    ``kernel``: rung 2, ``latent_out`` against the float64 oracle on the same inputs in ``dtype``, and one KV
+    split against many (rel.). ``kernel_lse``: rung 2, ``lse`` (abs., nats). ``logits``: rung 3, step logits
+    of the decode in ``dtype`` against one full pass in ``dtype`` over the same tokens (rel.). ``rows``:
+    rung 3, cache rows in ``dtype`` against their recomputation from that pass's layer inputs (rel.).
+    ``unit_roundoff``: ``2**-(mantissa bits + 1)``, the relative error of one rounding to ``dtype``.
+    """
+
+    dtype: str
+    kernel: float
+    kernel_lse: float
+    logits: float
+    rows: float
+    unit_roundoff: float
+
+    def as_dict(self) -> dict[str, float | str]:
+        """The row as ``validation.json`` records it."""
+        return {
+            "dtype": self.dtype,
+            "kernel": self.kernel,
+            "kernel_lse": self.kernel_lse,
+            "logits": self.logits,
+            "rows": self.rows,
+            "unit_roundoff": self.unit_roundoff,
+        }
+
+
+#: Tolerances per dtype (one table). float32 is the exactness reference: its row is the ``TOL_*`` figures of
+#: rungs 2-3, used by the float32 checks every checkpoint gets. float16 and bfloat16 are the float32 row's
+#: checks run in that dtype: the kernel keeps float32 accumulation but rounds the probabilities and its
+#: output to the cache dtype (a few units of roundoff of the attention output; lse is accumulated in float32
+#: from exact products, so it keeps the float32 figure); a decode in half precision rounds every activation,
+#: and one-token steps against one batched pass differ by a few roundoffs per layer (measured on
+#: SmolLM2-135M, 30 layers: logits 2e-3 float16, 1.7e-2 bfloat16; cache rows 3e-3 and 1.3e-2). Each
+#: half-precision figure leaves 3-8x room over what was measured; a structural fault (wrong page, row,
+#: frequency or merge) shows up at order 0.1-1 and fails in every dtype.
+TOLERANCES: dict[str, DtypeTolerances] = {
+    "float32": DtypeTolerances("float32", TOL_KERNEL, TOL_KERNEL_LSE, TOL_DECODE_LOGITS, TOL_ROWS, 2.0**-24),
+    "float16": DtypeTolerances("float16", 4e-3, TOL_KERNEL_LSE, 1e-2, 1e-2, 2.0**-11),
+    "bfloat16": DtypeTolerances("bfloat16", 3e-2, TOL_KERNEL_LSE, 5e-2, 5e-2, 2.0**-8),
+}
+
+
+def tolerances_for(dtype: str) -> DtypeTolerances:
+    """The row of :data:`TOLERANCES` for ``dtype`` (``"float32"``, ``"float16"``, ``"bfloat16"``).
+
+    Raises:
+        KeyError: another dtype.
+    """
+    return TOLERANCES[dtype]
+
+
+def tolerance_table() -> str:
+    """:data:`TOLERANCES` as a markdown table (``validation.md``)."""
+    lines = [
+        "| dtype | kernel `latent_out`, 1 vs many splits (rel.) | kernel `lse` (abs., nats) | decode step logits (rel.) "
+        "| cache rows (rel.) | unit roundoff |",
+        "|---|---|---|---|---|---|",
+    ]
+    for t in TOLERANCES.values():
+        cells = (
+            t.dtype,
+            tol(t.kernel),
+            tol(t.kernel_lse),
+            tol(t.logits),
+            tol(t.rows),
+            f"{t.unit_roundoff:.1e}",
+        )
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def tol(x: float) -> str:
     """A tolerance as written in the table: ``1e-4``, ``1e-5``; ``0.01`` and larger as is."""
     return f"{x:g}" if x >= 1e-3 else f"{x:.0e}".replace("e-0", "e-")
@@ -42,12 +125,14 @@ def tol(x: float) -> str:
 @dataclass(frozen=True)
 class RungSpec:
     """One rung as documented: ``number``, ``name`` (as in ``validation.json``), what it compares, and its
-    tolerances (text built from the ``TOL_*`` constants)."""
+    tolerances (text built from the ``TOL_*`` constants); ``in_dtype``: what it adds for a float16/bfloat16
+    checkpoint, in that dtype (empty: nothing, the rung computes in float32 only)."""
 
     number: int
     name: str
     compares: str
     tolerances: str
+    in_dtype: str = ""
 
 
 PATHS = RungSpec(
@@ -65,6 +150,10 @@ KERNEL = RungSpec(
     "the kernel with 1 KV split against its default split count",
     f"`latent_out` rel. {tol(TOL_KERNEL)}; `lse` abs. {tol(TOL_KERNEL_LSE)} nats; "
     f"1 split vs many rel. {tol(TOL_KERNEL)}",
+    "the same checks with the queries and cache rows rounded to the checkpoint's dtype (the dtype its "
+    "paged cache holds), the oracle on the same rounded inputs, with that dtype's kernel tolerances; where "
+    "the kernel cannot run that dtype (bfloat16 in the Triton interpreter) only the float32 checks run, and "
+    "the rung says so",
 )
 DECODE = RungSpec(
     3,
@@ -75,6 +164,12 @@ DECODE = RungSpec(
     "position with those frequencies; committed length; decode attention calls per backend",
     f"frequencies rel. {tol(TOL_FREQ)}; logits rel. {tol(TOL_DECODE_LOGITS)}; cache rows rel. {tol(TOL_ROWS)}; "
     "tokens, length and call counts exact",
+    "the decode again with the model's weights and its paged cache in the checkpoint's dtype (RoPE "
+    "frequencies stay float32), against one full pass in that dtype over the same tokens: step logits, greedy "
+    "tokens (recorded: with step logits within tolerance they can differ only at near ties), every cache "
+    "row against its recomputation from that pass's layer inputs, committed length, decode calls; on the "
+    "absorbed backend where the kernel cannot run that dtype (bfloat16 in the Triton interpreter), said so; "
+    "the step logits against float32 recomputation are recorded",
 )
 SOURCE = RungSpec(
     4,
@@ -92,6 +187,8 @@ LEDGER = RungSpec(
     "rows holding data against committed tokens x layers; the source's KV cache measured after a prefill "
     "against its formula `2 x G x head_dim x element size`; records bytes with page padding and the ratio",
     "exact",
+    "measures the paged cache of rung 3's decode in the checkpoint's dtype (its element size); the ratio "
+    "to the source compares values, the source measured in float32",
 )
 
 #: The five rungs in ladder order.

@@ -34,3 +34,19 @@ def test_inspect_suggests_the_measured_split(tmp_path, monkeypatch):
     monkeypatch.setattr(suggest, "MEASURED_SPLITS", tmp_path / "absent.json")
     res = CliRunner().invoke(cli.app, ["inspect", "smollm2-135m"], env={"COLUMNS": "400"})
     assert res.exit_code == 0 and "--rope-pairs" not in res.output
+
+
+def test_inspect_prints_memory_disk_and_time_for_the_factor_options():
+    args = ["inspect", "smollm2-135m", "--dtype", "bfloat16", "--max-shard-size", "100MB"]
+    res = CliRunner().invoke(cli.app, args, env={"COLUMNS": "400"})
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    head = lines.index("factor --dtype bfloat16 --max-shard-size 100MB would need (estimates, before any work):")
+    memory, disk, time = lines[head + 1 : head + 4]
+    assert memory.startswith("  peak memory: ~2.0 GB resident, in sample") and "runtime 0.90" in memory
+    assert disk.startswith("  disk: output ~0.29 GB;") and ".OUT.factor" in disk
+    assert time.startswith("  time: ~2 min, an estimate for the reference CPU")
+    res = CliRunner().invoke(cli.app, ["inspect", "smollm2-135m"], env={"COLUMNS": "400"})
+    assert "factor with the default options would need" in res.output
+    res = CliRunner().invoke(cli.app, ["inspect", "smollm2-135m", "--max-shard-size", "lots"])
+    assert res.exit_code == 2 and "--max-shard-size 'lots' is not a size" in res.output

@@ -1,0 +1,190 @@
+"""``validate`` on half-precision checkpoints: a bfloat16 (and float16) conversion of a tiny random Llama passes
+with the float32 checks at float32 tolerances plus checks in its own dtype at that dtype's tolerances
+(``spec.TOLERANCES``), and ``validation.json``/``.md`` name the dtype and the tolerance set; a float32
+conversion keeps the float32 set and nothing else. ``eval`` and ``generate`` load the bfloat16 checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny import copy_tokenizer, write_tiny_llama
+from typer.testing import CliRunner
+
+from mla_convert.cli.commands import app
+from mla_convert.convert.job import run_factor
+from mla_convert.convert.options import ConvertOptions
+from mla_convert.mla.checkpoint import CheckpointError, checkpoint_dtype, load_checkpoint
+from mla_convert.sources.checkpoint import open_source
+from mla_convert.validate.spec import TOLERANCES, tol
+
+#: A lossy conversion (4 of 8 RoPE pairs, a latent below full rank) whose windows fit rung 3's prompt.
+LOSSY = {
+    "window": 64,
+    "calib_windows": 4,
+    "eval_windows": 2,
+    "text": "news",
+    "rope_pairs": 4,
+    "cache_budget": 28.0,
+}
+#: Ladder settings that fit the 64-token windows.
+SMALL = ["--prompt-tokens", "40", "--new-tokens", "8"]
+
+
+@pytest.fixture(scope="module")
+def tiny_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny") / "src"
+    write_tiny_llama(folder, num_hidden_layers=3)
+    copy_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_src: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tiny model converted once per dtype (the same options, so the same plan)."""
+    root = tmp_path_factory.mktemp("dtypes")
+    out = {}
+    for dtype in ("float32", "bfloat16", "float16"):
+        run_factor(
+            open_source(tiny_src), root / dtype, ConvertOptions(**LOSSY, dtype=dtype), sample_prompt=None
+        )
+        out[dtype] = root / dtype
+    return out
+
+
+def _validate(ckpt: Path, src: Path) -> dict[str, Any]:
+    res = CliRunner().invoke(app, ["validate", str(ckpt), "--source", str(src), *SMALL])
+    assert res.exit_code == 0, res.stdout + res.stderr
+    assert "validation passed" in res.stdout
+    return json.loads((ckpt / "validation.json").read_text())
+
+
+def _checks(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: {**c, "rung": r["number"]} for r in report["rungs"] for c in r["checks"]}
+
+
+def test_checkpoint_dtype_reads_the_headers(converted: dict[str, Path], tmp_path: Path) -> None:
+    for dtype, ckpt in converted.items():
+        assert checkpoint_dtype(ckpt) == dtype
+    # one float32 weight among bfloat16 ones: only float32 holds every weight exactly
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    state = load_file(converted["bfloat16"] / "model.safetensors")
+    state["model.norm.weight"] = state["model.norm.weight"].float()
+    save_file(state, mixed / "model.safetensors", metadata={"format": "pt"})
+    assert checkpoint_dtype(mixed) == "float32"
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        checkpoint_dtype(tmp_path)
+
+
+def test_bf16_checkpoint_passes_with_bf16_tolerances(converted: dict[str, Path], tiny_src: Path) -> None:
+    ckpt = converted["bfloat16"]
+    report = _validate(ckpt, tiny_src)
+    assert report["passed"] and report["failed_rungs"] == []
+    d = report["dtype"]
+    assert d["checkpoint"] == "bfloat16" and d["tolerance_set"] == "bfloat16"
+    assert d["tolerances"] == TOLERANCES["bfloat16"].as_dict()
+    checks = _checks(report)
+    bf16 = TOLERANCES["bfloat16"]
+    # float32 checks: the float32 tolerances, unchanged
+    assert checks["step logits vs full recomputation, max rel. error"]["tolerance"] == "<= 0.0001"
+    assert checks["latent_out vs float64 oracle, max rel. error over layers"]["tolerance"] == "<= 1e-05"
+    assert checks["greedy tokens differing from full recomputation"]["value"] == 0
+    # rung 3 again in bfloat16, at the bfloat16 tolerances
+    logits = checks["bfloat16: step logits vs full recomputation in bfloat16, max rel. error"]
+    assert logits["rung"] == 3 and logits["passed"] and logits["tolerance"] == f"<= {bf16.logits:g}"
+    rows = next(c for n, c in checks.items() if n.startswith("bfloat16: cache rows k_rope"))
+    assert rows["passed"] and rows["tolerance"] == f"<= {bf16.rows:g}"
+    assert checks["bfloat16: committed cache length (tokens)"]["passed"]
+    drift = checks["bfloat16: step logits vs float32 recomputation of the same tokens, max rel. difference"]
+    assert 0 < drift["value"] < bf16.logits  # bfloat16 rounding shows, within its tolerance
+    if checks["kernel backend"]["value"] == "triton-interpreter":
+        # no bfloat16 in the interpreter: the kernel ran in float32, the bfloat16 decode on absorbed, said so
+        assert "ran in float32 only" in checks["bfloat16: kernel"]["value"]
+        assert "absorbed (torch)" in checks["bfloat16: decode backend"]["value"]
+        assert checks["bfloat16: decode attention calls on absorbed (want 21)"]["passed"]
+    else:
+        kernel = checks["bfloat16: latent_out vs float64 oracle, max rel. error over layers"]
+        assert kernel["passed"] and kernel["tolerance"] == f"<= {bf16.kernel:g}"
+    # rung 5 measured the bfloat16 cache: 2 bytes a value; the ratio to the source compares values
+    payload = next(c for n, c in checks.items() if n.startswith("payload bytes/token/layer"))
+    assert payload["value"] == 0 and "x 2 B" in payload["name"]
+    assert checks["cache ratio (converted payload / source measured)"]["value"] == pytest.approx(28 / 64)
+    md = (ckpt / "validation.md").read_text()
+    assert "Checkpoint dtype: bfloat16" in md and "use the bfloat16 tolerance set" in md
+    assert f"decode step logits rel. {tol(bf16.logits)}" in md and "| bfloat16 |" in md
+    assert "In bfloat16: the decode again" in md
+    assert CliRunner().invoke(app, ["manifest", "verify", str(ckpt)]).exit_code == 0
+
+
+def test_float32_checkpoint_keeps_the_float32_set(converted: dict[str, Path], tiny_src: Path) -> None:
+    ckpt = converted["float32"]
+    report = _validate(ckpt, tiny_src)
+    d = report["dtype"]
+    assert d["checkpoint"] == "float32" and d["tolerance_set"] == "float32" and d["loaded_as"] == "float32"
+    assert d["tolerances"] == TOLERANCES["float32"].as_dict()
+    checks = _checks(report)
+    assert not any(":" in n.split(" ")[0] for n in checks)  # no checks in another dtype
+    assert checks["step logits vs full recomputation, max rel. error"]["tolerance"] == "<= 0.0001"
+    payload = next(c for n, c in checks.items() if n.startswith("payload bytes/token/layer"))
+    assert "x 4 B" in payload["name"]
+    assert checks["cache ratio (converted payload / source measured)"]["value"] == pytest.approx(28 / 64)
+    md = (ckpt / "validation.md").read_text()
+    assert "Checkpoint dtype: float32. Every check computes in float32; tolerance set: float32." in md
+    assert "In float32" not in md and "| bfloat16 |" not in md
+
+
+def test_fp16_checkpoint_runs_the_kernel_in_fp16(converted: dict[str, Path], tiny_src: Path) -> None:
+    report = _validate(converted["float16"], tiny_src)
+    assert report["dtype"]["tolerance_set"] == "float16"
+    checks = _checks(report)
+    fp16 = TOLERANCES["float16"]
+    kernel = checks["float16: latent_out vs float64 oracle, max rel. error over layers"]
+    assert kernel["rung"] == 2 and kernel["passed"] and kernel["tolerance"] == f"<= {fp16.kernel:g}"
+    assert kernel["value"] > 1e-5  # really ran in float16 (float32 stays below 1e-5)
+    assert checks["float16: decode attention calls on triton (want 21)"]["passed"]
+    assert checks["float16: step logits vs full recomputation in float16, max rel. error"]["passed"]
+
+
+def test_in_dtype_round_trips_the_weights(converted: dict[str, Path]) -> None:
+    from mla_convert.validate.rungs import in_dtype
+
+    model = load_checkpoint(converted["bfloat16"])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with in_dtype(model, "bfloat16"):
+        assert model.dtype == torch.bfloat16
+        assert model.model.layers[0].self_attn.rope_inv_freq.dtype == torch.float32
+    after = model.state_dict()
+    assert all(after[k].dtype == torch.float32 and torch.equal(after[k], v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("backend", ["absorbed", "triton", "paged"])
+def test_generate_loads_bf16(converted: dict[str, Path], backend: str) -> None:
+    res = CliRunner().invoke(
+        app,
+        [
+            "generate",
+            str(converted["bfloat16"]),
+            "The capital",
+            "--max-new-tokens",
+            "3",
+            "--backend",
+            backend,
+        ],
+    )
+    assert res.exit_code == 0, res.stdout + res.stderr
+    assert res.stdout.startswith("The capital")
+
+
+def test_eval_loads_bf16(converted: dict[str, Path], tiny_src: Path) -> None:
+    args = ["eval", str(converted["bfloat16"]), "--against", str(tiny_src), "--text", "news"]
+    res = CliRunner().invoke(app, [*args, "--window", "64", "--windows", "2"])
+    assert res.exit_code == 0, res.stdout + res.stderr
+    recorded = json.loads((converted["bfloat16"] / "report.json").read_text())["model"]["eval"]
+    measured = json.loads(res.stdout.strip().splitlines()[-1])
+    assert measured["perplexity"] == pytest.approx(recorded["perplexity"], rel=1e-4)
