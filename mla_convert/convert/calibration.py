@@ -222,9 +222,25 @@ def second_moment(w: torch.Tensor, b: torch.Tensor | None, st: LayerStats) -> to
 
 
 def projection_moment(w: dict[str, torch.Tensor], which: str, st: LayerStats) -> torch.Tensor:
-    """``E[y yᵀ]`` of the layer's source projection ``which`` (``"q"`` or ``"k"``: ``y = W x + b``), computed once
-    per layer and kept in ``st.moments`` (``[H*d, H*d]`` or ``[G*d, G*d]`` float64). The RoPE plan and the
-    output-aware factorization both read it; for an 8B layer it is ~140 GFLOP, so it must not be repeated."""
+    """``E[y yᵀ]`` of the layer's source projection ``which`` (``"k"``: ``y = W_k x + b_k``, ``[G*d, G*d]``
+    float64), computed once per layer and kept in ``st.moments``."""
     if which not in st.moments:
         st.moments[which] = second_moment(w[which], w.get(f"b{which}"), st)
     return st.moments[which]
+
+
+def head_moments(w: dict[str, torch.Tensor], which: str, heads: int, st: LayerStats) -> torch.Tensor:
+    """Per-head blocks ``E[y_h y_hᵀ]`` ``[heads, d, d]`` (float64) of projection ``which`` (``"q"``), bias
+    included, computed once per layer (``st.moments``). Only the diagonal blocks: the RoPE plan reads their
+    diagonals, the output-aware factorization the blocks; the full ``[H*d, H*d]`` matrix would cost another
+    ``2 (H d)² hidden`` flops (140 GFLOP for an 8B layer)."""
+    key = f"{which}_heads"
+    if key not in st.moments:
+        wt, b = w[which], w.get(f"b{which}")
+        d = wt.shape[0] // heads
+        blocks = []
+        for h in range(heads):
+            rows = slice(h * d, (h + 1) * d)
+            blocks.append(second_moment(wt[rows], b[rows] if b is not None else None, st))
+        st.moments[key] = torch.stack(blocks)
+    return st.moments[key]

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_convert.convert.calibration import LayerStats, projection_moment
+from mla_convert.convert.calibration import LayerStats, head_moments
 from mla_convert.convert.options import FACTORIZATIONS, OBJECTIVES
 from mla_convert.convert.rope import RopePlan
 from mla_convert.errors import UserError
@@ -107,14 +107,13 @@ def build_target(
     if objective == "output":
         h = num_heads
         g = plan.nope_index.shape[0]
-        d = w["q"].shape[0] // h
         d_v = w["v"].shape[0] // g
         m = torch.zeros(rows, rows, dtype=torch.float64)
         kv_of = head_to_group(h, g).tolist()
-        qq = projection_moment(w, "q", st)  # E[q qᵀ] of every source query head, bias included
+        qq = head_moments(w, "q", h, st)  # [H, d, d] E[q_h q_hᵀ] of every source query head, bias included
         for hi in range(h):
             gi = kv_of[hi]
-            q_h = qq[hi * d : (hi + 1) * d, hi * d : (hi + 1) * d]
+            q_h = qq[hi]
             idx = plan.nope_index[gi]
             if idx.numel():
                 # second moment of the head's NoPE query q_nope = P q_h: P E[q_h q_hᵀ] Pᵀ

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mla_convert.convert.calibration import LayerStats, projection_moment
+from mla_convert.convert.calibration import LayerStats, head_moments, projection_moment
 from mla_convert.convert.options import BASES, MODES, STRATEGIES
 from mla_convert.errors import UserError
 from mla_convert.mla.algebra import head_to_group
@@ -162,9 +162,9 @@ def plan_layer(
             f"--rope-pairs {pairs} is out of range: {mode} mode with strategy {strategy} allows 0..{limit} "
             f"(head_dim/2 = {half})"
         )
-    qq = projection_moment(w, "q", st)
     kk = projection_moment(w, "k", st)
-    eq = _pair_moments(qq, h, d)  # [H, d/2]
+    q_diag = torch.diagonal(head_moments(w, "q", h, st), dim1=1, dim2=2)  # [H, d]: E[q_i²] per head
+    eq = q_diag[:, :half] + q_diag[:, half:]  # [H, d/2]
     ek = _pair_moments(kk, g, d)  # [G, d/2]
     group = head_to_group(h, g).tolist()
     unitary = [torch.eye(g, dtype=torch.complex128) for _ in range(half)]
