@@ -34,7 +34,8 @@ mapped file. Then, per phase:
 * ``write``: one output shard (``--max-shard-size``, or the whole output when smaller; at least the largest
   tensor) and the tensor being read.
 * ``sample`` (only when ``4 x params <= 2 GiB``, :data:`~mla_convert.convert.job.SAMPLE_MAX_BYTES`): the
-  written checkpoint mapped in its dtype and what greedy decoding adds (:data:`DECODE_GROWTH`).
+  written checkpoint mapped in its dtype and its float32 copy (the job loads it in float32, since greedy
+  decoding of a bf16 model on a CPU would add :data:`DECODE_GROWTH` times its size).
 
 **Disk** (:func:`factor_disk`): the output (converted parameters x ``b``, ``rope_inv_freq`` float32), and the
 work folder ``.OUT.factor/`` at its peak: per layer the pass-1 file (float64 target with ``C`` and ``C^½``,
@@ -512,15 +513,16 @@ def factor_phases(options: ConvertOptions, src: Any, max_shard_size: str | int |
         )
     )
     if 4 * s.output_params <= SAMPLE_MAX_BYTES:
-        growth = DECODE_GROWTH * s.output_bytes if s.out_itemsize < 4 else 0.0
+        # the sample loads the checkpoint in float32 (decoding a bf16 model on a CPU would add DECODE_GROWTH)
+        upcast = 4.0 * s.output_params if s.out_itemsize < 4 else 0.0
         phases.append(
             Phase(
                 "factor",
-                "sample (the written checkpoint loaded for the report's greedy text)",
+                "sample (the written checkpoint loaded in float32 for the report's greedy text)",
                 pass2
                 + (
                     (f"written checkpoint, mapped ({s.out_dtype})", s.output_bytes),
-                    ("greedy decoding's kernel caches", growth),
+                    ("its float32 copy", upcast),
                 ),
             )
         )
