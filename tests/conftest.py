@@ -103,7 +103,7 @@ def run_reference(out: Path) -> dict:
 
 @pytest.fixture(scope="session")
 def reference_ckpt(tmp_path_factory) -> Path:
-    """``mla-convert factor smollm2-135m OUT`` once per session (about 90 s).
+    """``mla-convert factor smollm2-135m OUT`` once per session (about 2 min, streamed).
 
     For quick local iteration ``MLA_CONVERT_TEST_REFERENCE=DIR`` reuses an existing default conversion
     (CI never sets it, so CI always converts afresh)."""
