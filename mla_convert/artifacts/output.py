@@ -32,7 +32,8 @@ def check_output(out: Path, overwrite: bool, source_dir: Path | None = None) -> 
     """Validate OUT before any work.
 
     Raises:
-        OutputError: OUT is a file, is non-empty without ``overwrite``, or lies inside the source folder.
+        OutputError: OUT is a file, is non-empty without ``overwrite``, lies inside the source folder or contains
+            it, or is the root, home or current folder (or one above the current folder).
     """
     out = out.expanduser().resolve()
     if out.exists() and not out.is_dir():
@@ -43,6 +44,14 @@ def check_output(out: Path, overwrite: bool, source_dir: Path | None = None) -> 
         src = source_dir.expanduser().resolve()
         if out == src or src in out.parents:
             raise OutputError(f"output {out} is inside the source folder {src}; write it somewhere else")
+        if out in src.parents:  # replacing OUT would delete the source with it
+            raise OutputError(f"output {out} contains the source folder {src}; write it somewhere else")
+    cwd = Path.cwd().resolve()
+    if out in (Path(out.anchor), Path.home().resolve(), cwd) or out in cwd.parents:
+        raise OutputError(
+            f"output {out} is the root, home or current folder, or contains the current folder; replacing it "
+            "would delete what is there: choose a new folder for OUT"
+        )
     return out
 
 

@@ -144,10 +144,21 @@ def factor(
         say(
             f"source: {src.origin} ({src.family.name}, {src.num_layers} layers, {src.num_heads}/{src.num_kv_heads} heads)"
         )
-        with progress_bar() as cb:
-            report = run_factor(
-                src, out, options, overwrite=overwrite, progress=cb, resume=resume, max_shard_size=shard_size
+        try:
+            with progress_bar() as cb:
+                report = run_factor(
+                    src, out, options, overwrite=overwrite, progress=cb, resume=resume, max_shard_size=shard_size
+                )
+        except KeyboardInterrupt:
+            from mla_convert.convert.workdir import work_dir
+
+            err_console.print(
+                f"interrupted: OUT was not written; the finished layers are kept in {work_dir(out.resolve())}: "
+                "run the same command with --resume to continue",
+                highlight=False,
+                markup=False,
             )
+            raise typer.Exit(130) from None
     if not STATE["quiet"]:
         console.print(layer_table(report))
         console.print(summary_table(report))

@@ -76,10 +76,22 @@ def trim_heap() -> None:
 
 
 def resolve_device(spec: str) -> torch.device:
-    """``auto`` (a CUDA GPU when present, else the CPU), ``cpu`` or ``cuda[:N]``."""
+    """``auto`` (a CUDA GPU when present, else the CPU), ``cpu`` or ``cuda[:N]``.
+
+    Raises:
+        OptionsError: a CUDA device this torch build or machine does not have.
+    """
+    from mla_convert.convert.options import OptionsError
+
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(spec)
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise OptionsError(f"--device {spec}: this torch build or machine has no CUDA GPU; use --device cpu or auto")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise OptionsError(f"--device {spec}: only {torch.cuda.device_count()} CUDA device(s) here")
+    return device
 
 
 def resolve_dtype(spec: str, src: SourceModel) -> torch.dtype:

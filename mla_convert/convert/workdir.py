@@ -49,12 +49,20 @@ def check_start(out: Path, job: dict[str, Any], resume: bool, overwrite: bool, s
             raise ResumeError(f"nothing to resume: {work} holds no stopped conversion for {out}; drop --resume")
         saved = json.loads((work / JOB).read_text())
         if saved != job:
-            diff = sorted(k for k in set(saved) | set(job) if saved.get(k) != job.get(k))
-            if "options" in diff:
-                opts = saved.get("options", {})
-                diff = sorted(k for k in set(opts) | set(job["options"]) if opts.get(k) != job["options"].get(k))
+            diff = []
+            for k in sorted(set(saved) | set(job)):
+                if k == "options":
+                    old, new = saved.get(k, {}), job.get(k, {})
+                    diff += [
+                        f"--{o.replace('_', '-')} {old.get(o)} -> {new.get(o)}"
+                        for o in sorted(set(old) | set(new))
+                        if old.get(o) != new.get(o)
+                    ]
+                elif saved.get(k) != job.get(k):
+                    name = {"max_shard_size": "--max-shard-size", "source_files": "source files"}.get(k, k)
+                    diff.append(f"{name} {saved.get(k)} -> {job.get(k)}" if k != "source_files" else name)
             raise ResumeError(
-                f"--resume with a different job than the stopped one ({', '.join(diff)}); use the same source "
+                f"--resume with a different job than the stopped one ({'; '.join(diff)}); use the same source "
                 "and options, or start over with --overwrite"
             )
     elif (work / PROGRESS).is_file() and not overwrite:

@@ -340,6 +340,13 @@ def test_out_inside_source(where: str, src: Path, good_text: Path) -> None:
     assert leftovers(src / "mla") == []
 
 
+def test_out_containing_the_source_is_refused_even_with_overwrite(src: Path, good_text: Path) -> None:
+    """OUT a parent of SOURCE: replacing OUT would delete the source (found by a new user, who lost a folder)."""
+    before = sorted(p.name for p in src.iterdir())
+    run_bad_factor(src, src.parent, good_text, "--overwrite", needles=(f"contains the source folder {src}",))
+    assert sorted(p.name for p in src.iterdir()) == before
+
+
 def test_out_inside_source_without_overwrite(src: Path, good_text: Path) -> None:
     run_bad_factor(
         src, src / "mla", good_text, needles=(f"output {src / 'mla'} is inside the source folder {src}",)

@@ -134,7 +134,7 @@ def test_resume_gives_the_uninterrupted_result(tiny_src: Path, tmp_path: Path, s
     assert not out.exists() and (work_dir(out) / "progress.json").is_file()
     with pytest.raises(ResumeError, match="--resume"):
         _convert(tiny_src, out, **LOSSY)  # a fresh start would drop the stopped job
-    with pytest.raises(ResumeError, match="rope_pairs"):
+    with pytest.raises(ResumeError, match="--rope-pairs 4 -> 3"):
         _convert(tiny_src, out, **{**LOSSY, "rope_pairs": 3}, resume=True)
     report = _convert(tiny_src, out, **LOSSY, resume=True)
     assert report["run"]["resumed_after"]["layer"] == 0
