@@ -80,7 +80,14 @@ def prepare_text(tokenizer: Any, options: ConvertOptions) -> TextSplit:
 
 
 def peak_rss_mb() -> float:
-    """Peak resident memory of this process in MB (``ru_maxrss``, Linux KiB)."""
+    """Peak resident memory of this process in MiB: ``VmHWM`` of ``/proc/self/status`` on Linux (this program's own
+    high-water mark; ``ru_maxrss`` would carry a forking parent's resident set over ``exec``), else ``ru_maxrss``."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
