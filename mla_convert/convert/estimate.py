@@ -38,7 +38,8 @@ mapped file. Then, per phase:
   decoding of a bf16 model on a CPU would add :data:`DECODE_GROWTH` times its size).
 
 **Disk** (:func:`factor_disk`): the output (converted parameters x ``b``, ``rope_inv_freq`` float32), and the
-work folder ``.OUT.factor/`` at its peak: per layer the pass-1 file (float64 target with ``C`` and ``C^½``,
+work folder ``.OUT.factor/`` at its peak (the end of pass 1, or the end with the output staged, since pass 2 removes
+each layer's pass-1 file once it has written the layer): per layer the pass-1 file (float64 target with ``C`` and ``C^½``,
 captures), the RoPE plan and the MLA attention file in the output dtype (``o_proj`` twice with the refit), the
 streams' state, the float32 copy of every layer for a quantized GGUF source (until pass 3), and the staged output.
 
@@ -553,7 +554,6 @@ def factor_disk(options: ConvertOptions, src: Any) -> Disk:
     )
     attn = s.out_itemsize * (s.conv_attn_params + (d * s.heads * hd if s.refit else 0))
     state = 4.0 * d * (tok["calib"] + 2 * (tok["held"] + tok["eval"] + tok["probe"]))
-    layer_files = n_l * (p1 + plan + attn) + state
     gguf_copies = 4.0 * n_l * s.layer_params if s.gguf_bytes else 0.0
     items = (
         (f"pass-1 files ({n_l} x {p1 / GB:.2f} GB)", n_l * p1),
@@ -561,7 +561,10 @@ def factor_disk(options: ConvertOptions, src: Any) -> Disk:
         (f"MLA attention files ({s.out_dtype})", n_l * attn),
         ("stream state", state),
     ) + ((("float32 layer copies of the GGUF", gguf_copies),) if gguf_copies else ())
-    work_peak = layer_files + max(gguf_copies, s.output_bytes)  # the copies go in pass 3, before the output
+    # pass 2 removes each layer's pass-1 file once the layer is written: the peak is at the end of pass 1 or
+    # with the output staged (the GGUF copies go in pass 3, before the output)
+    end_pass1 = n_l * (p1 + plan) + state + gguf_copies
+    work_peak = max(end_pass1, n_l * (plan + attn) + state + max(gguf_copies, s.output_bytes))
     return Disk(s.output_bytes, work_peak, items + (("staged output", s.output_bytes),))
 
 

@@ -263,6 +263,7 @@ class StreamedConversion:
         if self.options.kv_lora_rank is None:
             st["spectra"].append(spectrum(target))
         st["d_nope"].append(int(plan.q_nope.shape[1]))
+        st["calib_tokens"] = int(stats.tokens)
         t2 = time.perf_counter()
         save_torch(self._layer_file(i, "plan.pt"), plan)
         save_torch(
@@ -309,6 +310,7 @@ class StreamedConversion:
             self.src.release()
             trim_heap()
             self._save_state({"pass": 2, "layer": i})
+            self._layer_file(i, "p1.pt").unlink(missing_ok=True)  # spent: the work folder stays ~ one output big
             self.progress("convert", 1, self.n_layers)
 
     def _convert_layer(self, config: MLAConfig, i: int) -> None:
@@ -505,7 +507,7 @@ class StreamedConversion:
         if refit is not None:
             config.source["o_proj_refit"] = refit
         probe_tokens = int(self.texts.probe.numel())
-        tokens = load_torch(self._layer_file(0, "p1.pt"))["tokens"]
+        tokens = st["calib_tokens"]
         per_layer = st["timings"]
         totals: dict[str, float] = {}
         for row in per_layer:
