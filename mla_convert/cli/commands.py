@@ -179,6 +179,53 @@ def factor(
     )
 
 
+@app.command()
+def export(
+    ckpt: Path = typer.Argument(..., help="A converted checkpoint folder (from 'mla-convert factor' or 'adapt')."),
+    out: Path = typer.Argument(..., help="Output folder (built in a temporary sibling, renamed when complete)."),
+    format: str = typer.Option("deepseek-v3", "--format", help="Target format: deepseek-v3."),
+    overwrite: bool = typer.Option(False, help="Replace a non-empty OUT."),
+    max_shard_size: str = typer.Option("2GB", help="Largest output shard (e.g. 500MB, 5GB)."),
+    check: bool = typer.Option(
+        True, help="Measure parity against CKPT (float32 logits and greedy tokens on real text; models up to 2 GiB)."
+    ),
+    dtype: str = typer.Option("auto", help="Written dtype: auto (the checkpoint's) | float32 | bfloat16 | float16."),
+) -> None:
+    """Write CKPT in a format serving code loads: DeepSeek-V3 (stock transformers DeepseekV3ForCausalLM).
+
+    The mapping is exact (docs/export.md); the parity measured is printed and recorded in OUT's manifest.
+
+    Example: mla-convert export out/smollm2-mla out/smollm2-ds3 --format deepseek-v3
+    """
+    from mla_convert.artifacts.output import check_output
+
+    with user_errors():  # wrong folders, before the model libraries are imported
+        if format != "deepseek-v3":
+            fail(f"--format {format!r} is not one of deepseek-v3")
+        shard_size_of(max_shard_size)
+        read_checkpoint_config(ckpt, require_mla=True)
+        check_output(out, overwrite, source_dir=ckpt)
+    from mla_convert.export.write import export_checkpoint
+
+    with user_errors():
+        manifest = export_checkpoint(ckpt, out, format, overwrite, max_shard_size, check, note=note, dtype=dtype)
+    e = manifest["export"]
+    msg = (
+        f"wrote {out}: DeepseekV3ForCausalLM, kv_lora_rank {e['kv_lora_rank']}, rope {e['rope']['kind']} "
+        f"({e['rope']['slots']} pairs), cache {e['cache_values_per_token_per_layer']['deepseek_v3']:.0f} values/token/layer "
+        f"(MLA checkpoint {e['cache_values_per_token_per_layer']['mla']:.1f})"
+    )
+    p = e["parity"]
+    if p:
+        msg += (
+            f"; parity max |dlogit| {p['max_abs_logit_diff']:.2e} on {p['tokens']} tokens, "
+            f"{p['greedy_tokens_equal']}/{p['greedy_tokens']} greedy tokens equal"
+        )
+    else:
+        msg += "; parity not measured (--no-check, or the model is over 2 GiB in float32)"
+    console.print(msg, highlight=False, markup=False)
+
+
 def _load_mla(ckpt: Path, require_mla: bool = False) -> Any:
     """The model in CKPT (float32); call inside ``user_errors()``, which turns a CheckpointError (no
     config.json, not MLA, unloadable) into its one ``error:`` line."""

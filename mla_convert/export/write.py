@@ -1,0 +1,258 @@
+"""``mla-convert export CKPT OUT --format deepseek-v3``: a converted checkpoint folder -> a DeepSeek-V3 folder that
+stock transformers loads, written tensor by tensor (one layer's attention in memory) and checked against the
+checkpoint it came from.
+
+The folder holds sharded safetensors (huggingface_hub's plan, :mod:`mla_convert.artifacts.shards`), a
+``DeepseekV3Config`` ``config.json``, everything the checkpoint carries (tokenizer, chat templates, generation
+config, license, the source's README), a model card, and ``mla_manifest.json``: the parent checkpoint's fields,
+its canonical id, the mapping choices (:meth:`~mla_convert.export.deepseek_v3.ExportPlan.record`) and the parity
+measured here. Written to a temporary sibling folder and renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mla_convert.export.deepseek_v3 import (
+    ExportError,
+    ExportPlan,
+    attention_layout,
+    export_attention,
+    plan_export,
+)
+
+#: Formats ``export`` writes.
+FORMATS = ("deepseek-v3",)
+#: Parity is measured when both float32 models fit in this many bytes (4 x parameters each).
+PARITY_MAX_BYTES = 2 * 1024**3
+#: Real-text tokens the parity check compares logits on (2 windows).
+PARITY_WINDOW = 128
+PARITY_WINDOWS = 2
+#: Greedy tokens compared through stock ``generate()``.
+PARITY_GREEDY = 64
+
+
+def _reader(ckpt: Path) -> Any:
+    from mla_convert.sources.checkpoint import SafetensorsTensors, _weight_map
+
+    return SafetensorsTensors(ckpt, _weight_map(ckpt))
+
+
+def _attention_loader(
+    plan: ExportPlan, config: Any, tensors: Any
+) -> Callable[[str], torch.Tensor]:
+    """``name -> exported tensor``; a layer's attention is computed once, when its first tensor is asked for."""
+    names = tensors.names()
+    memo: dict[str, Any] = {"layer": None, "tensors": {}}
+
+    def load(name: str) -> torch.Tensor:
+        if ".self_attn." not in name:
+            t: torch.Tensor = tensors.read(name)
+            return t.to(plan.dtype).contiguous()
+        i = int(name.split(".")[2])
+        if memo["layer"] != i:
+            prefix = f"model.layers.{i}.self_attn."
+            attn = {
+                n[len(prefix) :]: tensors.read(n)
+                for n in names
+                if n.startswith(prefix) and not n.endswith("rope_inv_freq")
+            }
+            gamma = tensors.read(f"model.layers.{i}.input_layernorm.weight")
+            exported = export_attention(plan, config, i, attn, gamma)
+            memo.update(layer=i, tensors={prefix + k: v for k, v in exported.items()})
+        out: torch.Tensor = memo["tensors"][name]
+        return out
+
+    return load
+
+
+def layout_of(plan: ExportPlan, config: Any, tensors: Any) -> dict[str, torch.Tensor]:
+    """Output name -> meta tensor (shape, dtype), in checkpoint order."""
+    out: dict[str, torch.Tensor] = {}
+    shapes = attention_layout(plan, config)
+    done: set[int] = set()
+    for name in tensors.names():
+        if name.endswith("rope_inv_freq"):
+            continue
+        if ".self_attn." in name:
+            i = int(name.split(".")[2])
+            if i not in done:
+                done.add(i)
+                for k, shape in shapes.items():
+                    out[f"model.layers.{i}.self_attn.{k}"] = torch.empty(shape, dtype=plan.dtype, device="meta")
+            continue
+        out[name] = torch.empty(tensors.shape(name), dtype=plan.dtype, device="meta")
+    return out
+
+
+def parity(ckpt: Path, staged: Path, tokenizer_dir: Path) -> dict[str, Any]:
+    """Stock ``DeepseekV3ForCausalLM`` (from ``staged``) against our MLA model (from ``ckpt``), both float32, on
+    :data:`PARITY_WINDOWS` x :data:`PARITY_WINDOW` tokens of the wikipedia evaluation split: max |Δlogit|,
+    greedy agreement over :data:`PARITY_GREEDY` tokens through stock ``generate()``.
+
+    Raises:
+        ExportError: the stock model does not load, or its class is not transformers' own.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mla_convert.mla.checkpoint import load_checkpoint
+    from mla_convert.text.corpora import load_documents
+    from mla_convert.text.windows import split_documents, token_windows
+
+    ours = load_checkpoint(ckpt)
+    try:
+        stock = AutoModelForCausalLM.from_pretrained(str(staged), dtype=torch.float32).eval()
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"stock transformers cannot load the export: {str(exc).splitlines()[0]}") from None
+    if type(stock).__module__ != "transformers.models.deepseek_v3.modeling_deepseek_v3":
+        raise ExportError(f"the export loads as {type(stock).__module__}, not transformers' DeepseekV3ForCausalLM")
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    docs = split_documents(load_documents("wikipedia"))["evaluation"]
+    ids = token_windows(tok, docs, PARITY_WINDOW, PARITY_WINDOWS, bos=False)
+    with torch.no_grad():
+        diff = max(
+            float((ours(input_ids=w[None]).logits - stock(input_ids=w[None]).logits).abs().max()) for w in ids
+        )
+        prompt = ids[0][None, :16]
+        kw = {"max_new_tokens": PARITY_GREEDY, "do_sample": False, "pad_token_id": 0}
+        a = stock.generate(prompt, **kw)[0, 16:]
+        b = ours.generate(prompt, **kw)[0, 16:]
+    same = int((a == b).cumprod(0).sum())
+    return {
+        "max_abs_logit_diff": diff,
+        "tokens": int(ids.numel()),
+        "text": f"wikipedia evaluation split, {PARITY_WINDOWS} x {PARITY_WINDOW} tokens",
+        "dtype": "float32",
+        "greedy_tokens_equal": same,
+        "greedy_tokens": PARITY_GREEDY,
+        "stock_class": f"{type(stock).__module__}.{type(stock).__name__}",
+    }
+
+
+def model_card(ckpt: Path, plan: ExportPlan, check: dict[str, Any] | None) -> str:
+    """README.md of an export: what it is, how to load it, its cache, and where it can be served."""
+    cache = plan.cache_values_per_token
+    lines = [
+        f"# {ckpt.name} as DeepSeek-V3",
+        "",
+        f"A DeepSeek-V3-format export (`mla-convert export --format deepseek-v3`) of the MLA checkpoint `{ckpt.name}`.",
+        "Stock transformers loads it; no code of mla-convert and no remote code:",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "model = AutoModelForCausalLM.from_pretrained('PATH')  # DeepseekV3ForCausalLM",
+        "```",
+        "",
+        f"KV cache: {cache['deepseek_v3']:.0f} values per token per layer (`kv_lora_rank` {plan.kv_lora_rank} incl. one "
+        f"constant channel + rope {2 * len(plan.rope.inv_freq)}), against {cache['mla']:.1f} in the MLA checkpoint.",
+        f"RoPE: `{plan.rope.kind}` rope parameters (exact kept frequencies, max relative error "
+        f"{plan.rope.max_rel_error:.1e}), interleaved layout.",
+    ]
+    if check:
+        lines += [
+            "",
+            f"Parity (measured at export, {check['text']}, float32): max |Δlogit| {check['max_abs_logit_diff']:.2e} "
+            f"against the MLA checkpoint; {check['greedy_tokens_equal']}/{check['greedy_tokens']} greedy tokens equal "
+            "through stock `generate()`.",
+        ]
+    lines += [
+        "",
+        "Serving engines: the latent norm is made exact through a `kv_a_proj_with_mqa` bias (`attention_bias: true`).",
+        "vLLM's and SGLang's DeepSeek code builds these projections without biases, and vLLM rewrites a non-default",
+        "rope type to DeepSeek YaRN: check the engine table in mla-convert's docs/export.md before serving there.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def export_manifest(ckpt: Path, plan: ExportPlan, check: dict[str, Any] | None) -> dict[str, Any]:
+    """The parent checkpoint's semantic fields, its canonical id and the export record."""
+    from mla_convert.artifacts.manifest import MANIFEST, tool_record
+
+    parent: dict[str, Any] = {}
+    if (ckpt / MANIFEST).is_file():
+        parent = json.loads((ckpt / MANIFEST).read_text())
+    manifest = {k: v for k, v in parent.items() if k not in ("outputs", "canonical_id", "run", "parent", "schema_version")}
+    manifest["tool"] = tool_record()
+    manifest["parent"] = {"canonical_id": parent.get("canonical_id"), "checkpoint": ckpt.name}
+    manifest["export"] = {**plan.record(), "parity": check}
+    return manifest
+
+
+def export_checkpoint(
+    ckpt: Path,
+    out: Path,
+    fmt: str = "deepseek-v3",
+    overwrite: bool = False,
+    max_shard_size: str = "2GB",
+    check: bool = True,
+    note: Callable[[str], None] | None = None,
+    dtype: str = "auto",
+) -> dict[str, Any]:
+    """Write the DeepSeek-V3 export of the converted checkpoint ``ckpt`` into ``out``.
+
+    Args:
+        ckpt: a folder written by ``mla-convert factor`` or ``adapt``.
+        out: the export folder (refused if it exists, unless ``overwrite``).
+        fmt: one of :data:`FORMATS`.
+        max_shard_size: largest shard (``"2GB"``, bytes...).
+        check: measure parity (:func:`parity`) when the model is small enough (:data:`PARITY_MAX_BYTES`).
+        note: called with progress lines.
+        dtype: dtype of the written tensors: ``auto`` (the checkpoint's), ``float32``, ``bfloat16``, ``float16``.
+
+    Returns:
+        The manifest written (``export`` holds the mapping and the parity).
+
+    Raises:
+        ExportError: an unknown format, or a checkpoint the format cannot express (one line, nothing written).
+        CheckpointError / OutputError: not a converted checkpoint; an existing ``out`` without ``overwrite``.
+    """
+    from transformers import DeepseekV3Config
+
+    from mla_convert.artifacts.manifest import write_manifest
+    from mla_convert.artifacts.output import atomic_folder, check_output, write_carried
+    from mla_convert.artifacts.shards import write_shards
+    from mla_convert.mla.checkpoint import checkpoint_dtype, read_checkpoint_config
+    from mla_convert.mla.configuration import MLAConfig
+
+    import platform
+    import time
+
+    started = time.perf_counter()
+    say = note or (lambda _: None)
+    if fmt not in FORMATS:
+        raise ExportError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
+    if dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ExportError(f"--dtype {dtype!r} is not one of auto, float32, bfloat16, float16")
+    read_checkpoint_config(ckpt, require_mla=True)
+    check_output(out, overwrite, source_dir=ckpt)
+    config = MLAConfig.from_pretrained(str(ckpt))
+    out_dtype: torch.dtype = getattr(torch, checkpoint_dtype(ckpt) if dtype == "auto" else dtype)
+    plan = plan_export(config, out_dtype)
+    tensors = _reader(ckpt)
+    layout = layout_of(plan, config, tensors)
+    params = sum(t.numel() for t in layout.values())
+    with atomic_folder(out) as staged:
+        say(f"writing {len(layout)} tensors ({params / 1e6:.1f} M parameters, {plan.record()['dtype']})")
+        files = write_shards(staged, layout, _attention_loader(plan, config, tensors), max_shard_size)
+        ds = DeepseekV3Config(**plan.config)
+        ds.architectures = ["DeepseekV3ForCausalLM"]
+        ds.dtype = plan.record()["dtype"]  # type: ignore[attr-defined]
+        ds.save_pretrained(str(staged))
+        tensors.release()
+        result = None
+        if check and 4 * params <= PARITY_MAX_BYTES:
+            say("measuring parity: stock DeepseekV3ForCausalLM against the MLA checkpoint (float32, real text)")
+            result = parity(ckpt, staged, ckpt)
+        card = model_card(ckpt, plan, result)
+        carried = write_carried(staged, ckpt, ds, card)
+        manifest = export_manifest(ckpt, plan, result)
+        manifest["run"] = {"wall_s": round(time.perf_counter() - started, 1), "host": platform.platform()}
+        hashed = sorted({*files, "config.json", "README.md", *carried})
+        write_manifest(staged, manifest, hashed)
+    return manifest
