@@ -278,7 +278,7 @@ def eval_cmd(
 
 @app.command()
 def generate(
-    ckpt: Path = typer.Argument(..., help="A converted checkpoint folder."),
+    ckpt: Path = typer.Argument(..., help="A converted checkpoint folder (or its DeepSeek-V3 export)."),
     prompt: str = typer.Argument(..., help="Prompt text."),
     max_new_tokens: int = typer.Option(48, help="Tokens to generate (greedy)."),
     backend: str = typer.Option(
@@ -296,17 +296,21 @@ def generate(
     if max_new_tokens < 1:
         fail("--max-new-tokens must be at least 1")
     with user_errors():  # a wrong folder, before the model libraries are imported
-        read_checkpoint_config(ckpt, require_mla=True)
+        kind = read_checkpoint_config(ckpt, require_mla=True).get("model_type")
     from transformers import AutoTokenizer
 
     from mla_convert.runtime.decode import generate as paged_generate
     from mla_convert.runtime.decode import greedy
 
     with user_errors():
-        model = _load_mla(ckpt, require_mla=True)
+        # an export runs stock for --backend absorbed; read back as MLA for the paged/triton backends
+        model = _load_mla(ckpt, require_mla=kind != "deepseek_v3" or backend != "absorbed")
         tok = AutoTokenizer.from_pretrained(str(ckpt))
         ids = tok(prompt, return_tensors="pt").input_ids
-        if backend == "absorbed":
+        if kind == "deepseek_v3" and backend == "absorbed":
+            out = greedy(model, ids, max_new_tokens)
+            ran = "stock transformers DeepseekV3ForCausalLM (DynamicCache holding the normalised latent and k_rope)"
+        elif backend == "absorbed":
             model.set_attention_path("absorbed")
             out = greedy(model, ids, max_new_tokens)
             ran = "absorbed-torch (transformers DynamicCache holding [c_kv | k_rope])"

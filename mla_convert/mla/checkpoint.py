@@ -24,7 +24,8 @@ def read_checkpoint_config(ckpt: Path, require_mla: bool = True) -> dict[str, An
 
     Args:
         ckpt: a checkpoint folder.
-        require_mla: refuse any ``model_type`` but ``mla`` (a folder written by ``mla-convert factor``).
+        require_mla: refuse any ``model_type`` but ``mla`` (a folder written by ``mla-convert factor``) and
+            ``deepseek_v3`` folders written by ``mla-convert export``.
 
     Raises:
         CheckpointError: no ``config.json``, one that is not a JSON object, or (with ``require_mla``) another
@@ -42,6 +43,10 @@ def read_checkpoint_config(ckpt: Path, require_mla: bool = True) -> dict[str, An
             f"{path} holds {type(config).__name__}, not a JSON object; the checkpoint is damaged"
         )
     kind = config.get("model_type")
+    if kind == "deepseek_v3" and (ckpt / "mla_manifest.json").is_file() and '"export"' in (
+        ckpt / "mla_manifest.json"
+    ).read_text():
+        return config  # an export by mla-convert: read back as MLA (load_checkpoint) or run stock
     if require_mla and kind != "mla":
         raise CheckpointError(
             f"{ckpt} holds a {kind!r} model, not a converted MLA checkpoint; run 'mla-convert factor' first"
@@ -92,7 +97,8 @@ def load_checkpoint(ckpt: Path, require_mla: bool = True, dtype: Any = None) -> 
 
     Returns:
         An :class:`~mla_convert.mla.modeling.MLAForCausalLM` (any ``from_pretrained`` model without
-        ``require_mla``).
+        ``require_mla``; a DeepSeek-V3 export of ours read back as MLA with it,
+        :func:`~mla_convert.export.reimport.load_export_as_mla`).
 
     Raises:
         CheckpointError: the checks above, or weights/config that transformers cannot load (its first line).
@@ -102,7 +108,11 @@ def load_checkpoint(ckpt: Path, require_mla: bool = True, dtype: Any = None) -> 
 
     from mla_convert import register
 
-    read_checkpoint_config(ckpt, require_mla)
+    config = read_checkpoint_config(ckpt, require_mla)
+    if require_mla and config.get("model_type") == "deepseek_v3":
+        from mla_convert.export.reimport import load_export_as_mla
+
+        return load_export_as_mla(ckpt) if dtype in (None, torch.float32) else load_export_as_mla(ckpt).to(dtype)
     register()  # model_type "mla" (the CLI starts without transformers)
     try:
         return AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=dtype or torch.float32).eval()

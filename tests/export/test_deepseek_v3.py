@@ -240,6 +240,26 @@ def test_manifest_verify_eval_and_generate_take_the_export(exported):
     assert "perplexity" in res.output
     res = runner.invoke(app, ["generate", str(out), "The capital of France is", "--max-new-tokens", "4"])
     assert res.exit_code == 0, res.output + str(res.exception)
+    assert "stock transformers DeepseekV3ForCausalLM" in res.output
+    res = runner.invoke(app, ["generate", str(out), "The capital of France is", "--max-new-tokens", "2",
+                              "--backend", "triton"])
+    assert res.exit_code == 0 and "triton" in res.output, res.output + str(res.exception)
+
+
+def test_validate_reads_the_export_back_as_mla(exported, tmp_path):
+    """The ladder (kernel, decode vs recompute, cache ledger, scale, quality vs source) on the export's geometry."""
+    import shutil
+
+    out, _ = exported
+    copy = tmp_path / "ds3"
+    shutil.copytree(out, copy)
+    res = CliRunner().invoke(app, ["validate", str(copy), "--source", "smollm2-135m", "--window", "64",
+                                   "--windows", "2", "--new-tokens", "2"])
+    assert res.exit_code == 0, res.output + str(res.exception)
+    report = json.loads((copy / "validation.json").read_text())
+    assert all(r["passed"] for r in report["rungs"])
+    res = CliRunner().invoke(app, ["manifest", "verify", str(copy)])  # validation files are addenda
+    assert res.exit_code == 0, res.output
 
 
 def test_export_refuses_bad_inputs(exported, reference_ckpt, tmp_path):
