@@ -212,6 +212,9 @@ def export_checkpoint(
         ExportError: an unknown format, or a checkpoint the format cannot express (one line, nothing written).
         CheckpointError / OutputError: not a converted checkpoint; an existing ``out`` without ``overwrite``.
     """
+    import platform
+    import time
+
     from transformers import DeepseekV3Config
 
     from mla_convert.artifacts.manifest import write_manifest
@@ -219,9 +222,6 @@ def export_checkpoint(
     from mla_convert.artifacts.shards import write_shards
     from mla_convert.mla.checkpoint import checkpoint_dtype, read_checkpoint_config
     from mla_convert.mla.configuration import MLAConfig
-
-    import platform
-    import time
 
     started = time.perf_counter()
     say = note or (lambda _: None)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import TINY, write_tiny_llama
 from typer.testing import CliRunner
 
 import mla_convert  # noqa: F401
@@ -31,7 +32,6 @@ from mla_convert.export.deepseek_v3 import (
     plan_export,
 )
 from mla_convert.sources.checkpoint import load_source_model, open_source
-from tiny import TINY, write_tiny_llama
 
 TOL = 1e-4  # float32 logits
 FULL = dict(rope_mode="shared", rope_strategy="rotation", rope_pairs=16, cache_budget=None, kv_lora_rank=32)
