@@ -56,13 +56,13 @@ def load_export_as_mla(folder: Path) -> Any:
     if record is None or record.get("format") != "deepseek-v3":
         raise ExportError(f"{folder} is not a DeepSeek-V3 export written by 'mla-convert export'")
     ds = DeepseekV3Config.from_pretrained(str(folder))
-    rope = dict(ds.rope_parameters)
+    rope: dict[str, Any] = dict(ds.rope_parameters or {})
     if rope.get("rope_type") not in ("default", "longrope"):
         raise ExportError(f"{folder} has rope type {rope.get('rope_type')!r}; exports use default or longrope")
     n_pairs = ds.qk_rope_head_dim // 2
     table = _transformers_inv_freq(rope, n_pairs).tolist()
     h, dim, d_n, d_r, d_v = (
-        ds.num_attention_heads, ds.hidden_size, ds.qk_nope_head_dim, ds.qk_rope_head_dim, ds.v_head_dim
+        ds.num_attention_heads, ds.hidden_size, ds.qk_nope_head_dim, ds.qk_rope_head_dim, int(ds.v_head_dim or 0)
     )
     rho = float(record["query_scale"])
     cfg = MLAConfig(
