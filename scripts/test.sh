@@ -3,8 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/ruff check mla_convert kernels recipes tests benchmarks
-.venv/bin/mypy mla_convert kernels
+.venv/bin/ruff check mla_convert mla_kernels recipes tests benchmarks
+.venv/bin/mypy mla_convert mla_kernels
 # The suite writes real 135M checkpoints (~0.5 GB each, about 2 GB at its peak) under the temp folder.
 tmp=${TMPDIR:-/tmp}
 free_mb=$(df -Pm "$tmp" | awk 'NR==2 {print $4}')

@@ -5,8 +5,8 @@ The inverse of :mod:`mla_convert.export.deepseek_v3`, for folders it wrote (thei
 ``kv_a_layernorm`` becomes our latent norm (``latent_norm: true``, same weights); the interleaved rope rows go
 back to rotate_half; the query scale ``rho`` is divided out of the query rows so ``softmax_scale`` is the source
 model's again; a query path ``q_a -> q_a_layernorm -> q_b`` with a constant channel folds into ``q_proj`` with a
-bias (its RMS is constant to < 1e-6 by construction). ``kv_b_proj`` keeps one block per query head
-(``num_key_value_heads = num_attention_heads``).
+bias (its RMS is constant to < 1e-6 by construction). ``kv_b_proj``'s per-query-head blocks fold back into the
+fewest KV heads whose repeats reproduce them exactly (the source's, for a GQA source).
 """
 
 from __future__ import annotations
@@ -36,6 +36,20 @@ def export_record(folder: Path) -> dict[str, Any] | None:
 def _half_rows(rows: torch.Tensor, n: int) -> torch.Tensor:
     """Interleaved rope rows ``[2n, ...]`` (pair j = rows 2j, 2j+1) -> rotate_half ``[2n, ...]``."""
     return torch.cat([rows[0 : 2 * n : 2], rows[1 : 2 * n : 2]])
+
+
+def _kv_groups(kv_b: list[torch.Tensor], heads: int) -> int:
+    """The fewest KV heads ``G`` whose blocks, each repeated ``heads / G`` times, give every layer's ``kv_b``."""
+    for g in range(1, heads + 1):
+        if heads % g:
+            continue
+        rep = heads // g
+        if all(
+            torch.equal(w.view(heads, -1, w.shape[-1]), w.view(heads, -1, w.shape[-1])[::rep].repeat_interleave(rep, 0))
+            for w in kv_b
+        ):
+            return g
+    return heads
 
 
 def load_export_as_mla(folder: Path) -> Any:
@@ -131,6 +145,14 @@ def load_export_as_mla(folder: Path) -> Any:
         state[p + "o_proj.bias"] = read(p + "o_proj.bias").float()
         state[p + "rope_inv_freq"] = torch.tensor([table], dtype=torch.float32)
     handles.clear()
+    # DeepSeek repeats a GQA source's [k_nope | v] block for each query head: fold the repeats back into KV heads
+    g = _kv_groups([state[f"model.layers.{i}.self_attn.kv_b_proj.weight"] for i in range(ds.num_hidden_layers)], h)
+    if g < h:
+        cfg.num_key_value_heads = g
+        for i in range(ds.num_hidden_layers):
+            name = f"model.layers.{i}.self_attn.kv_b_proj.weight"
+            w = state[name].view(h, -1, state[name].shape[-1])
+            state[name] = w[:: h // g].reshape(-1, w.shape[-1]).contiguous()
     with torch.device("meta"):
         model = MLAForCausalLM(cfg)
     model.load_state_dict(state, strict=False, assign=True)

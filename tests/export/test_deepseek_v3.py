@@ -218,7 +218,7 @@ def test_cli_export_of_the_reference_loads_in_a_clean_process(exported, referenc
     ids = eval_ids[:, :24]
     dump = tmp_path / "stock.pt"
     subprocess.run([sys.executable, "-c", CLEAN_LOAD, str(out), json.dumps(ids.tolist()), str(dump)], check=True,
-                   timeout=600)
+                   timeout=600, cwd=Path(__file__).resolve().parents[2])  # from the repository root, as the README
     got = torch.load(dump)
     assert got["cls"] == "transformers.models.deepseek_v3.modeling_deepseek_v3"
     from mla_convert.mla.checkpoint import load_checkpoint
