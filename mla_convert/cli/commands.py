@@ -48,6 +48,7 @@ app = typer.Typer(
 )
 manifest_app = typer.Typer(no_args_is_help=True, help="Check conversion manifests.")
 app.add_typer(manifest_app, name="manifest")
+EXPORT_HELP = "Also write OUT in a serving format (deepseek-v3) into the sibling folder OUT-FORMAT."
 SOURCE_HELP = (
     "A HF folder (safetensors), a .gguf file, or 'smollm2-135m' (the bundled SmolLM2-135M-Instruct)."
 )
@@ -115,6 +116,7 @@ def factor(
     max_shard_size: str = typer.Option(
         "2GB", help="Largest output shard (e.g. 500MB, 5GB); one shard is held in memory while it is written."
     ),
+    export: str = typer.Option(None, "--export", help=EXPORT_HELP),
     **values: Any,
 ) -> None:
     """Partial RoPE + low-rank K/V -> MLA checkpoint + report + manifest in OUT, streamed layer by layer.
@@ -133,6 +135,7 @@ def factor(
         check_options(options, None)  # every rule that needs no source, before any I/O
         shard_size = shard_size_of(max_shard_size)
         check_output(out, overwrite)  # refuse an occupied OUT before the source is read
+        _check_export(out, export, overwrite)
         locate_source(source)  # a wrong path, before the checkpoint libraries are imported
     from mla_convert.artifacts.report import layer_table, summary_table
     from mla_convert.convert.job import run_factor
@@ -177,6 +180,45 @@ def factor(
         f"peak {report['run']['peak_rss_mb']:.0f} MB",
         highlight=False,
     )
+    if export:
+        _export_after(out, export, overwrite)
+
+
+def _check_export(out: Path, fmt: str | None, overwrite: bool) -> None:
+    """``--export``: a known format and a free OUT-FORMAT folder, before any work."""
+    from mla_convert.artifacts.output import check_output
+
+    if fmt is None:
+        return
+    if fmt != "deepseek-v3":
+        fail(f"--export {fmt!r} is not one of deepseek-v3")
+    check_output(out.with_name(f"{out.name}-{fmt}"), overwrite)
+
+
+def _export_after(out: Path, fmt: str, overwrite: bool) -> None:
+    """Export the finished OUT (``--export``) and print one line."""
+    from mla_convert.export.write import export_checkpoint, export_folder
+
+    dest = export_folder(out, fmt)
+    with user_errors():
+        manifest = export_checkpoint(out, dest, fmt, overwrite, note=note)
+    console.print(_export_line(dest, manifest), highlight=False, markup=False)
+
+
+def _export_line(dest: Path, manifest: dict[str, Any]) -> str:
+    e = manifest["export"]
+    msg = (
+        f"wrote {dest}: DeepseekV3ForCausalLM, kv_lora_rank {e['kv_lora_rank']}, rope {e['rope']['kind']} "
+        f"({e['rope']['slots']} pairs), cache {e['cache_values_per_token_per_layer']['deepseek_v3']:.0f} values/token/layer "
+        f"(MLA checkpoint {e['cache_values_per_token_per_layer']['mla']:.1f})"
+    )
+    p = e["parity"]
+    if p:
+        return msg + (
+            f"; parity max |dlogit| {p['max_abs_logit_diff']:.2e} on {p['tokens']} tokens, "
+            f"{p['greedy_tokens_equal']}/{p['greedy_tokens']} greedy tokens equal"
+        )
+    return msg + "; parity not measured (--no-check, or the model is over 2 GiB in float32)"
 
 
 @app.command()
@@ -209,20 +251,7 @@ def export(
 
     with user_errors():
         manifest = export_checkpoint(ckpt, out, format, overwrite, max_shard_size, check, note=note, dtype=dtype)
-    e = manifest["export"]
-    msg = (
-        f"wrote {out}: DeepseekV3ForCausalLM, kv_lora_rank {e['kv_lora_rank']}, rope {e['rope']['kind']} "
-        f"({e['rope']['slots']} pairs), cache {e['cache_values_per_token_per_layer']['deepseek_v3']:.0f} values/token/layer "
-        f"(MLA checkpoint {e['cache_values_per_token_per_layer']['mla']:.1f})"
-    )
-    p = e["parity"]
-    if p:
-        msg += (
-            f"; parity max |dlogit| {p['max_abs_logit_diff']:.2e} on {p['tokens']} tokens, "
-            f"{p['greedy_tokens_equal']}/{p['greedy_tokens']} greedy tokens equal"
-        )
-    else:
-        msg += "; parity not measured (--no-check, or the model is over 2 GiB in float32)"
+    msg = _export_line(out, manifest)
     console.print(msg, highlight=False, markup=False)
 
 
@@ -374,6 +403,7 @@ def adapt(
     ),
     stop_after: int = typer.Option(None, help="Stop (resumably) after this many steps of this invocation."),
     overwrite: bool = typer.Option(False, help="Replace a non-empty OUT."),
+    export: str = typer.Option(None, "--export", help=EXPORT_HELP),
     **values: Any,
 ) -> None:
     """Fine-tune a converted checkpoint (LM loss, distillation from the source, a mix, or attention transfer).
@@ -391,6 +421,7 @@ def adapt(
         fail("--stop-after must be at least 1")
     with user_errors():  # wrong folders and paths, before the training libraries are imported
         read_checkpoint_config(ckpt, require_mla=True)
+        _check_export(out, export, overwrite)
         if options.source:
             locate_source(options.source)
     from mla_convert.adapt.train import run_adapt
@@ -417,6 +448,8 @@ def adapt(
         highlight=False,
         markup=False,
     )
+    if export:
+        _export_after(out, export, overwrite)
 
 
 @manifest_app.command("verify")
@@ -487,7 +520,7 @@ def run_recipe_cmd(
         help="Replace stage folders (OUTPUT/factor, OUTPUT/adapt) whose outputs do not match the recipe.",
     ),
 ) -> None:
-    """Run a recipe: factor -> adapt -> validate, skipping stages whose outputs already match.
+    """Run a recipe: factor -> adapt -> validate (-> export), skipping stages whose outputs already match.
 
     Prints the resolved recipe and the plan, saves OUTPUT/recipe.resolved.yaml, runs the stages into
     OUTPUT/factor and OUTPUT/adapt (a stage whose manifest matches the recipe is skipped), and ends with the

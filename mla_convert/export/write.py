@@ -37,6 +37,11 @@ PARITY_WINDOWS = 2
 PARITY_GREEDY = 64
 
 
+def export_folder(out: Path, fmt: str) -> Path:
+    """Where ``factor/adapt --export FMT`` write the export of OUT: the sibling ``OUT-FMT``."""
+    return out.with_name(f"{out.name}-{fmt}")
+
+
 def _reader(ckpt: Path) -> Any:
     from mla_convert.sources.checkpoint import SafetensorsTensors, _weight_map
 

@@ -113,8 +113,32 @@ def adapt_stage(recipe: Recipe, factor_cid: str | None) -> Stage:
     return Stage("adapt", "skip", folder, f"up to date (parent {factor_cid[:12]})")
 
 
+def export_stage(recipe: Recipe, target: Path, target_cid: str | None) -> Stage:
+    """Whether ``<output>/export`` is up to date for the checkpoint in ``target`` (canonical id ``target_cid``;
+    None: an earlier stage runs first)."""
+    from mla_convert.artifacts.manifest import MANIFEST
+
+    folder = recipe.out / "export"
+    if recipe.export is None:
+        return Stage("export", "off", folder, "no export section")
+    occupied = _occupied(folder)
+    if target_cid is None or not occupied:
+        why = "an earlier stage runs first" if occupied else "no output yet"
+        return Stage("export", "run", folder, why, occupied)
+    m = read_json(folder / MANIFEST)
+    e = (m or {}).get("export") if isinstance(m, dict) else None
+    if not isinstance(e, dict):
+        return Stage("export", "run", folder, f"the folder holds no readable export {MANIFEST}", True)
+    if (m.get("parent") or {}).get("canonical_id") != target_cid:
+        return Stage("export", "run", folder, "exported from a different checkpoint", True)
+    want = recipe.export.dtype
+    if e.get("format") != recipe.export.format or (want != "auto" and e.get("dtype") != want):
+        return Stage("export", "run", folder, "format or dtype differ", True)
+    return Stage("export", "skip", folder, f"up to date (parent {target_cid[:12]})")
+
+
 def make_plan(recipe: Recipe) -> list[Stage]:
-    """The three stages with run/skip/off and the reason, from what ``<output>`` holds now."""
+    """The stages with run/skip/off and the reason, from what ``<output>`` holds now."""
     fstage, cid = factor_stage(recipe)
     astage = adapt_stage(recipe, cid if fstage.action == "skip" else None)
     target = astage.folder if astage.action != "off" else fstage.folder
@@ -124,7 +148,10 @@ def make_plan(recipe: Recipe) -> list[Stage]:
         if v.enabled
         else Stage("validate", "off", target, "validate.enabled is false")
     )
-    return [fstage, astage, vstage]
+    target_cid = None
+    if (astage.action == "skip") or (astage.action == "off" and fstage.action == "skip"):
+        target_cid = (read_json(target / "mla_manifest.json") or {}).get("canonical_id")
+    return [fstage, astage, vstage, export_stage(recipe, target, target_cid)]
 
 
 def blocked(plan: list[Stage]) -> list[Stage]:

@@ -1,4 +1,5 @@
-"""Executing a recipe: write the resolved recipe, then factor -> adapt -> validate, skipping what is up to date."""
+"""Executing a recipe: write the resolved recipe, then factor -> adapt -> validate -> export, skipping what is up to
+date."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ from typing import Any
 
 from mla_convert.artifacts.output import atomic_write_text
 from mla_convert.recipes.load import Resolved, resolved_yaml
-from mla_convert.recipes.plan import adapt_stage, blocked_problems, factor_stage, make_plan, read_json
+from mla_convert.recipes.plan import (
+    adapt_stage,
+    blocked_problems,
+    export_stage,
+    factor_stage,
+    make_plan,
+    read_json,
+)
 from mla_convert.recipes.schema import RESOLVED_NAME, RecipeError
 
 
@@ -93,6 +101,7 @@ def run_recipe(
     v, f = recipe.validation, recipe.factor
     if not v.enabled:
         done["validate"] = "off"
+        _export(recipe, target, done, overwrite, say)
         return result
     say(f"validate: {target}")
     # the conversion's evaluation windows, against the recipe's source
@@ -108,4 +117,29 @@ def run_recipe(
     write_validation(target, vres)
     done["validate"] = "passed" if vres.passed else "failed"
     result.validation = vres
+    if vres.passed:
+        _export(recipe, target, done, overwrite, say)
+    elif recipe.export is not None:
+        done["export"] = "off"
+        say("export: not run, validation failed")
     return result
+
+
+def _export(recipe: Any, target: Path, done: dict[str, str], overwrite: bool, say: Callable[[str], None]) -> None:
+    """The export stage: ``<output>/export`` from the last checkpoint, unless up to date or off."""
+    from mla_convert.export.write import export_checkpoint
+
+    if recipe.export is None:
+        return
+    cid = (read_json(target / "mla_manifest.json") or {}).get("canonical_id")
+    stage = export_stage(recipe, target, cid)
+    if stage.action == "skip":
+        done["export"] = "skipped"
+        say(f"export: skipped, {stage.why}")
+        return
+    say(f"export: running ({stage.why})")
+    export_checkpoint(
+        target, stage.folder, recipe.export.format, overwrite=overwrite or stage.replaces, note=say,
+        dtype=recipe.export.dtype,
+    )
+    done["export"] = "ran"

@@ -3,14 +3,15 @@
 A recipe is a :class:`Recipe` (pydantic, unknown keys refused at every level): ``factor`` takes every
 :class:`~mla_convert.convert.options.ConvertOptions` key, ``adapt`` every
 :class:`~mla_convert.adapt.options.AdaptOptions` key (``adapt: null`` skips the stage), ``validate`` the
-ladder's :class:`~mla_convert.validate.options.LadderSettings` plus ``enabled``. Light on purpose (pydantic
+ladder's :class:`~mla_convert.validate.options.LadderSettings` plus ``enabled``, ``export`` (optional)
+:class:`ExportSettings`. Light on purpose (pydantic
 only, no torch).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -51,8 +52,18 @@ class ValidateSettings(LadderSettings):
         return self.model_dump(exclude={"enabled"})
 
 
+class ExportSettings(BaseModel):
+    """The optional last stage: ``mla-convert export`` of the last checkpoint into ``<output>/export``."""
+
+    model_config = ConfigDict(extra="forbid")
+    format: Literal["deepseek-v3"] = Field("deepseek-v3", description="target format (docs/export.md)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="written dtype (auto: the checkpoint's)"
+    )
+
+
 class Recipe(BaseModel):
-    """One job: source -> factor -> (adapt) -> validate, written under ``output``."""
+    """One job: source -> factor -> (adapt) -> validate -> (export), written under ``output``."""
 
     model_config = ConfigDict(extra="forbid")
     name: str = Field(..., min_length=1, description="a short name for the job")
@@ -62,6 +73,7 @@ class Recipe(BaseModel):
     factor: ConvertOptions = Field(default_factory=ConvertOptions)  # type: ignore[arg-type]
     adapt: AdaptOptions | None = None
     validation: ValidateSettings = Field(default_factory=ValidateSettings, alias="validate")  # type: ignore[arg-type]
+    export: ExportSettings | None = None
 
     @property
     def out(self) -> Path:
@@ -79,6 +91,7 @@ SECTIONS: dict[tuple[str, ...], type[BaseModel]] = {
     ("factor",): ConvertOptions,
     ("adapt",): AdaptOptions,
     ("validate",): ValidateSettings,
+    ("export",): ExportSettings,
 }
 
 

@@ -272,3 +272,61 @@ def test_export_refuses_bad_inputs(exported, reference_ckpt, tmp_path):
     res = runner.invoke(app, ["export", str(reference_ckpt), str(tmp_path / "x"), "--format", "gguf"])
     assert res.exit_code == 2 and "--format 'gguf' is not one of deepseek-v3" in res.output
     assert not (tmp_path / "x").exists() and not (tmp_path / "again").exists()
+
+
+# ------------------------------------------------------------------------------------------ factor / recipes
+SMALL_FLAGS = ["--calib-windows", "2", "--window", "64", "--eval-windows", "1", "--cache-budget", "24",
+               "--rope-pairs", "4"]
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory):
+    from tiny import copy_tokenizer
+
+    folder = _write(tmp_path_factory.mktemp("qwen2-src"), "qwen2")
+    copy_tokenizer(folder)
+    return folder
+
+
+def test_factor_ends_with_an_export(tiny_qwen2, tmp_path):
+    out = tmp_path / "mla"
+    runner = CliRunner()
+    res = runner.invoke(app, ["--quiet", "factor", str(tiny_qwen2), str(out), *SMALL_FLAGS, "--export", "deepseek-v3"])
+    assert res.exit_code == 0, res.output + str(res.exception)
+    dest = tmp_path / "mla-deepseek-v3"
+    manifest = json.loads((dest / "mla_manifest.json").read_text())
+    parent = json.loads((out / "mla_manifest.json").read_text())
+    assert manifest["parent"]["canonical_id"] == parent["canonical_id"]
+    assert manifest["export"]["parity"]["max_abs_logit_diff"] < 1e-2  # bfloat16 weights run in float32 both sides
+    assert manifest["export"]["q_lora_rank"] == 65  # the Qwen2 query bias
+    assert f"wrote {dest}" in res.output
+    # the export folder is checked before any work: occupied -> refused, OUT untouched
+    res = runner.invoke(app, ["factor", str(tiny_qwen2), str(tmp_path / "third"), *SMALL_FLAGS, "--export", "onnx"])
+    assert res.exit_code == 2 and "--export 'onnx' is not one of deepseek-v3" in res.output
+    (tmp_path / "fourth-deepseek-v3").mkdir()
+    (tmp_path / "fourth-deepseek-v3" / "x").write_text("keep")
+    res = runner.invoke(app, ["factor", str(tiny_qwen2), str(tmp_path / "fourth"), *SMALL_FLAGS, "--export",
+                              "deepseek-v3"])
+    assert res.exit_code == 2 and "pass --overwrite" in res.output and not (tmp_path / "fourth").exists()
+
+
+def test_recipe_export_stage_runs_then_skips(tiny_qwen2, tmp_path):
+    import yaml
+
+    recipe = {
+        "name": "tiny-export",
+        "source": str(tiny_qwen2),
+        "output": str(tmp_path / "job"),
+        "factor": {"calib_windows": 2, "window": 64, "eval_windows": 1, "cache_budget": 24, "rope_pairs": 4},
+        "validate": {"enabled": False},
+        "export": {"format": "deepseek-v3", "dtype": "float32"},
+    }
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    res = CliRunner().invoke(app, ["run", str(path)])
+    assert res.exit_code == 0, res.output + str(res.exception)
+    assert "export ran" in res.output
+    m = json.loads((tmp_path / "job" / "export" / "mla_manifest.json").read_text())
+    assert m["export"]["dtype"] == "float32" and m["export"]["parity"]["max_abs_logit_diff"] < TOL
+    res = CliRunner().invoke(app, ["run", str(path)])
+    assert res.exit_code == 0 and "export skipped" in res.output, res.output
