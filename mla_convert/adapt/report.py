@@ -63,7 +63,8 @@ def model_card(ckpt: Path, o: AdaptOptions, report: dict[str, Any]) -> str:
         f"MLA checkpoint from `mla-convert adapt`: {report['tokens_trained']} training tokens of {o.text} "
         f"(adaptation split). Held-out perplexity ({a['eval_tokens']} tokens of the evaluation split): "
         f"{b['perplexity']:.3f} before, {a['perplexity']:.3f} after; source {a['source_perplexity']:.3f}.\n\n"
-        "Load with `import mla_convert` then `AutoModelForCausalLM.from_pretrained(...)`.\n"
+        "Load with `import mla_convert` then `AutoModelForCausalLM.from_pretrained(...)`; for stock transformers "
+        "write an exact DeepSeek-V3 copy with `mla-convert export PATH OUT --format deepseek-v3`.\n"
     )
 
 

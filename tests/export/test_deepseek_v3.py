@@ -330,3 +330,15 @@ def test_recipe_export_stage_runs_then_skips(tiny_qwen2, tmp_path):
     assert m["export"]["dtype"] == "float32" and m["export"]["parity"]["max_abs_logit_diff"] < TOL
     res = CliRunner().invoke(app, ["run", str(path)])
     assert res.exit_code == 0 and "export skipped" in res.output, res.output
+
+
+def test_smollm2_full_keep_export_is_the_source(smol, smol_model, smol_stats, eval_ids):
+    """Real weights, every RoPE component and full rank: stock DeepSeek-V3 = our MLA model = SmolLM2 (float32)."""
+    opts = ConvertOptions(rope_mode="shared", rope_strategy="rotation", rope_pairs=96, cache_budget=None,
+                          kv_lora_rank=192)
+    mla, _, _, _ = build_mla(smol, smol_model, smol_stats[0], opts)
+    plan, _, stock = _stock(mla.eval())
+    got = _logits(stock, eval_ids)
+    assert (got - _logits(mla, eval_ids)).abs().max().item() < TOL
+    assert (got - _logits(smol_model, eval_ids)).abs().max().item() < TOL
+    assert plan.rope.kind == "longrope"  # 96 components of 32 frequencies: repeated frequencies

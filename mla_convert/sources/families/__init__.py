@@ -25,7 +25,8 @@ REFUSED: dict[str, str] = {
     "cohere2": "alternating sliding-window attention",
     "deepseek_v2": "the model already uses MLA",
     "deepseek_v3": "the model already uses MLA",
-    "mla": "the model is already an mla-convert MLA checkpoint",
+    "mla": "the model is already an mla-convert MLA checkpoint (load it with `import mla_convert`, or write a "
+    "stock-transformers copy with `mla-convert export CKPT OUT --format deepseek-v3`)",
 }
 
 
