@@ -91,6 +91,36 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+class PhasePeaks:
+    """Peak resident memory (MiB) of each phase of a job: at each boundary the high-water mark ``VmHWM`` is read
+    and reset (``/proc/self/clear_refs`` ``5``, Linux >= 4.0). Where the reset is refused, every phase reports the
+    peak so far (still an upper bound)."""
+
+    def __init__(self) -> None:
+        self.peaks: dict[str, float] = {}
+        self.current = "start"
+        self._reset()
+
+    @staticmethod
+    def _reset() -> None:
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            pass
+
+    def enter(self, phase: str) -> None:
+        """End the current phase (record its peak) and start ``phase``."""
+        self.peaks[self.current] = max(self.peaks.get(self.current, 0.0), peak_rss_mb())
+        self.current = phase
+        self._reset()
+
+    def finish(self) -> dict[str, float]:
+        """Every phase's peak (MiB, rounded), the current one closed."""
+        self.enter("end")
+        self.peaks.pop("end", None)
+        return {k: round(v, 1) for k, v in self.peaks.items()}
+
+
 def model_card(src: SourceModel, options: ConvertOptions, res: Streamed) -> str:
     """A short model card naming the source and the method."""
     widths = res.config.cache_width
@@ -168,6 +198,7 @@ def run_factor(
     from transformers import AutoTokenizer
 
     t0 = time.perf_counter()
+    phases = PhasePeaks()
     check_options(options, src)
     warnings = preflight(src)  # broken sources: before any work
     job = job_record(src, options, max_shard_size)
@@ -194,14 +225,18 @@ def run_factor(
             """First layer pass ``p`` still has to run."""
             return n if step[0] > p else (step[1] + 1 if step[0] == p else 0)
 
+        phases.enter("calibrate")
         conv.pass_one(first(1))
         t1 = time.perf_counter()
         config = conv.ranks_and_config()
+        phases.enter("convert")
         conv.pass_two(config, first(2))
         if step[0] < 3:
             conv.decide_refit()
+        phases.enter("evaluate")
         conv.pass_three(config, first(3))
         t2 = time.perf_counter()
+        phases.enter("score")
         ev = conv.score()
         res = conv.result(config, ev)
         t3 = time.perf_counter()
@@ -213,6 +248,7 @@ def run_factor(
             if progress:
                 progress("write", 1, total)
 
+        phases.enter("write")
         config.save_pretrained(str(staged))
         write_shards(
             staged,
@@ -223,11 +259,13 @@ def run_factor(
         )
         params = sum(t.numel() for t in conv.layout(config).values())
         write_carried(staged, src.path, config, model_card(src, options, res))
+        phases.enter("sample")
         sample = _sample(staged, tokenizer, sample_prompt, params)
     except UserError:
         close_work(work)  # a damaged source or impossible step: nothing to resume
         raise
     t4 = time.perf_counter()
+    by_phase = phases.finish()
     cache_src, cache_mla = res.cache_source, res.cache_converted
     report: dict[str, Any] = {
         "source": src.describe(),
@@ -271,7 +309,8 @@ def run_factor(
             "per_layer": res.per_layer,
             "device": res.device,
             "resumed_after": done,
-            "peak_rss_mb": peak_rss_mb(),
+            "peak_rss_mb": max(by_phase.values()),
+            "peak_rss_mb_by_phase": by_phase,
             "torch": torch.__version__,
             "python": platform.python_version(),
             "threads": torch.get_num_threads(),
