@@ -14,7 +14,8 @@ the largest phase. Every phase holds the runtime (:data:`RUNTIME_BYTES`), the hi
 mapped file. Then, per phase:
 
 * ``embed``: the embedding table's mapped pages in its stored dtype (``V d`` values) and the finiteness check
-  of :func:`~mla_convert.convert.layers.read_checked` (one byte per value).
+  of :func:`~mla_convert.convert.layers.read_checked` (chunks of
+  :data:`~mla_convert.convert.layers.FINITE_CHUNK` elements, a few bytes each).
 * ``source forward`` (pass 1): one layer in float32 (``4 p``) plus its mapped source pages (``s``; the two are
   the same pages for a float32 source), the float64 attention weights, the statistics (``2 x 8 d²``), the kept
   captures of this layer (``8 d T (N + M)`` with the ``o_proj`` refit, ``8 d T M`` without), one chunk of
@@ -60,6 +61,9 @@ from typing import Any
 from mla_convert.convert.options import ConvertOptions, geometry
 
 GB = 1e9
+
+#: Transient bytes of one chunk of the finiteness check (``abs`` copy and masks of ``FINITE_CHUNK`` float32 values).
+FINITE_BYTES = 4.0 * (1 << 24)
 
 #: Resident bytes of the process besides the modelled items: Python, torch (its library pages as they get
 #: used), transformers, mla_convert, the tokenizer, the loaded text and the allocator's retained heap. Measured:
@@ -398,7 +402,7 @@ def factor_phases(options: ConvertOptions, src: Any, max_shard_size: str | int |
     else:
         embed_items = (("embedding table pages", float(s.embed_stored)),)
     phases.append(
-        Phase("factor", "embed", pass1 + embed_items + (("finiteness check (1 byte/value)", vocab_f * d),))
+        Phase("factor", "embed", pass1 + embed_items + (("finiteness check (one chunk)", FINITE_BYTES),))
     )
     biggest = max(n, m, e)
     phases.append(
@@ -493,7 +497,7 @@ def factor_phases(options: ConvertOptions, src: Any, max_shard_size: str | int |
         if s.gguf_bytes
         else ("LM head pages", float(s.head_stored))
     )
-    phases.append(Phase("factor", "score: LM head read", pass2 + (head, ("finiteness check", vocab_f * d))))
+    phases.append(Phase("factor", "score: LM head read", pass2 + (head, ("finiteness check (one chunk)", FINITE_BYTES))))
     c = min(chunk_v, s.vocab)
     score_tmp = 8.0 * 5 * (t - 1) * c + 4.0 * 2 * (t - 1) * c + c * d * (8.0 + s.out_itemsize)
     phases.append(
@@ -510,7 +514,7 @@ def factor_phases(options: ConvertOptions, src: Any, max_shard_size: str | int |
             pass2
             + (("one output shard", shard),)
             + reading
-            + (("finiteness check", float(s.largest_params)),),
+            + (("finiteness check (one chunk)", FINITE_BYTES),),
         )
     )
     if 4 * s.output_params <= SAMPLE_MAX_BYTES:

@@ -32,6 +32,18 @@ def layer_prefix(layer: int) -> str:
     return f"model.layers.{layer}."
 
 
+#: Elements checked at a time by :func:`all_finite` (its temporaries are a few bytes per element).
+FINITE_CHUNK = 1 << 24
+
+
+def all_finite(t: torch.Tensor, chunk: int = FINITE_CHUNK) -> bool:
+    """Whether ``t`` holds no NaN or Inf, checked ``chunk`` elements at a time: ``torch.isfinite`` on a whole
+    tensor allocates an ``abs`` copy and two boolean masks (measured: +2 GB transient for an 8B model's
+    bfloat16 embedding), a chunk costs ~64 MB."""
+    flat = t.reshape(-1)
+    return all(bool(torch.isfinite(part).all()) for part in flat.split(chunk))
+
+
 def read_checked(src: SourceModel, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """One source tensor as ``dtype`` on ``device``.
 
@@ -39,7 +51,7 @@ def read_checked(src: SourceModel, name: str, dtype: torch.dtype, device: torch.
         SourceError: the tensor holds NaN or Inf values (names the tensor).
     """
     t = src.tensor(name, dtype)
-    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+    if t.is_floating_point() and not all_finite(t):
         raise SourceError(
             f"tensor {name!r} of {src.origin} holds NaN or Inf values; the checkpoint is damaged, re-download or "
             "re-save it"
