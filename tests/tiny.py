@@ -116,3 +116,27 @@ def leftovers(out: Path) -> list[str]:
     return sorted(
         p.name for p in parent.iterdir() if p.name.startswith((f".{out.name}.tmp-", f".{out.name}.old-"))
     )
+
+
+def write_tiny_family(folder: Path, family: str) -> Path:
+    """A random tiny ``llama`` (GQA), ``mha`` (Llama, 4 KV heads), ``mistral`` or ``qwen2`` (random q/k/v biases)
+    checkpoint in ``folder`` (seed 0)."""
+    import torch
+
+    torch.manual_seed(0)
+    if family in ("llama", "mha"):
+        return write_tiny_llama(folder, **({"num_key_value_heads": 4} if family == "mha" else {}))
+    if family == "mistral":
+        from transformers import MistralConfig, MistralForCausalLM
+
+        MistralForCausalLM(MistralConfig(**TINY, sliding_window=None)).save_pretrained(str(folder))
+        return folder
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM(Qwen2Config(**TINY))
+    with torch.no_grad():  # transformers initialises biases to zero: make them carry something
+        for layer in model.model.layers:
+            for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                p.bias.normal_(0, 0.5)
+    model.save_pretrained(str(folder))
+    return folder

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import TINY, write_tiny_llama
+from tiny import write_tiny_family as _write
 from typer.testing import CliRunner
 
 import mla_convert  # noqa: F401
@@ -36,26 +36,6 @@ from mla_convert.sources.checkpoint import load_source_model, open_source
 TOL = 1e-4  # float32 logits
 FULL = dict(rope_mode="shared", rope_strategy="rotation", rope_pairs=16, cache_budget=None, kv_lora_rank=32)
 LOSSY = dict(cache_budget=24, rope_pairs=4)  # the default strategy (2-norm, per-layer ranks) at a small cache
-
-
-def _write(folder: Path, family: str) -> Path:
-    torch.manual_seed(0)
-    if family in ("llama", "mha"):
-        return write_tiny_llama(folder, **({"num_key_value_heads": 4} if family == "mha" else {}))
-    if family == "mistral":
-        from transformers import MistralConfig, MistralForCausalLM
-
-        MistralForCausalLM(MistralConfig(**TINY, sliding_window=None)).save_pretrained(str(folder))
-        return folder
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    model = Qwen2ForCausalLM(Qwen2Config(**TINY))
-    with torch.no_grad():  # transformers initialises biases to zero: make them carry something
-        for layer in model.model.layers:
-            for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                p.bias.normal_(0, 0.5)
-    model.save_pretrained(str(folder))
-    return folder
 
 
 @pytest.fixture(scope="module", params=["llama", "mha", "mistral", "qwen2"])
