@@ -144,6 +144,16 @@ def factor(
     with user_errors():
         src = open_source(source)
         check_options(options, src)  # the source's shapes: before anything is loaded
+        if export:
+            from mla_convert.convert.options import geometry
+
+            geo = geometry(options, src)
+            if geo.rope_heads != 1 or geo.rope_width == 0:
+                fail(
+                    f"--export {export} needs one shared rope head with at least one pair; these options give "
+                    f"{geo.rope_heads} rope heads and {geo.rope_width // max(geo.rope_heads, 1) // 2} pairs each: "
+                    "use --rope-mode shared and --rope-pairs >= 1"
+                )
         say(
             f"source: {src.origin} ({src.family.name}, {src.num_layers} layers, {src.num_heads}/{src.num_kv_heads} heads)"
         )
@@ -244,8 +254,11 @@ def export(
     with user_errors():  # wrong folders, before the model libraries are imported
         if format != "deepseek-v3":
             fail(f"--format {format!r} is not one of deepseek-v3")
+        if dtype not in ("auto", "float32", "bfloat16", "float16"):
+            fail(f"--dtype {dtype!r} is not one of auto, float32, bfloat16, float16")
         shard_size_of(max_shard_size)
-        read_checkpoint_config(ckpt, require_mla=True)
+        if read_checkpoint_config(ckpt, require_mla=True).get("model_type") != "mla":
+            fail(f"{ckpt} is already a DeepSeek-V3 export; export the MLA checkpoint it came from")
         check_output(out, overwrite, source_dir=ckpt)
     from mla_convert.export.write import export_checkpoint
 
@@ -420,8 +433,13 @@ def adapt(
     if stop_after is not None and stop_after < 1:
         fail("--stop-after must be at least 1")
     with user_errors():  # wrong folders and paths, before the training libraries are imported
-        read_checkpoint_config(ckpt, require_mla=True)
+        ckpt_config = read_checkpoint_config(ckpt, require_mla=True)
         _check_export(out, export, overwrite)
+        if export and ckpt_config.get("num_rope_heads", 1) != 1:
+            fail(
+                f"--export {export}: {ckpt} has {ckpt_config['num_rope_heads']} rope heads (a per-head conversion); "
+                "DeepSeek-V3 has one: adapt a --rope-mode shared conversion to export it"
+            )
         if options.source:
             locate_source(options.source)
     from mla_convert.adapt.train import run_adapt

@@ -35,6 +35,9 @@ PARITY_WINDOW = 128
 PARITY_WINDOWS = 2
 #: Greedy tokens compared through stock ``generate()``.
 PARITY_GREEDY = 64
+#: An export whose measured max |Δlogit| (float32) exceeds this is refused: the mapping is exact, so a larger
+#: difference is a fault (measured exports: 5e-5 .. 1.2e-3).
+PARITY_FAIL = 5e-2
 
 
 def export_folder(out: Path, fmt: str) -> Path:
@@ -95,8 +98,9 @@ def layout_of(plan: ExportPlan, config: Any, tensors: Any) -> dict[str, torch.Te
     return out
 
 
-def parity(ckpt: Path, staged: Path, tokenizer_dir: Path) -> dict[str, Any]:
-    """Stock ``DeepseekV3ForCausalLM`` (from ``staged``) against our MLA model (from ``ckpt``), both float32, on
+def parity(ckpt: Path, staged: Path, tokenizer_dir: Path, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """Stock ``DeepseekV3ForCausalLM`` (from ``staged``) against our MLA model (from ``ckpt``, its weights rounded to
+    the export's ``dtype`` so only the mapping is measured; RoPE frequencies stay float32), both run in float32, on
     :data:`PARITY_WINDOWS` x :data:`PARITY_WINDOW` tokens of the wikipedia evaluation split: max |Δlogit|,
     greedy agreement over :data:`PARITY_GREEDY` tokens through stock ``generate()``.
 
@@ -110,6 +114,10 @@ def parity(ckpt: Path, staged: Path, tokenizer_dir: Path) -> dict[str, Any]:
     from mla_convert.text.windows import split_documents, token_windows
 
     ours = load_checkpoint(ckpt)
+    if dtype != torch.float32:  # compare with the checkpoint's weights as the export's dtype holds them
+        with torch.no_grad():
+            for p in ours.parameters():  # buffers (rope_inv_freq) stay float32, as checkpoints keep them
+                p.copy_(p.to(dtype).float())
     try:
         stock = AutoModelForCausalLM.from_pretrained(str(staged), dtype=torch.float32).eval()
     except (OSError, ValueError) as exc:
@@ -133,6 +141,7 @@ def parity(ckpt: Path, staged: Path, tokenizer_dir: Path) -> dict[str, Any]:
         "tokens": int(ids.numel()),
         "text": f"wikipedia evaluation split, {PARITY_WINDOWS} x {PARITY_WINDOW} tokens",
         "dtype": "float32",
+        "compared_with": f"the MLA checkpoint, weights as {str(dtype).replace('torch.', '')}",
         "greedy_tokens_equal": same,
         "greedy_tokens": PARITY_GREEDY,
         "stock_class": f"{type(stock).__module__}.{type(stock).__name__}",
@@ -214,7 +223,8 @@ def export_checkpoint(
         The manifest written (``export`` holds the mapping and the parity).
 
     Raises:
-        ExportError: an unknown format, or a checkpoint the format cannot express (one line, nothing written).
+        ExportError: an unknown format, an export as CKPT, a checkpoint the format cannot express, or a measured
+            parity over :data:`PARITY_FAIL` (one line, nothing written).
         CheckpointError / OutputError: not a converted checkpoint; an existing ``out`` without ``overwrite``.
     """
     import platform
@@ -234,7 +244,8 @@ def export_checkpoint(
         raise ExportError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
     if dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ExportError(f"--dtype {dtype!r} is not one of auto, float32, bfloat16, float16")
-    read_checkpoint_config(ckpt, require_mla=True)
+    if read_checkpoint_config(ckpt, require_mla=True).get("model_type") != "mla":
+        raise ExportError(f"{ckpt} is already a DeepSeek-V3 export; export the MLA checkpoint it came from")
     check_output(out, overwrite, source_dir=ckpt)
     config = MLAConfig.from_pretrained(str(ckpt))
     out_dtype: torch.dtype = getattr(torch, checkpoint_dtype(ckpt) if dtype == "auto" else dtype)
@@ -253,7 +264,12 @@ def export_checkpoint(
         result = None
         if check and 4 * params <= PARITY_MAX_BYTES:
             say("measuring parity: stock DeepseekV3ForCausalLM against the MLA checkpoint (float32, real text)")
-            result = parity(ckpt, staged, ckpt)
+            result = parity(ckpt, staged, ckpt, plan.dtype)
+            if result["max_abs_logit_diff"] > PARITY_FAIL:
+                raise ExportError(
+                    f"the export of {ckpt} differs from it by max |dlogit| {result['max_abs_logit_diff']:.3g} "
+                    f"(over {PARITY_FAIL:g}); nothing was written: this is a bug, please report it"
+                )
         card = model_card(ckpt, plan, result)
         carried = write_carried(staged, ckpt, ds, card)
         manifest = export_manifest(ckpt, plan, result)

@@ -248,7 +248,7 @@ def test_export_refuses_bad_inputs(exported, reference_ckpt, tmp_path):
     res = runner.invoke(app, ["export", str(reference_ckpt), str(out)])
     assert res.exit_code == 2 and "pass --overwrite" in res.output
     res = runner.invoke(app, ["export", str(out), str(tmp_path / "again")])
-    assert res.exit_code == 2 and "not a converted MLA checkpoint" in res.output  # an export is not re-exported
+    assert res.exit_code == 2 and "is already a DeepSeek-V3 export" in res.output  # an export is not re-exported
     res = runner.invoke(app, ["export", str(reference_ckpt), str(tmp_path / "x"), "--format", "gguf"])
     assert res.exit_code == 2 and "--format 'gguf' is not one of deepseek-v3" in res.output
     assert not (tmp_path / "x").exists() and not (tmp_path / "again").exists()
@@ -281,6 +281,11 @@ def test_factor_ends_with_an_export(tiny_qwen2, tmp_path):
     assert manifest["export"]["q_lora_rank"] == 65  # the Qwen2 query bias
     assert f"wrote {dest}" in res.output
     # the export folder is checked before any work: occupied -> refused, OUT untouched
+    res = runner.invoke(app, ["factor", str(tiny_qwen2), str(tmp_path / "ph"), *SMALL_FLAGS, "--rope-mode", "per-head",
+                              "--export", "deepseek-v3"])
+    assert res.exit_code == 2 and "needs one shared rope head" in res.output and not (tmp_path / "ph").exists()
+    res = runner.invoke(app, ["export", str(out), str(tmp_path / "x"), "--dtype", "int8"])
+    assert res.exit_code == 2 and "--dtype 'int8' is not one of" in res.output
     res = runner.invoke(app, ["factor", str(tiny_qwen2), str(tmp_path / "third"), *SMALL_FLAGS, "--export", "onnx"])
     assert res.exit_code == 2 and "--export 'onnx' is not one of deepseek-v3" in res.output
     (tmp_path / "fourth-deepseek-v3").mkdir()
