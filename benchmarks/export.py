@@ -91,7 +91,7 @@ def main() -> None:
                 "cache MLA": e["cache_values_per_token_per_layer"]["mla"],
                 "cache export": e["cache_values_per_token_per_layer"]["deepseek_v3"],
                 "rope": f"{e['rope']['kind']} ({e['rope']['slots']} pairs)",
-                "max |dlogit|": p["max_abs_logit_diff"],
+                "max abs Δlogit": p["max_abs_logit_diff"],
                 "greedy equal": f"{p['greedy_tokens_equal']}/{p['greedy_tokens']}",
             })
             print(rows[-1], flush=True)
@@ -109,7 +109,7 @@ def main() -> None:
         "|" + "---|" * len(cols),
     ]
     for r in rows:
-        cells = [f"{v:.2e}" if k == "max |dlogit|" else (f"{v:g}" if isinstance(v, float) else str(v))
+        cells = [f"{v:.2e}" if k == "max abs Δlogit" else (f"{v:g}" if isinstance(v, float) else str(v))
                  for k, v in r.items()]
         lines.append("| " + " | ".join(cells) + " |")
     table = "\n".join(lines)

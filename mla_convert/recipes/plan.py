@@ -138,7 +138,8 @@ def export_stage(recipe: Recipe, target: Path, target_cid: str | None) -> Stage:
 
 
 def make_plan(recipe: Recipe) -> list[Stage]:
-    """The stages with run/skip/off and the reason, from what ``<output>`` holds now."""
+    """The stages with run/skip/off and the reason, from what ``<output>`` holds now (export only when the recipe
+    has an ``export`` section)."""
     fstage, cid = factor_stage(recipe)
     astage = adapt_stage(recipe, cid if fstage.action == "skip" else None)
     target = astage.folder if astage.action != "off" else fstage.folder
@@ -151,7 +152,8 @@ def make_plan(recipe: Recipe) -> list[Stage]:
     target_cid = None
     if (astage.action == "skip") or (astage.action == "off" and fstage.action == "skip"):
         target_cid = (read_json(target / "mla_manifest.json") or {}).get("canonical_id")
-    return [fstage, astage, vstage, export_stage(recipe, target, target_cid)]
+    stages = [fstage, astage, vstage]
+    return stages + [export_stage(recipe, target, target_cid)] if recipe.export is not None else stages
 
 
 def blocked(plan: list[Stage]) -> list[Stage]:
