@@ -1,72 +1,104 @@
-"""Triton split-KV decode attention over a paged MLA latent cache (docs/formats.md §The decode kernel).
+"""Triton split-KV attention over a paged MLA latent cache (docs/formats.md §The decode kernel).
 
-One query token per request. Program ``(b, head block, split)`` walks its share of request ``b``'s
-tokens in tiles of ``BLOCK_N`` rows; each tile of ``[c_kv | k_rope]`` rows is loaded once for a block of
-up to 16 query heads and serves both the scores (``q_abs . c_kv + q_rope . k_rope``) and the value
-accumulation (``p @ c_kv``), with an online softmax in float32. Partial results of the splits are merged
-exactly through their log-sum-exp by a second kernel (never averaged); empty splits carry ``lse = -inf``
-and weigh nothing, and a length-0 request yields zeros and ``lse = -inf`` without NaN. Page and row
-addresses are int64. On a machine without a GPU the kernels run in the Triton interpreter
-(``TRITON_INTERPRET=1``, set by :mod:`mla_convert.kernels` before this module is imported).
+``s_q`` new query tokens per request (one for decoding; several for speculative verification or chunked
+prefill, causal inside the block). The query rows of a request, ``m = i * H + h`` for query token ``i`` and
+head ``h``, are tiled ``BLOCK_M = 16`` at a time (``tl.dot`` needs 16 rows). Program ``(row block, split, b)``
+walks its share of request ``b``'s rows in tiles of ``BLOCK_N``; each tile of ``[c_kv | k_rope]`` rows is loaded
+once for the row block and serves both the scores (``q_abs . c_kv + q_rope . k_rope``) and the value
+accumulation (``p @ c_kv``), with an online softmax in float32. The row block is the fastest grid axis, so the
+programs that read the same cache rows (the row blocks of one request and split) run side by side and a row
+comes from HBM about once. The rope scores are one ``d_R``-wide dot per rope head present in the row block,
+never a dot over the whole ``R * d_R`` rope part of the row.
 
-Numerics: float32 inputs use IEEE float32 dot products (no TF32); float16/bfloat16 inputs use their
-native dot with float32 accumulation, and the probabilities are rounded to the cache dtype for the
-value product, as in FlashAttention.
+Partial results of the splits are merged exactly through their log-sum-exp by a second kernel (never
+averaged); empty splits carry ``lse = -inf`` and weigh nothing, and a query row that sees no cached row (a
+length-0 request) yields zeros and ``lse = -inf`` without NaN. Page and row addresses are int64.
+
+Compiled variants: ``num_splits``, ``s_q`` and ``num_heads`` are runtime arguments that Triton does not
+specialise on, so a growing context or a new batch never compiles a new kernel; variants differ only by dtype,
+the power-of-two tiles of ``d_c`` and ``d_R``, ``BLOCK_N`` and whether there is a rope part
+(:func:`launch_key`, enumerated by :mod:`mla_convert.kernels.compile_check`).
+
+Numerics: float32 inputs use IEEE float32 dot products (no TF32); float16/bfloat16 inputs use their native dot
+with float32 accumulation, and the probabilities are rounded to the cache dtype for the value product, as in
+FlashAttention. On a machine without a GPU the kernels run in the Triton interpreter (``TRITON_INTERPRET=1``, set
+by :mod:`mla_convert.kernels` before this module is imported), which reads bfloat16 as 16-bit integers:
+bfloat16 is refused there.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .reference import check_decode_inputs
+from .reference import check_decode_inputs, check_decode_values
 
-BLOCK_H = 16  # query heads per program (tl.dot needs >= 16 rows)
+MERGE_WARPS = 4
+BLOCK_M = 16  # query rows (query token x head) per program: tl.dot needs >= 16 rows
+MIN_BLOCK_N = 16  # tl.dot needs >= 16 columns in fp16/bf16 when compiled for sm_80/sm_90
+MAX_SPLITS = 32
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: the fp32 partials of the splits stay below this fraction of the cache bytes a request reads
+PARTIAL_BYTES_FRACTION = 0.25
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_heads", "s_q", "num_splits"])
 def _split_kernel(
     q_abs_ptr, q_rope_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, head_to_rope_ptr,
     part_out_ptr, part_lse_ptr,
     softmax_scale,
-    stride_qab, stride_qah, stride_qrb, stride_qrh,
+    stride_qab, stride_qas, stride_qah, stride_qrb, stride_qrs, stride_qrh,
     stride_cp, stride_cs, stride_btb,
-    stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
-    num_heads, d_c, d_r, rope_width, page_size,
-    NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_DC: tl.constexpr, BLOCK_R: tl.constexpr, HAS_ROPE: tl.constexpr, IEEE: tl.constexpr,
+    stride_pob, stride_pom, stride_pos, stride_plb, stride_plm,
+    num_heads, s_q, d_c, d_r, page_size, num_splits,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_R: tl.constexpr,
+    HAS_ROPE: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
-    hb = tl.program_id(1)
-    split = tl.program_id(2)
+    mb = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    per_split = ((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    per_split = ((seq_len + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
-    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_h = offs_h < num_heads
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < s_q * num_heads
+    qi = offs_m // num_heads  # query token of each row
+    head = offs_m % num_heads
+    limit = seq_len - s_q + qi  # last cached row each query row sees (causal inside the query block)
+    # rows past the block's last visible row are never read
+    hi = tl.minimum(
+        end, seq_len - s_q + tl.minimum(mb * BLOCK_M + BLOCK_M - 1, s_q * num_heads - 1) // num_heads + 1
+    )
     offs_c = tl.arange(0, BLOCK_DC)
     mask_c = offs_c < d_c
     b64 = b.to(tl.int64)
-    q_ptrs = q_abs_ptr + b64 * stride_qab + offs_h[:, None].to(tl.int64) * stride_qah + offs_c[None, :]
-    q_abs = tl.load(q_ptrs, mask=mask_h[:, None] & mask_c[None, :], other=0.0)
+    q_row = b64 * stride_qab + qi.to(tl.int64) * stride_qas + head.to(tl.int64) * stride_qah
+    q_abs = tl.load(
+        q_abs_ptr + q_row[:, None] + offs_c[None, :], mask=mask_m[:, None] & mask_c[None, :], other=0.0
+    )
     offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < d_r
     if HAS_ROPE:
-        # each head's rope query is placed at its rope head's columns of the row, zeros elsewhere
-        rope_head = tl.load(head_to_rope_ptr + offs_h, mask=mask_h, other=0)
-        local = offs_r[None, :] - rope_head[:, None] * d_r
-        mask_qr = mask_h[:, None] & (local >= 0) & (local < d_r)
-        qr_ptrs = q_rope_ptr + b64 * stride_qrb + offs_h[:, None].to(tl.int64) * stride_qrh + local
-        q_rope = tl.load(qr_ptrs, mask=mask_qr, other=0.0)
+        rope_head = tl.load(head_to_rope_ptr + head, mask=mask_m, other=0)
+        r_lo = tl.min(tl.where(mask_m, rope_head, 2147483647), axis=0)
+        r_hi = tl.max(tl.where(mask_m, rope_head, -1), axis=0)
+        qr_row = b64 * stride_qrb + qi.to(tl.int64) * stride_qrs + head.to(tl.int64) * stride_qrh
+        q_rope = tl.load(
+            q_rope_ptr + qr_row[:, None] + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :], other=0.0
+        )
 
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_DC], dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DC], dtype=tl.float32)
+    for n0 in range(start, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
+        mask_n = offs_n < hi
         page = tl.load(block_table_ptr + b64 * stride_btb + offs_n // page_size, mask=mask_n, other=0)
         row = page.to(tl.int64) * stride_cp + (offs_n % page_size).to(tl.int64) * stride_cs
         tile = tl.load(
@@ -77,16 +109,23 @@ def _split_kernel(
         else:
             scores = tl.dot(q_abs, tl.trans(tile))
         if HAS_ROPE:
-            mask_r = mask_n[:, None] & (offs_r < rope_width)[None, :]
-            k_rope = tl.load(cache_ptr + row[:, None] + d_c + offs_r[None, :], mask=mask_r, other=0.0)
-            if IEEE:
-                scores += tl.dot(q_rope, tl.trans(k_rope), input_precision="ieee")
-            else:
-                scores += tl.dot(q_rope, tl.trans(k_rope))
-        scores = tl.where(mask_n[None, :], scores * softmax_scale, float("-inf"))
+            for r in range(r_lo, r_hi + 1):  # one d_R-wide dot per rope head present in the row block
+                k_rope = tl.load(
+                    cache_ptr + row[:, None] + d_c + r * d_r + offs_r[None, :],
+                    mask=mask_n[:, None] & mask_r[None, :],
+                    other=0.0,
+                )
+                q_r = tl.where((rope_head == r)[:, None], q_rope, 0.0).to(k_rope.dtype)
+                if IEEE:
+                    scores += tl.dot(q_r, tl.trans(k_rope), input_precision="ieee")
+                else:
+                    scores += tl.dot(q_r, tl.trans(k_rope))
+        visible = mask_n[None, :] & (offs_n[None, :] <= limit[:, None])
+        scores = tl.where(visible, scores * softmax_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at zero
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(scores - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, tile, input_precision="ieee")
@@ -94,61 +133,142 @@ def _split_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(tile.dtype), tile)
         m_i = m_new
 
-    # an empty split is known from its range, not from l_i, so a NaN read is passed on, never hidden
-    filled = (tl.zeros([BLOCK_H], dtype=tl.int32) + end) > start
+    # whether a row saw anything is known from its range, not from l_i, so a NaN read is passed on, never hidden
+    filled = (start < hi) & (start <= limit)
     out = acc / tl.where(filled, l_i, 1.0)[:, None]
     lse = tl.where(filled, m_i + tl.log(tl.where(filled, l_i, 1.0)), float("-inf"))
-    base = b64 * stride_pob + split.to(tl.int64) * stride_pos + offs_h[:, None].to(tl.int64) * stride_poh
-    tl.store(part_out_ptr + base + offs_c[None, :], out, mask=mask_h[:, None] & mask_c[None, :])
-    tl.store(part_lse_ptr + b64 * stride_plb + offs_h * stride_plh + split, lse, mask=mask_h)
+    base = b64 * stride_pob + split.to(tl.int64) * stride_pos + offs_m[:, None].to(tl.int64) * stride_pom
+    tl.store(part_out_ptr + base + offs_c[None, :], out, mask=mask_m[:, None] & mask_c[None, :])
+    tl.store(part_lse_ptr + b64 * stride_plb + offs_m * stride_plm + split, lse, mask=mask_m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows", "num_splits"])
 def _merge_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
-    stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
-    stride_ob, stride_oh, stride_lb,
-    num_heads, d_c,
-    NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DC: tl.constexpr,
+    stride_pob, stride_pom, stride_pos, stride_plb, stride_plm,
+    stride_ob, stride_om, stride_lb,
+    rows, d_c, num_splits,
+    BLOCK_M: tl.constexpr, BLOCK_DC: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
-    hb = tl.program_id(1)
+    mb = tl.program_id(0)
+    b = tl.program_id(1)
     b64 = b.to(tl.int64)
-    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_h = offs_h < num_heads
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < rows
     offs_c = tl.arange(0, BLOCK_DC)
-    mask = mask_h[:, None] & (offs_c < d_c)[None, :]
-    lse_ptrs = part_lse_ptr + b64 * stride_plb + offs_h * stride_plh
-    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    for s in range(NUM_SPLITS):
-        m = tl.maximum(m, tl.load(lse_ptrs + s, mask=mask_h, other=float("-inf")))
-    nan_seen = tl.zeros([BLOCK_H], dtype=tl.int32)
-    for s in range(NUM_SPLITS):
-        lse_s = tl.load(lse_ptrs + s, mask=mask_h, other=float("-inf"))
+    mask = mask_m[:, None] & (offs_c < d_c)[None, :]
+    lse_ptrs = part_lse_ptr + b64 * stride_plb + offs_m * stride_plm
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    nan_seen = tl.zeros([BLOCK_M], dtype=tl.int32)
+    for s in range(num_splits):
+        lse_s = tl.load(lse_ptrs + s, mask=mask_m, other=float("-inf"))
+        m = tl.maximum(m, lse_s)
         nan_seen = nan_seen | (lse_s != lse_s).to(tl.int32)
     m = tl.where(nan_seen > 0, float("nan"), m)
     any_rows = (m > float("-inf")) | (nan_seen > 0)
     m_safe = tl.where(any_rows, m, 0.0)
-    den = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_DC], dtype=tl.float32)
-    for s in range(NUM_SPLITS):
-        lse_s = tl.load(lse_ptrs + s, mask=mask_h, other=float("-inf"))
+    den = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DC], dtype=tl.float32)
+    for s in range(num_splits):
+        lse_s = tl.load(lse_ptrs + s, mask=mask_m, other=float("-inf"))
         used = lse_s != float("-inf")  # empty splits are skipped, never merged; NaN is passed on
         w = tl.where(used, tl.exp(lse_s - m_safe), 0.0)
-        base = b64 * stride_pob + s * stride_pos + offs_h[:, None].to(tl.int64) * stride_poh
+        base = b64 * stride_pob + s * stride_pos + offs_m[:, None].to(tl.int64) * stride_pom
         part = tl.load(part_out_ptr + base + offs_c[None, :], mask=mask & used[:, None], other=0.0)
         acc += w[:, None] * part
         den += w
     out = acc / tl.where(any_rows, den, 1.0)[:, None]
     lse = tl.where(any_rows, m_safe + tl.log(tl.where(any_rows, den, 1.0)), float("-inf"))
-    o_ptrs = out_ptr + b64 * stride_ob + offs_h[:, None].to(tl.int64) * stride_oh + offs_c[None, :]
+    o_ptrs = out_ptr + b64 * stride_ob + offs_m[:, None].to(tl.int64) * stride_om + offs_c[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(lse_ptr + b64 * stride_lb + offs_h, lse, mask=mask_h)
+    tl.store(lse_ptr + b64 * stride_lb + offs_m, lse, mask=mask_m)
 
 
-def default_num_splits(max_seq_len: int, block_n: int = 64, max_splits: int = 16) -> int:
-    """Splits of the KV range: one per 256 tokens up to ``max_splits`` (at least one tile each)."""
-    return max(1, min(max_splits, -(-max_seq_len // 256), -(-max_seq_len // block_n)))
+@functools.cache
+def multiprocessor_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (132 on an H100/H200 SXM); 1 for the CPU interpreter,
+    which runs programs one after another, so extra splits only add merge work there."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return 1
+
+
+def default_block_n(d_c: int) -> int:
+    """Cache rows per tile: 64, or 32 when ``d_c > 256`` (the ``[BLOCK_M, d_c]`` accumulator and the tile must
+    fit the registers)."""
+    return 32 if d_c > 256 else 64
+
+
+def default_num_splits(
+    batch: int,
+    rows: int,
+    max_seq_len: int,
+    d_c: int,
+    row_bytes: int,
+    sm_count: int,
+    block_n: int = 64,
+    max_splits: int = MAX_SPLITS,
+) -> int:
+    """Programs per request along the cached rows, a power of two in ``1..max_splits``.
+
+    Enough programs to give every multiprocessor one (``batch x row blocks x splits >= sm_count``), never
+    more than one tile of ``block_n`` rows per split, and few enough that the float32 partials the splits
+    write and the merge reads (``rows x d_c x 4`` bytes per split per request) stay under
+    :data:`PARTIAL_BYTES_FRACTION` of the cache bytes a request reads (``max_seq_len x row_bytes``).
+
+    Args:
+        batch: requests; rows: query rows per request (``s_q x H``); max_seq_len: the longest request in tokens
+            (a host-side bound: no device read); d_c: latent width; row_bytes: bytes of one cached row;
+            sm_count: multiprocessors of the device (:func:`multiprocessor_count`).
+
+    Examples (H200, 132 SMs, bf16, d_c = 512, d_R = 64, H = 128): 1 x 32k tokens -> 16 splits; 16 x 4k -> 2;
+    64 x 4k -> 1.
+    """
+    ctas = batch * -(-rows // BLOCK_M)
+    tiles = -(-max_seq_len // block_n)
+    if ctas == 0 or tiles <= 1 or ctas >= sm_count:
+        return 1
+    want = -(-sm_count // ctas)
+    cap = int(max_seq_len * row_bytes * PARTIAL_BYTES_FRACTION) // max(1, rows * d_c * 4)
+    splits = max(1, min(want, tiles, cap, max_splits))
+    return 1 << (splits.bit_length() - 1)
+
+
+@dataclass(frozen=True)
+class LaunchKey:
+    """What makes a compiled variant of the kernels: everything else is a runtime argument.
+
+    Attributes:
+        dtype: ``"float32"``, ``"float16"`` or ``"bfloat16"`` (queries and cache).
+        block_dc: power-of-two tile of the latent width (``>= 16``); block_r: of ``d_R`` (16 when no rope).
+        block_n: cached rows per tile; has_rope: whether rows carry a rope part.
+        num_warps: warps per split program (:func:`default_num_warps`).
+    """
+
+    dtype: str
+    block_dc: int
+    block_r: int
+    block_n: int
+    has_rope: bool
+    num_warps: int
+
+
+def launch_key(dtype: torch.dtype, d_c: int, d_r: int, block_n: int | None = None) -> LaunchKey:
+    """The compiled variant :func:`latent_decode` launches for these widths (see :class:`LaunchKey`)."""
+    return LaunchKey(
+        str(dtype).replace("torch.", ""),
+        max(16, triton.next_power_of_2(d_c)),
+        max(16, triton.next_power_of_2(max(d_r, 1))),
+        block_n or default_block_n(d_c),
+        bool(d_r),
+        default_num_warps(d_c),
+    )
+
+
+def default_num_warps(d_c: int) -> int:
+    """Warps per split program: 8 when ``d_c > 256`` (the ``[16, d_c]`` float32 accumulator and a ``[BLOCK_N, d_c]``
+    tile spread over 256 threads instead of 128), else 4."""
+    return 8 if d_c > 256 else 4
 
 
 def latent_decode(
@@ -161,72 +281,111 @@ def latent_decode(
     softmax_scale: float,
     num_splits: int | None = None,
     block_n: int | None = None,
+    max_seq_len: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode attention of one query token per request over a paged ``[c_kv | k_rope]`` cache.
+    """Attention of ``s_q`` new query tokens per request over a paged ``[c_kv | k_rope]`` cache.
+
+    The host work here reads no device tensor (no synchronisation, so a decode step can be captured in a CUDA
+    graph once ``num_splits`` is fixed); the value checks of :func:`check_decode_values` (page ids in
+    ``[0, num_pages)``, lengths, rope heads) run only when the index tensors are on the CPU. On a GPU they are
+    not checked: a page id outside the pool reads foreign memory.
 
     Args:
-        q_abs: ``[B, H, d_c]`` absorbed content queries; float32, float16 or bfloat16 (GPU only).
-        q_rope: ``[B, H, d_R]`` rotated rope queries, same dtype (``d_R`` may be 0).
-        kv_cache: ``[num_pages, page_size, d_c + R * d_R]`` one layer's rows, same dtype, last dim
-            contiguous; page size 1..128; any ``d_c`` and rope width (masked to a power of two).
+        q_abs: ``[B, H, d_c]`` (one token per request) or ``[B, s_q, H, d_c]`` absorbed content queries;
+            float32, float16 or bfloat16 (bfloat16 only on a GPU).
+        q_rope: ``[B, H, d_R]`` / ``[B, s_q, H, d_R]`` rotated rope queries, same dtype (``d_R`` may be 0).
+        kv_cache: ``[num_pages, page_size, d_c + R * d_R]`` one layer's rows, same dtype and device, last dim
+            contiguous (the row stride may be padded, e.g. to 16 elements for vector loads); page size 1..128.
         block_table: ``[B, max_pages]`` int32 page ids of each request, in token order.
-        seq_lens: ``[B]`` int32 committed tokens per request (0 gives zeros and ``lse = -inf``).
+        seq_lens: ``[B]`` int32 cached rows per request including the ``s_q`` new ones (0 gives zeros and
+            ``lse = -inf``; otherwise ``>= s_q``). Query token ``i`` sees rows ``j <= seq_lens[b] - s_q + i``.
         head_to_rope: ``[H]`` int32 rope head of each query head (``h // (H / R)`` for converted models).
         softmax_scale: the source model's attention scale; required, never derived from widths.
-        num_splits: programs per request along the KV range (default: one per 256 tokens, <= 16).
-        block_n: rows per tile (default 64, 32 when ``d_c > 256``).
+        num_splits: programs per request along the cached rows (default :func:`default_num_splits`).
+        block_n: rows per tile, ``>= 16`` (default :func:`default_block_n`).
+        max_seq_len: a host-side upper bound of ``seq_lens`` for choosing the splits (default: read from
+            ``seq_lens`` on the CPU, ``max_pages x page_size`` on a GPU, where reading would synchronise).
 
     Returns:
-        ``latent_out [B, H, d_c]`` in ``q_abs.dtype`` and natural-log ``lse [B, H]`` float32.
+        ``latent_out`` shaped like ``q_abs`` in its dtype and natural-log ``lse`` (``[B, H]`` / ``[B, s_q, H]``)
+        float32.
 
     Raises:
-        ValueError: inconsistent shapes/dtypes/devices (see :func:`check_decode_inputs`), or a
-            non-contiguous cache row.
+        ValueError: inconsistent shapes/dtypes/devices (:func:`check_decode_inputs`), out-of-range values on
+            CPU tensors (:func:`check_decode_values`), a non-contiguous last dimension, ``block_n < 16``, CPU
+            tensors on a host where Triton runs natively, or bfloat16 in the Triton interpreter.
     """
-    d_c, d_r, rope_width = check_decode_inputs(
+    from . import kernel_backend
+
+    d_c, d_r, _ = check_decode_inputs(
         q_abs, q_rope, kv_cache, block_table, seq_lens, head_to_rope, softmax_scale
     )
-    if kv_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    device = q_abs.device
+    backend = kernel_backend()
+    if device.type == "cpu" and backend == "triton-cuda":
+        raise ValueError(
+            "the decode kernel runs natively on this CUDA host but its inputs are on the CPU; put the model "
+            "and its paged cache on the GPU (--device cuda)"
+        )
+    if kv_cache.dtype not in DTYPES:
         raise ValueError(f"kv_cache dtype {kv_cache.dtype} is not supported (float32, float16, bfloat16)")
     if q_abs.dtype != kv_cache.dtype or q_rope.dtype != kv_cache.dtype:
         raise ValueError(
             f"q_abs ({q_abs.dtype}), q_rope ({q_rope.dtype}) and kv_cache ({kv_cache.dtype}) must share a dtype"
         )
-    if kv_cache.stride(2) != 1 or q_abs.stride(2) != 1 or (d_r and q_rope.stride(2) != 1):
+    if kv_cache.dtype == torch.bfloat16 and backend == "triton-interpreter":
+        raise ValueError(
+            "bfloat16 cannot run in the Triton interpreter (it reads bfloat16 as 16-bit integers); use a "
+            "float32 or float16 cache on the CPU (--dtype float32), or a CUDA GPU"
+        )
+    if kv_cache.stride(2) != 1 or q_abs.stride(-1) != 1 or (d_r and q_rope.stride(-1) != 1):
         raise ValueError("kv_cache, q_abs and q_rope need a contiguous last dimension")
-    b, h, _ = q_abs.shape
-    device = q_abs.device
-    block_n = block_n or (32 if d_c > 256 else 64)
+    block_n = block_n or default_block_n(d_c)
+    if block_n < MIN_BLOCK_N or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= {MIN_BLOCK_N} (tl.dot's minimum); got {block_n}")
+    if num_splits is not None and not 1 <= num_splits <= 1024:
+        raise ValueError(f"num_splits must lie in 1..1024; got {num_splits}")
+    on_host = block_table.device.type == "cpu"
+    if on_host:
+        check_decode_values(q_abs, q_rope, kv_cache, block_table, seq_lens, head_to_rope)
+    block_table, seq_lens = block_table.contiguous(), seq_lens.contiguous()  # the kernels assume unit strides
+    q4 = q_abs if q_abs.dim() == 4 else q_abs.unsqueeze(1)
+    r4 = q_rope if q_rope.dim() == 4 else q_rope.unsqueeze(1)
+    b, s_q, h, _ = q4.shape
+    rows = s_q * h
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max()) if on_host and b else block_table.shape[1] * kv_cache.shape[1]
+    key = launch_key(kv_cache.dtype, d_c, d_r, block_n)
     if num_splits is None:
-        num_splits = default_num_splits(int(seq_lens.max()) if b else 0, block_n)
-    block_dc = max(16, triton.next_power_of_2(d_c))
-    block_r = max(16, triton.next_power_of_2(max(rope_width, 1)))
-    part_out = torch.empty(b, h, num_splits, d_c, dtype=torch.float32, device=device)
-    part_lse = torch.empty(b, h, num_splits, dtype=torch.float32, device=device)
-    out = torch.empty(b, h, d_c, dtype=q_abs.dtype, device=device)
-    lse = torch.empty(b, h, dtype=torch.float32, device=device)
-    if b == 0 or h == 0:
-        return out, lse
-    heads = head_to_rope.to(device=device, dtype=torch.int32).contiguous()
-    block_table, seq_lens = block_table.contiguous(), seq_lens.contiguous()  # kernels assume unit strides
-    q_rope_arg = q_rope if d_r else q_abs  # never read without rope
-    grid = (b, triton.cdiv(h, BLOCK_H), num_splits)
-    _split_kernel[grid](
-        q_abs, q_rope_arg, kv_cache, block_table, seq_lens, heads,
-        part_out, part_lse,
-        float(softmax_scale),
-        q_abs.stride(0), q_abs.stride(1), q_rope_arg.stride(0), q_rope_arg.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        h, d_c, max(d_r, 1), rope_width, kv_cache.shape[1],
-        NUM_SPLITS=num_splits, BLOCK_H=BLOCK_H, BLOCK_N=block_n, BLOCK_DC=block_dc, BLOCK_R=block_r,
-        HAS_ROPE=bool(d_r), IEEE=kv_cache.dtype == torch.float32,
-    )  # fmt: skip
-    _merge_kernel[(b, triton.cdiv(h, BLOCK_H))](
-        part_out, part_lse, out, lse,
-        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0),
-        h, d_c,
-        NUM_SPLITS=num_splits, BLOCK_H=BLOCK_H, BLOCK_DC=block_dc,
-    )  # fmt: skip
+        row_bytes = kv_cache.shape[2] * kv_cache.element_size()
+        num_splits = default_num_splits(
+            b, rows, max_seq_len, d_c, row_bytes, multiprocessor_count(device), block_n
+        )
+    part_out = torch.empty(b, rows, num_splits, d_c, dtype=torch.float32, device=device)
+    part_lse = torch.empty(b, rows, num_splits, dtype=torch.float32, device=device)
+    out = torch.empty(b, s_q, h, d_c, dtype=q_abs.dtype, device=device)
+    lse = torch.empty(b, s_q, h, dtype=torch.float32, device=device)
+    if b and h:
+        r_arg = r4 if d_r else q4  # never read without rope
+        row_blocks = triton.cdiv(rows, BLOCK_M)
+        _split_kernel[(row_blocks, num_splits, b)](
+            q4, r_arg, kv_cache, block_table, seq_lens, head_to_rope,
+            part_out, part_lse,
+            float(softmax_scale),
+            q4.stride(0), q4.stride(1), q4.stride(2), r_arg.stride(0), r_arg.stride(1), r_arg.stride(2),
+            kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+            part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+            h, s_q, d_c, max(d_r, 1), kv_cache.shape[1], num_splits,
+            BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_DC=key.block_dc, BLOCK_R=key.block_r,
+            HAS_ROPE=key.has_rope, IEEE=kv_cache.dtype == torch.float32, num_warps=key.num_warps,
+        )  # fmt: skip
+        _merge_kernel[(row_blocks, b)](
+            part_out, part_lse, out, lse,
+            part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+            out.stride(0), out.stride(2), lse.stride(0),
+            rows, d_c, num_splits,
+            BLOCK_M=BLOCK_M, BLOCK_DC=key.block_dc, num_warps=MERGE_WARPS,
+        )  # fmt: skip
+    if q_abs.dim() == 3:
+        return out[:, 0], lse[:, 0]
     return out, lse

@@ -1,19 +1,33 @@
-"""PyTorch oracle for the paged latent-cache decode kernel (same signature, float64 by default).
+"""PyTorch oracle for the paged latent-cache attention kernel (same signature, float64 by default).
 
-The absorbed decode step of docs/math.md on the paged layout of docs/formats.md: for request ``b`` and
-query head ``h``, with the ``n = seq_lens[b]`` cached rows ``[c_kv | k_rope]`` gathered through
-``block_table[b]``::
+The absorbed attention of docs/math.md on the paged layout of docs/formats.md. Request ``b`` has
+``n = seq_lens[b]`` cached rows ``[c_kv | k_rope]`` (gathered through ``block_table[b]``), of which the last
+``s_q`` are the request's new tokens; query ``i`` (``0 <= i < s_q``) of head ``h`` sees rows
+``j <= n - s_q + i`` (causal inside the query block, as in FlashMLA's ``s_q > 1`` decoding)::
 
-    score[h, j]      = (q_abs[b, h] . c_kv[j] + q_rope[b, h] . k_rope[j, r(h)]) * softmax_scale
-    lse[b, h]        = log sum_j exp(score[h, j])                   (natural log)
-    latent_out[b, h] = sum_j softmax(score[h])[j] * c_kv[j]
+    score[i, h, j]      = (q_abs[b, i, h] . c_kv[j] + q_rope[b, i, h] . k_rope[j, r(h)]) * softmax_scale
+    lse[b, i, h]        = log sum_j exp(score[i, h, j])                  (natural log)
+    latent_out[b, i, h] = sum_j softmax(score[i, h])[j] * c_kv[j]
 
-``k_rope`` rows are cached already rotated at their absolute positions, so no rotation happens here.
+With one query token per request (``s_q = 1``) the queries may be given as ``[B, H, d]`` and the outputs come
+back as ``[B, H, d_c]`` / ``[B, H]``. ``k_rope`` rows are cached already rotated at their absolute positions,
+so no rotation happens here.
+
+Empty request convention: a request with ``seq_lens[b] = 0`` (and a query row that sees no row) gives a zero
+``latent_out`` and ``lse = -inf`` (FlashInfer's convention; FlashMLA's test suite writes ``+inf``).
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def _as_4d(q: torch.Tensor, name: str) -> torch.Tensor:
+    if q.dim() == 3:
+        return q.unsqueeze(1)
+    if q.dim() == 4:
+        return q
+    raise ValueError(f"{name} must be [B, H, d] or [B, s_q, H, d]; got shape {tuple(q.shape)}")
 
 
 def check_decode_inputs(
@@ -25,20 +39,24 @@ def check_decode_inputs(
     head_to_rope: torch.Tensor,
     softmax_scale: float,
 ) -> tuple[int, int, int]:
-    """Check shapes and dtypes shared by the kernel and the reference.
+    """Check shapes, dtypes and devices shared by the kernel and the reference; never reads tensor values.
+
+    Value checks (page ids, lengths, rope heads) are :func:`check_decode_values`: they read index tensors,
+    which costs a device-to-host synchronisation unless the tensors live on the CPU.
 
     Returns:
         ``(d_c, d_R, rope_width)``.
 
     Raises:
-        ValueError: a wrong rank, width, dtype or index range, naming the argument and what it needs.
+        ValueError: a wrong rank, width, dtype or device, naming the argument and what it needs.
     """
-    if q_abs.dim() != 3:
-        raise ValueError(f"q_abs must be [B, H, d_c]; got shape {tuple(q_abs.shape)}")
-    b, h, d_c = q_abs.shape
-    if q_rope.dim() != 3 or q_rope.shape[:2] != (b, h):
-        raise ValueError(f"q_rope must be [B={b}, H={h}, d_R]; got shape {tuple(q_rope.shape)}")
-    d_r = q_rope.shape[2]
+    q4 = _as_4d(q_abs, "q_abs")
+    b, s_q, h, d_c = q4.shape
+    if q_rope.dim() != q_abs.dim() or q_rope.shape[:-1] != q_abs.shape[:-1]:
+        raise ValueError(
+            f"q_rope must be {list(q_abs.shape[:-1]) + ['d_R']} like q_abs; got shape {tuple(q_rope.shape)}"
+        )
+    d_r = q_rope.shape[-1]
     if kv_cache.dim() != 3:
         raise ValueError(
             f"kv_cache must be [num_pages, page_size, d_c + rope width]; got {tuple(kv_cache.shape)}"
@@ -59,18 +77,71 @@ def check_decode_inputs(
         raise ValueError(f"seq_lens must be int32 [B={b}]; got {seq_lens.dtype} {tuple(seq_lens.shape)}")
     if head_to_rope.shape != (h,):
         raise ValueError(f"head_to_rope must be [H={h}]; got {tuple(head_to_rope.shape)}")
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, float | int) or not softmax_scale > 0:
+        raise ValueError(
+            f"softmax_scale must be a positive float (the source model's); got {softmax_scale!r}"
+        )
+    named = {
+        "q_abs": q_abs, "q_rope": q_rope, "kv_cache": kv_cache, "block_table": block_table,
+        "seq_lens": seq_lens, "head_to_rope": head_to_rope,
+    }  # fmt: skip
+    devices = {name: t.device for name, t in named.items()}
+    if len(set(devices.values())) > 1:
+        where = ", ".join(f"{name} on {dev}" for name, dev in devices.items())
+        raise ValueError(
+            f"all inputs must be on one device; got {where} (move the model and its cache together)"
+        )
+    return d_c, d_r, rope_width
+
+
+def check_decode_values(
+    q_abs: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    head_to_rope: torch.Tensor,
+) -> None:
+    """Check the index tensors' values: rope heads, lengths against block-table capacity and ``s_q``, and
+    every page id a request reads (its first ``ceil(seq_lens[b] / page_size)`` entries) in ``[0, num_pages)``.
+
+    Reads the tensors, so on a GPU it synchronises with the device: the kernel calls it only for CPU tensors.
+
+    Raises:
+        ValueError: a value out of range, naming the request and entry.
+    """
+    b, s_q = q_abs.shape[0], (q_abs.shape[1] if q_abs.dim() == 4 else 1)
+    h, d_r = head_to_rope.shape[0], q_rope.shape[-1]
+    rope_width = kv_cache.shape[2] - q_abs.shape[-1]
+    num_pages, page = kv_cache.shape[0], kv_cache.shape[1]
     n_rope = rope_width // d_r if d_r else 1
     if h and d_r and (int(head_to_rope.min()) < 0 or int(head_to_rope.max()) >= n_rope):
         raise ValueError(
             f"head_to_rope values must lie in [0, {n_rope}) (the cache holds {n_rope} rope heads)"
         )
-    if b and int(seq_lens.max()) > block_table.shape[1] * kv_cache.shape[1]:
+    if not b:
+        return
+    lens = seq_lens.cpu().long()
+    if int(lens.min()) < 0:
+        raise ValueError(f"seq_lens must be >= 0; got {lens.tolist()}")
+    if int(lens.max()) > block_table.shape[1] * page:
         raise ValueError("a sequence length exceeds block_table capacity (max_pages * page_size)")
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, float | int) or not softmax_scale > 0:
+    short = ((lens > 0) & (lens < s_q)).nonzero().flatten().tolist()
+    if short:
         raise ValueError(
-            f"softmax_scale must be a positive float (the source model's); got {softmax_scale!r}"
+            f"request {short[0]} has {int(lens[short[0]])} rows for {s_q} query tokens: seq_lens counts the "
+            "new tokens too, so it must be 0 or >= s_q"
         )
-    return d_c, d_r, rope_width
+    used = -(-lens // page)  # entries each request reads
+    table = block_table.cpu().long()
+    live = torch.arange(table.shape[1])[None, :] < used[:, None]
+    bad = live & ((table < 0) | (table >= num_pages))
+    if bool(bad.any()):
+        req, entry = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(
+            f"block_table[{req}, {entry}] = {int(table[req, entry])} is not a page id in [0, {num_pages}) "
+            f"(request {req} reads {int(used[req])} pages)"
+        )
 
 
 def latent_decode_reference(
@@ -83,32 +154,36 @@ def latent_decode_reference(
     softmax_scale: float,
     dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode attention over a paged latent cache, computed plainly in ``dtype``.
+    """Attention of ``s_q`` new query tokens per request over a paged latent cache, computed plainly in ``dtype``.
 
     Args:
-        q_abs: ``[B, H, d_c]`` absorbed content queries (``W_UK[g(h)]^T q_nope[h]``).
-        q_rope: ``[B, H, d_R]`` rotated rope queries (``d_R`` may be 0).
-        kv_cache: ``[num_pages, page_size, d_c + R * d_R]`` rows ``[c_kv | rotated k_rope]``.
+        q_abs: ``[B, H, d_c]`` or ``[B, s_q, H, d_c]`` absorbed content queries (``W_UK[g(h)]^T q_nope[h]``).
+        q_rope: ``[B, H, d_R]`` or ``[B, s_q, H, d_R]`` rotated rope queries (``d_R`` may be 0).
+        kv_cache: ``[num_pages, page_size, d_c + R * d_R]`` rows ``[c_kv | rotated k_rope]`` (the row stride may
+            be padded: only the last dimension must be contiguous).
         block_table: ``[B, max_pages]`` int32 page ids; entries past a sequence's pages are ignored.
-        seq_lens: ``[B]`` int32 valid tokens per request (0 allowed).
+        seq_lens: ``[B]`` int32 rows per request, the ``s_q`` new ones included (0 allowed).
         head_to_rope: ``[H]`` rope head read by each query head.
         softmax_scale: the source model's scale (required; no default by design).
         dtype: compute dtype (float64 for the oracle).
 
     Returns:
-        ``latent_out [B, H, d_c]`` and natural-log ``lse [B, H]``, both in ``dtype``; a length-0 request
-        gives zeros and ``-inf``. Slots past ``seq_lens`` are never read, so NaN there is harmless.
+        ``latent_out`` shaped like ``q_abs`` and natural-log ``lse`` (``q_abs``'s shape without ``d_c``), both in
+        ``dtype``; a length-0 request gives zeros and ``-inf``. Slots past ``seq_lens`` are never read, so NaN
+        there is harmless.
 
     Raises:
-        ValueError: see :func:`check_decode_inputs`.
+        ValueError: see :func:`check_decode_inputs` and :func:`check_decode_values`.
     """
     d_c, d_r, _ = check_decode_inputs(
         q_abs, q_rope, kv_cache, block_table, seq_lens, head_to_rope, softmax_scale
     )
-    b, h, _ = q_abs.shape
+    check_decode_values(q_abs, q_rope, kv_cache, block_table, seq_lens, head_to_rope)
+    qa, qr = _as_4d(q_abs, "q_abs"), _as_4d(q_rope, "q_rope")
+    b, s_q, h, _ = qa.shape
     page = kv_cache.shape[1]
-    out = torch.zeros(b, h, d_c, dtype=dtype, device=q_abs.device)
-    lse = torch.full((b, h), float("-inf"), dtype=dtype, device=q_abs.device)
+    out = torch.zeros(b, s_q, h, d_c, dtype=dtype, device=q_abs.device)
+    lse = torch.full((b, s_q, h), float("-inf"), dtype=dtype, device=q_abs.device)
     heads = head_to_rope.long()
     for i in range(b):
         n = int(seq_lens[i])
@@ -117,11 +192,15 @@ def latent_decode_reference(
         pages = block_table[i, : (n + page - 1) // page].long()
         rows = kv_cache[pages].reshape(-1, kv_cache.shape[2])[:n].to(dtype)
         c_kv = rows[:, :d_c]
-        scores = q_abs[i].to(dtype) @ c_kv.T  # [H, n]
+        scores = torch.einsum("shc,nc->shn", qa[i].to(dtype), c_kv)  # [s_q, H, n]
         if d_r:
             k_rope = rows[:, d_c:].reshape(n, -1, d_r)[:, heads]  # [n, H, d_R]
-            scores = scores + torch.einsum("hd,nhd->hn", q_rope[i].to(dtype), k_rope)
+            scores = scores + torch.einsum("shd,nhd->shn", qr[i].to(dtype), k_rope)
         scores = scores * softmax_scale
+        visible = torch.arange(n)[None, :] <= (n - s_q + torch.arange(s_q))[:, None]  # [s_q, n]
+        scores = scores.masked_fill(~visible[:, None, :].to(scores.device), float("-inf"))
         lse[i] = torch.logsumexp(scores, dim=-1)
-        out[i] = torch.softmax(scores, dim=-1) @ c_kv
+        out[i] = torch.einsum("shn,nc->shc", torch.softmax(scores, dim=-1), c_kv)
+    if q_abs.dim() == 3:
+        return out[:, 0], lse[:, 0]
     return out, lse

@@ -88,7 +88,9 @@ def inspect(
     try:
         parse_size(max_shard_size)
     except ValueError:
-        fail(f"--max-shard-size {max_shard_size!r} is not a size; write it like 500MB or 5GB (KB, MB, GB, TB)")
+        fail(
+            f"--max-shard-size {max_shard_size!r} is not a size; write it like 500MB or 5GB (KB, MB, GB, TB)"
+        )
     from mla_convert.sources.checkpoint import open_source
 
     with user_errors():
@@ -111,7 +113,8 @@ def factor(
     ),
     overwrite: bool = typer.Option(False, help="Replace a non-empty OUT."),
     resume: bool = typer.Option(
-        False, help="Continue a stopped conversion of OUT (same source and options) after its last finished layer."
+        False,
+        help="Continue a stopped conversion of OUT (same source and options) after its last finished layer.",
     ),
     max_shard_size: str = typer.Option(
         "2GB", help="Largest output shard (e.g. 500MB, 5GB); one shard is held in memory while it is written."
@@ -160,7 +163,13 @@ def factor(
         try:
             with progress_bar() as cb:
                 report = run_factor(
-                    src, out, options, overwrite=overwrite, progress=cb, resume=resume, max_shard_size=shard_size
+                    src,
+                    out,
+                    options,
+                    overwrite=overwrite,
+                    progress=cb,
+                    resume=resume,
+                    max_shard_size=shard_size,
                 )
         except KeyboardInterrupt:
             from mla_convert.convert.workdir import work_dir
@@ -233,15 +242,22 @@ def _export_line(dest: Path, manifest: dict[str, Any]) -> str:
 
 @app.command()
 def export(
-    ckpt: Path = typer.Argument(..., help="A converted checkpoint folder (from 'mla-convert factor' or 'adapt')."),
-    out: Path = typer.Argument(..., help="Output folder (built in a temporary sibling, renamed when complete)."),
+    ckpt: Path = typer.Argument(
+        ..., help="A converted checkpoint folder (from 'mla-convert factor' or 'adapt')."
+    ),
+    out: Path = typer.Argument(
+        ..., help="Output folder (built in a temporary sibling, renamed when complete)."
+    ),
     format: str = typer.Option("deepseek-v3", "--format", help="Target format: deepseek-v3."),
     overwrite: bool = typer.Option(False, help="Replace a non-empty OUT."),
     max_shard_size: str = typer.Option("2GB", help="Largest output shard (e.g. 500MB, 5GB)."),
     check: bool = typer.Option(
-        True, help="Measure parity against CKPT (float32 logits and greedy tokens on real text; models up to 2 GiB)."
+        True,
+        help="Measure parity against CKPT (float32 logits and greedy tokens on real text; models up to 2 GiB).",
     ),
-    dtype: str = typer.Option("auto", help="Written dtype: auto (the checkpoint's) | float32 | bfloat16 | float16."),
+    dtype: str = typer.Option(
+        "auto", help="Written dtype: auto (the checkpoint's) | float32 | bfloat16 | float16."
+    ),
 ) -> None:
     """Write CKPT in a format serving code loads: DeepSeek-V3 (stock transformers DeepseekV3ForCausalLM).
 
@@ -263,7 +279,9 @@ def export(
     from mla_convert.export.write import export_checkpoint
 
     with user_errors():
-        manifest = export_checkpoint(ckpt, out, format, overwrite, max_shard_size, check, note=note, dtype=dtype)
+        manifest = export_checkpoint(
+            ckpt, out, format, overwrite, max_shard_size, check, note=note, dtype=dtype
+        )
     msg = _export_line(out, manifest)
     console.print(msg, highlight=False, markup=False)
 
@@ -328,6 +346,14 @@ def generate(
         help="absorbed (torch, transformers generate) | triton (paged latent cache, the bundled kernel; "
         "runs in the Triton interpreter without a GPU) | paged (paged latent cache, torch).",
     ),
+    device: str = typer.Option(
+        "auto", help="auto (a CUDA GPU when present) | cpu | cuda[:N]: where the model and its cache live."
+    ),
+    dtype: str = typer.Option(
+        "auto",
+        help="auto (bfloat16 on a GPU, float32 on the CPU) | float32 | float16 | bfloat16: the model's and "
+        "the paged cache's dtype.",
+    ),
 ) -> None:
     """Greedy text through the latent cache (never expanded K/V); the backend that ran is printed.
 
@@ -335,20 +361,36 @@ def generate(
     """
     if backend not in ("absorbed", "triton", "paged"):
         fail(f"--backend {backend!r} is not one of absorbed, triton, paged")
+    if dtype not in ("auto", "float32", "float16", "bfloat16"):
+        fail(f"--dtype {dtype!r} is not one of auto, float32, float16, bfloat16")
+    if not (
+        device in ("auto", "cpu") or device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())
+    ):
+        fail(f"--device {device!r} is not one of auto, cpu, cuda, cuda:N")
     if max_new_tokens < 1:
         fail("--max-new-tokens must be at least 1")
     with user_errors():  # a wrong folder, before the model libraries are imported
         kind = read_checkpoint_config(ckpt, require_mla=True).get("model_type")
+    import torch
     from transformers import AutoTokenizer
 
+    from mla_convert.convert.stream import resolve_device
     from mla_convert.runtime.decode import generate as paged_generate
     from mla_convert.runtime.decode import greedy
 
     with user_errors():
+        where = resolve_device(device)
+        want = dtype if dtype != "auto" else ("bfloat16" if where.type == "cuda" else "float32")
+        if backend == "triton" and where.type == "cpu" and want == "bfloat16":
+            fail(
+                "--backend triton --dtype bfloat16 cannot run on the CPU: the Triton interpreter reads bfloat16 as "
+                "16-bit integers; use --dtype float32 or float16, or --device cuda"
+            )
         # an export runs stock for --backend absorbed; read back as MLA for the paged/triton backends
         model = _load_mla(ckpt, require_mla=kind != "deepseek_v3" or backend != "absorbed")
+        model = model.to(device=where, dtype=getattr(torch, want))
         tok = AutoTokenizer.from_pretrained(str(ckpt))
-        ids = tok(prompt, return_tensors="pt").input_ids
+        ids = tok(prompt, return_tensors="pt").input_ids.to(where)
         if kind == "deepseek_v3" and backend == "absorbed":
             out = greedy(model, ids, max_new_tokens)
             ran = "stock transformers DeepseekV3ForCausalLM (DynamicCache holding the normalised latent and k_rope)"
@@ -364,7 +406,7 @@ def generate(
             out, ran = res.tokens, f"paged latent cache: {log}"
     console.print(tok.decode(out[0], skip_special_tokens=True), highlight=False, markup=False)
     if not STATE["quiet"]:
-        err_console.print(f"backend: {ran}", highlight=False, markup=False)
+        err_console.print(f"backend: {ran} on {where} in {want}", highlight=False, markup=False)
 
 
 @app.command()

@@ -13,10 +13,11 @@ Three attention paths share these weights:
 * ``absorbed`` (the product): the KV cache holds only ``[c_kv | rotated k_rope]`` per token per
   layer; queries are absorbed into the latent (``q_abs = W_UK[g]^T q_nope``) and the value
   up-projection runs after attention (``W_UV[g] @ latent_out``). ``generate()`` uses it.
-* ``triton``: like ``absorbed``, but decode steps (one new token) run the bundled Triton kernel
-  (:mod:`mla_convert.kernels`) over a :class:`~mla_convert.runtime.paged_cache.PagedLatentCache`; prefill runs
-  the absorbed torch math over the very rows it wrote to that cache. It needs a paged cache and never
-  falls back: the backend that ran is counted in the cache's ``backend_log``.
+* ``triton``: like ``absorbed``, but every step on a :class:`~mla_convert.runtime.paged_cache.PagedLatentCache`
+  runs the bundled Triton kernel (:mod:`mla_convert.kernels`) over the very rows it wrote to that cache: decode
+  steps (one new token), prefill and verification blocks (several, causal inside the block), requests of
+  different lengths in one batch. It needs a paged cache, takes no padding mask and never falls back: the
+  backend that ran is counted in the cache's ``backend_log``.
 * ``naive`` (a reference): expands K and V per KV head and caches them; never the product.
 
 Two caches are accepted. A transformers ``DynamicCache`` (``generate()``): on the absorbed path layer
@@ -93,6 +94,7 @@ class MLAAttention(nn.Module):
             self.kv_lora_rank, g * (self.qk_nope_head_dim + self.v_head_dim), bias=False
         )
         self.o_proj = nn.Linear(h * self.v_head_dim, hidden, bias=config.o_bias)
+        self._head_to_rope: dict[torch.device, torch.Tensor] = {}
         inv = torch.tensor(config.rope_inv_freq[layer_idx], dtype=torch.float32).reshape(r, -1)
         self.register_buffer(
             "rope_inv_freq", inv, persistent=True
@@ -179,37 +181,49 @@ class MLAAttention(nn.Module):
         return self._absorbed(p, attention_mask, past_key_values)
 
     def _paged(self, p: Projected, mask: torch.Tensor | None, cache: PagedLatentCache) -> torch.Tensor:
+        """Write this layer's new rows to the paged cache and attend over the request's rows; reads only the
+        step's metadata (:attr:`PagedLatentCache.step`), so no host synchronisation happens here."""
         b, t = p.c_kv.shape[:2]
         if self.path == "naive":
             raise ValueError("the naive path caches expanded K/V; it cannot use a PagedLatentCache")
+        step = cache.step
+        if step is None:
+            raise ValueError(
+                "a PagedLatentCache is read inside a step: run the model on it (MLAModel.forward)"
+            )
         cache.write(self.layer_idx, torch.cat([p.c_kv, p.k_rope.reshape(b, t, -1)], dim=-1))
         q_abs = self.absorb_query(p.q_nope)
-        lens = cache.seq_lens(pending=t)
-        if self.path == "triton" and t == 1:
+        if self.path == "triton":
             from mla_convert.kernels import kernel_backend, load_kernel
 
-            kernel = load_kernel()
-            device = q_abs.device
-            latent, _ = kernel.latent_decode(
-                q_abs[:, 0].contiguous(),
-                p.q_rope[:, 0].contiguous(),
+            latent, _ = load_kernel().latent_decode(
+                q_abs,
+                p.q_rope,
                 cache.pages[self.layer_idx],
-                cache.block_table(device),
-                lens.to(device),
-                self.head_to_rope(device),
+                step.block_table,
+                step.seq_lens,
+                self.head_to_rope_on(q_abs.device),
                 softmax_scale=self.softmax_scale,
+                max_seq_len=step.max_seq_len,
             )
-            cache.backend_log[f"{kernel_backend()}:decode"] += 1
-            return self.output_from_latent(latent[:, None])
-        if bool((lens != lens[0]).any()):
+            cache.backend_log[f"{kernel_backend()}:" + ("decode" if t == 1 else "prefill")] += 1
+            return self.output_from_latent(latent)
+        if not step.uniform:
             raise ValueError(
-                "requests of different lengths need one token per step on the triton path; "
-                f"got {t} new tokens for lengths {lens.tolist()}"
+                "requests of different lengths need one token per step on the absorbed path (the triton path "
+                f"takes any); got {t} new tokens for lengths {list(step.lengths)}"
             )
-        rows = cache.gather(self.layer_idx, int(lens[0])).to(q_abs.dtype)
+        rows = cache.gather_step(self.layer_idx).to(q_abs.dtype)
         d_c = self.kv_lora_rank
         cache.backend_log["absorbed-torch:" + ("decode" if t == 1 else "prefill")] += 1
         return self._attend_latent(q_abs, p.q_rope, rows[..., :d_c], rows[..., d_c:], mask)
+
+    def head_to_rope_on(self, device: torch.device) -> torch.Tensor:
+        """:meth:`head_to_rope` on ``device``, built once per device (the decode step must not copy it per call)."""
+        cached = self._head_to_rope.get(device)
+        if cached is None:
+            cached = self._head_to_rope[device] = self.head_to_rope(device)
+        return cached
 
     def _absorbed(self, p: Projected, mask: torch.Tensor | None, cache: Cache | None) -> torch.Tensor:
         b, t = p.c_kv.shape[:2]
@@ -355,18 +369,32 @@ class MLAModel(MLAPreTrainedModel):
         b, t, _ = hidden.shape
         if b != len(cache.active):
             raise ValueError(f"{b} batch rows but the paged cache is bound to {len(cache.active)} requests")
-        lens = cache.seq_lens().to(hidden.device)
+        triton_path = self.config.attn_implementation_mla == "triton"
+        if attention_mask is not None and triton_path:
+            raise ValueError(
+                "the triton path takes no padding mask: give requests of different lengths their own cache "
+                "requests (the kernel reads each request's own length)"
+            )
+        step = cache.begin_step(t)  # pages and the step's device metadata, built once for all layers
         if position_ids is None:
-            position_ids = lens[:, None].long() + torch.arange(t, device=hidden.device)[None]  # type: ignore[assignment]
+            position_ids = step.positions
         assert position_ids is not None
         mask = None
-        if bool((lens == lens[0]).all()):
-            mask = causal_mask(b, t, int(lens[0]), attention_mask, hidden.dtype, hidden.device)
-        elif t != 1 or attention_mask is not None:
-            raise ValueError("requests of different lengths take one token per step and no padding mask")
-        cache.reserve(t)
-        for layer in self.layers:
-            hidden = layer(hidden, position_ids, mask, cache)
+        if not triton_path:
+            if step.uniform:
+                mask = causal_mask(b, t, step.max_seq_len - t, attention_mask, hidden.dtype, hidden.device)
+            elif t != 1 or attention_mask is not None:
+                cache.step = None
+                raise ValueError(
+                    "requests of different lengths take one token per step and no padding mask on the "
+                    "absorbed path (the triton path takes several)"
+                )
+        try:
+            for layer in self.layers:
+                hidden = layer(hidden, position_ids, mask, cache)
+        except BaseException:
+            cache.step = None  # the step's rows were written but are never committed
+            raise
         cache.commit(t)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), past_key_values=None)
 
@@ -385,7 +413,7 @@ class MLAForCausalLM(MLAPreTrainedModel, GenerationMixin):
 
     def set_attention_path(self, path: str) -> None:
         """Switch every layer to ``absorbed`` (latent cache, torch), ``triton`` (latent paged cache, the
-        bundled kernel for decode steps) or ``naive`` (expanded K/V reference).
+        bundled kernel for every step on a paged cache) or ``naive`` (expanded K/V reference).
 
         Raises:
             ValueError: for any other name. A cache filled by one path must not be reused by the other.

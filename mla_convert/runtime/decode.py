@@ -2,9 +2,8 @@
 ``generate()`` (transformers' cache), and by full recomputation (the oracle of both).
 
 The persistent state is a :class:`~mla_convert.runtime.paged_cache.PagedLatentCache` holding ``[c_kv | rotated
-k_rope]`` rows only. ``backend="triton"`` runs every decode step on the bundled Triton kernel and
-``"absorbed"`` on the torch absorbed math; both prefill with the absorbed torch math over the rows they
-wrote. The backends that actually ran are returned (``backend_log``), never assumed.
+k_rope]`` rows only. ``backend="triton"`` runs prefill and every decode step on the bundled Triton kernel
+(on the model's device) and ``"absorbed"`` on the torch absorbed math, both over the rows they wrote. The backends that actually ran are returned (``backend_log``), never assumed.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """A paged KV cache that holds only MLA latent rows ``[c_kv | rotated k_rope]`` (docs/formats.md).
 
-Layout per layer ``l``: ``pages[l]`` is ``[num_pages, page_size, d_c[l] + R * d_R]``; a request owns a
-list of page ids (its block table, shared by all layers) and a committed length. A forward pass of
+Layout per layer ``l``: ``pages[l]`` is ``[num_pages, page_size, d_c[l] + R * d_R]``, a view of storage whose
+row stride is padded to a multiple of :data:`ROW_ALIGN` elements (so the kernel's row loads are aligned vector
+loads; the ledger counts the padding). A request owns a list of page ids (its block table, shared by all
+layers) and a committed length. A forward pass of
 ``T`` new tokens for the bound requests (see :meth:`PagedLatentCache.bind`) writes each layer's rows at
 positions ``committed .. committed + T - 1`` and then :meth:`commit` advances the lengths, so a
 half-finished step never becomes visible. Unused slots hold NaN: a reader that touches a slot past a
@@ -14,15 +16,51 @@ to run on the Triton kernel can be proven to have done so.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from mla_convert.errors import UserError
 
+ROW_ALIGN = (
+    16  # elements: a padded row stride keeps every row start 32-byte (fp16/bf16) or 64-byte (fp32) aligned
+)
+
 
 class CacheError(UserError):
     """Out of pages, unknown request, or a write that does not match the cache layout."""
+
+
+@dataclass(frozen=True)
+class StepMetadata:
+    """Everything the layers of one forward pass need from the cache, built once per step on the cache's device.
+
+    Built by :meth:`PagedLatentCache.begin_step` from the host-side page lists (one host-to-device copy each,
+    never a device-to-host read), so no layer synchronises with the device.
+
+    Attributes:
+        new_tokens: ``T``, rows each bound request gets in this step.
+        lengths: committed rows per bound request before the step (host ints).
+        seq_lens: ``[B]`` int32 rows per request including the ``T`` new ones (device).
+        block_table: ``[B, max_pages]`` int32 page ids (device; unused entries 0).
+        slots: ``[B, T]`` int64 flat row index (``page * page_size + offset``) of each new row (device).
+        positions: ``[B, T]`` int64 absolute positions of the new tokens (device).
+        max_seq_len: the longest request after the step (host int: the kernel's split choice reads no device value).
+    """
+
+    new_tokens: int
+    lengths: tuple[int, ...]
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slots: torch.Tensor
+    positions: torch.Tensor
+    max_seq_len: int
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every bound request has the same committed length (host-side; no device read)."""
+        return len(set(self.lengths)) <= 1
 
 
 class PagedLatentCache:
@@ -59,10 +97,13 @@ class PagedLatentCache:
         self.page_size = page_size
         self.num_pages = num_pages
         self.dtype = dtype
-        self.pages = [
-            torch.full((num_pages, page_size, w), float("nan"), dtype=dtype, device=device)
-            for w in row_widths
+        self.row_strides = [-(-w // ROW_ALIGN) * ROW_ALIGN for w in self.row_widths]
+        self.storage = [
+            torch.full((num_pages, page_size, s), float("nan"), dtype=dtype, device=device)
+            for s in self.row_strides
         ]
+        self.pages = [st[..., :w] for st, w in zip(self.storage, self.row_widths, strict=True)]
+        self.step: StepMetadata | None = None
         order = list(range(num_pages))
         if shuffle_pages:
             order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed)).tolist()
@@ -99,7 +140,7 @@ class PagedLatentCache:
     def release(self, rid: int) -> None:
         """Free a request's pages (their rows are reset to NaN)."""
         for page in self.tables.pop(self._known(rid)):
-            for layer in self.pages:
+            for layer in self.storage:
                 layer[page].fill_(float("nan"))
             self._free.append(page)
         del self.lengths[rid]
@@ -128,9 +169,47 @@ class PagedLatentCache:
         for rid, n in zip(self.active, need, strict=True):
             self.tables[rid].extend(self._free.pop() for _ in range(n))
 
+    def begin_step(self, new_tokens: int) -> StepMetadata:
+        """Reserve pages for ``new_tokens`` more rows per bound request and build the step's metadata once
+        (:class:`StepMetadata`, also kept as :attr:`step` for the layers until :meth:`commit`).
+
+        Raises:
+            CacheError: not enough free pages (nothing is allocated then).
+        """
+        self.reserve(new_tokens)
+        device = self.storage[0].device
+        lengths = tuple(self.lengths[r] for r in self.active)
+        width = max([len(self.tables[r]) for r in self.active] + [1])
+        table = [self.tables[r] + [0] * (width - len(self.tables[r])) for r in self.active]
+        slots: list[list[int]] = []
+        for rid, start in zip(self.active, lengths, strict=True):
+            pages = self.tables[rid]
+            slots.append(
+                [
+                    pages[p // self.page_size] * self.page_size + p % self.page_size
+                    for p in range(start, start + new_tokens)
+                ]
+            )
+        b = len(self.active)
+        self.step = StepMetadata(
+            new_tokens=new_tokens,
+            lengths=lengths,
+            seq_lens=torch.tensor([n + new_tokens for n in lengths], dtype=torch.int32).to(device),
+            block_table=torch.tensor(table, dtype=torch.int32).reshape(b, width).to(device),
+            slots=torch.tensor(slots, dtype=torch.long).reshape(b, new_tokens).to(device),
+            positions=(
+                torch.tensor(lengths, dtype=torch.long)[:, None] + torch.arange(new_tokens)[None, :]
+            ).to(device),
+            max_seq_len=max(lengths, default=0) + new_tokens,
+        )
+        return self.step
+
     def write(self, layer: int, rows: torch.Tensor) -> None:
         """Store the new rows ``[B, T, row_width]`` of layer ``layer`` for the bound requests at positions
         ``committed .. committed + T - 1`` (not yet visible to :meth:`seq_lens` until :meth:`commit`).
+
+        Inside a step (:meth:`begin_step`) this is one scatter through the step's slots on the device, with no
+        host synchronisation; outside one, the slots are built from the page lists first.
 
         Raises:
             CacheError: wrong batch size or row width, or pages not reserved.
@@ -141,18 +220,54 @@ class PagedLatentCache:
                 f"layer {layer}: rows {tuple(rows.shape)} do not match {len(self.active)} bound requests "
                 f"x row width {self.row_widths[layer]}"
             )
-        for i, rid in enumerate(self.active):
-            pos = torch.arange(self.lengths[rid], self.lengths[rid] + t)
-            table = self.tables[rid]
-            if (int(pos[-1]) if t else -1) >= len(table) * self.page_size:
-                raise CacheError(f"request {rid}: pages not reserved for {t} new tokens (call reserve first)")
-            pages = torch.tensor(table, dtype=torch.long)[pos // self.page_size]
-            self.pages[layer][pages, pos % self.page_size] = rows[i].to(self.dtype)
+        step = self.step
+        if step is None or step.new_tokens != t:
+            for rid in self.active:
+                if self.lengths[rid] + t > len(self.tables[rid]) * self.page_size:
+                    raise CacheError(
+                        f"request {rid}: pages not reserved for {t} new tokens (call reserve first)"
+                    )
+            slots = (
+                torch.tensor(
+                    [
+                        [
+                            self.tables[r][p // self.page_size] * self.page_size + p % self.page_size
+                            for p in range(self.lengths[r], self.lengths[r] + t)
+                        ]
+                        for r in self.active
+                    ],
+                    dtype=torch.long,
+                )
+                .reshape(b, t)
+                .to(self.storage[layer].device)
+            )
+        else:
+            slots = step.slots
+        flat = self.storage[layer].view(-1, self.row_strides[layer])
+        flat[slots.reshape(-1), :w] = rows.reshape(b * t, w).to(self.dtype)
+
+    def gather_step(self, layer: int) -> torch.Tensor:
+        """``[B, L, row_width]`` the first ``L = step.max_seq_len`` rows of every bound request (the step's new
+        rows included), read through the step's block table on the device; needs a step of requests of one
+        length (:attr:`StepMetadata.uniform`).
+
+        Raises:
+            CacheError: outside a step, or requests of different lengths.
+        """
+        step = self.step
+        if step is None or not step.uniform:
+            raise CacheError("gather_step needs a step (begin_step) over requests of one length")
+        n = step.max_seq_len
+        pos = torch.arange(n, device=step.block_table.device)
+        pages = step.block_table[:, pos // self.page_size].long()  # [B, L]
+        flat = self.storage[layer].view(-1, self.row_strides[layer])
+        return flat[pages * self.page_size + pos % self.page_size, : self.row_widths[layer]]
 
     def commit(self, new_tokens: int) -> None:
         """Advance the committed length of every bound request by ``new_tokens``."""
         for rid in self.active:
             self.lengths[rid] += new_tokens
+        self.step = None
 
     # ------------------------------------------------------------------ views for readers
     def seq_lens(self, pending: int = 0) -> torch.Tensor:
@@ -183,25 +298,31 @@ class PagedLatentCache:
         """Measured bytes of what the cache holds now, over all requests and layers.
 
         Returns:
-            ``tokens`` (committed, all requests), ``payload_bytes`` (committed rows only),
-            ``allocated_bytes`` (pages in use, including the unused tail of last pages),
-            ``capacity_bytes`` (all pages), and per-token-per-layer averages of the first two.
+            ``tokens`` (committed, all requests), ``payload_bytes`` (committed rows' values only),
+            ``allocated_bytes`` (memory of the pages in use: the unused tail of last pages and the row-stride
+            padding included), ``row_padding_bytes`` (the padding's share of ``allocated_bytes``),
+            ``capacity_bytes`` (all pages), ``row_widths`` / ``row_strides`` (elements per layer), and
+            per-token-per-layer averages of payload and allocation.
         """
         tokens = sum(self.lengths.values())
-        elem = self.pages[0].element_size()
+        elem = self.storage[0].element_size()
         width_sum = sum(self.row_widths)
+        stride_sum = sum(self.row_strides)
         used_pages = sum(len(t) for t in self.tables.values())
         payload = tokens * width_sum * elem
-        allocated = used_pages * self.page_size * width_sum * elem
+        allocated = used_pages * self.page_size * stride_sum * elem
         layers = len(self.row_widths)
         return {
             "tokens": tokens,
             "layers": layers,
             "page_size": self.page_size,
             "dtype": str(self.dtype).replace("torch.", ""),
+            "row_widths": list(self.row_widths),
+            "row_strides": list(self.row_strides),
             "payload_bytes": payload,
             "allocated_bytes": allocated,
-            "capacity_bytes": sum(p.numel() * p.element_size() for p in self.pages),
+            "row_padding_bytes": used_pages * self.page_size * (stride_sum - width_sum) * elem,
+            "capacity_bytes": sum(p.numel() * p.element_size() for p in self.storage),
             "payload_bytes_per_token_per_layer": payload / max(1, tokens * layers),
             "allocated_bytes_per_token_per_layer": allocated / max(1, tokens * layers),
         }

@@ -54,6 +54,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP32_TOL = 1e-5
 FP16_TOL = 2e-3
 FP16_LSE_TOL = 1e-4
+#: lse relative to its magnitude (|lse| floored at 1): float32 scores round at ~6e-8 of their size
+FP16_LSE_REL_TOL = 1e-5
 
 
 @dataclass
@@ -185,9 +187,9 @@ def test_single_request_lengths(page_size, length):
     ids=["H1", "H9-R3", "H16-R2", "H20-R4", "H33-R3"],
 )
 def test_head_counts_not_dividing_head_block(heads, rope_heads):
-    """BLOCK_H = 16 query heads per program: H = 1, 9 (partial block), 16, 20 and 33 (2-3 blocks, last
+    """BLOCK_M = 16 query rows (heads here) per program: H = 1, 9 (partial block), 16, 20 and 33 (2-3 blocks, last
     partial), each rope head shared by H / R query heads (``h // (H / R)``)."""
-    assert K.BLOCK_H == 16
+    assert K.BLOCK_M == 16
     check(make_case([37, 0, 100], 16, heads, d_c=64, rope_heads=rope_heads, d_r=8, seed=heads))
 
 
@@ -262,13 +264,36 @@ def test_block_n_variants(block_n):
     check(make_case([0, 5, 129, 200], 16, heads=9, d_c=64, seed=block_n), block_n=block_n)
 
 
-def test_default_num_splits():
-    assert K.default_num_splits(0) == 1
-    assert K.default_num_splits(1) == 1
-    assert K.default_num_splits(256) == 1
-    assert K.default_num_splits(257) == 2
-    assert K.default_num_splits(100_000) == 16
-    assert K.default_num_splits(100, block_n=16) == 1
+def _splits(batch, heads, length, d_c=512, d_r=64, elem=2, sms=132, s_q=1):
+    return K.default_num_splits(
+        batch, s_q * heads, length, d_c, (d_c + d_r) * elem, sms, K.default_block_n(d_c)
+    )
+
+
+def test_default_num_splits_fill_the_device():
+    """Splits come from batch x row blocks x SMs x length (the old rule, one per 256 tokens up to 16, gave
+    B = 1 at most 16 programs on 132 SMs and <= 256 tokens one): DeepSeek's shape on an H200 (132 SMs)."""
+    assert _splits(1, 128, 32768) == 16  # 8 row blocks x 16 splits = 128 programs
+    assert _splits(16, 128, 4096) == 2  # 128 x 2: the partials cap stops it at 2
+    assert _splits(64, 128, 4096) == 1  # 512 row blocks fill the device already
+    assert _splits(1, 16, 256, d_c=96, d_r=32) == 2  # short context, one row block: split, partials cap at 2
+    assert _splits(1, 9, 2048, d_c=96, d_r=32) == 32  # SmolLM2-shaped: 32 tiles of 64, 32 splits
+    assert _splits(1, 128, 32) == 1  # one tile: nothing to split
+    assert _splits(0, 128, 4096) == 1
+    for batch, heads, length in [(1, 9, 513), (2, 128, 100_000), (3, 16, 2048), (1, 128, 64)]:
+        s = _splits(batch, heads, length)
+        assert s & (s - 1) == 0 and 1 <= s <= K.MAX_SPLITS  # powers of two: few distinct launch shapes
+    # the CPU interpreter runs programs one after another: splitting only adds merge work there
+    assert _splits(1, 9, 4096, sms=1) == 1
+
+
+def test_split_partials_stay_below_a_quarter_of_the_cache_bytes():
+    """fp32 partials (rows x d_c x 4 bytes per split) must not double the traffic: at H = 128, d_c = 512 one
+    split's partials already equal ~455 bf16 cache rows."""
+    for batch, heads, length, d_c in [(1, 128, 4096, 512), (4, 128, 32768, 512), (1, 9, 2048, 96)]:
+        s = _splits(batch, heads, length, d_c=d_c)
+        partials = s * heads * d_c * 4
+        assert partials <= K.PARTIAL_BYTES_FRACTION * length * (d_c + 64) * 2 or s == 1
 
 
 # ------------------------------------------------------------------------------------ addressing
@@ -392,6 +417,9 @@ def _bad(case: Case, what: str) -> tuple:
     elif what == "seq_lens too long":
         lens = lens.clone()
         lens[0] = bt.shape[1] * cache.shape[1] + 1
+    elif what in ("page id past the pool", "page id -1"):
+        bt = bt.clone()
+        bt[1, 1] = cache.shape[0] + 5 if what == "page id past the pool" else -1  # request 1 reads 2 pages
     elif what == "rope head out of range":
         h2r = h2r.clone()
         h2r[-1] = 1
@@ -421,6 +449,8 @@ BAD_BOTH = {
     "block_table 1-D": "block_table must be int32",
     "seq_lens too long": "exceeds block_table capacity",
     "rope head out of range": "head_to_rope values must lie in",
+    "page id past the pool": "block_table[1, 1] = ",
+    "page id -1": "block_table[1, 1] = -1 is not a page id",
     "head_to_rope wrong length": "head_to_rope must be",
     "rope width mismatch": "kv_cache rows are 48 wide",
     "rope missing in cache": "kv_cache rows are 32 wide",
@@ -468,3 +498,144 @@ def test_nan_in_a_read_row_propagates(num_splits):
     assert ref_out.isnan().all() and ref_lse.isnan().all()
     out, lse = K.latent_decode(*case.args(), num_splits=num_splits, block_n=16)
     assert out.isnan().any() or lse.isnan().any()
+
+
+# ------------------------------------------------------------------------------------ issue 14: the GPU product
+
+
+def make_sq_case(lengths: list[int], s_q: int, heads: int = 9, d_c: int = 48, seed: int = 0, **kw) -> Case:
+    """:func:`make_case` with ``s_q`` query tokens per request: queries ``[B, s_q, H, d]``."""
+    case = make_case(lengths, 16, heads=heads, d_c=d_c, seed=seed, **kw)
+    gen = torch.Generator().manual_seed(seed + 1)
+    b, d_r = len(lengths), case.q_rope.shape[-1]
+    case.q_abs = torch.randn(b, s_q, heads, d_c, generator=gen).to(case.q_abs.dtype).to(DEVICE)
+    case.q_rope = torch.randn(b, s_q, heads, d_r, generator=gen).to(case.q_abs.dtype).to(DEVICE)
+    return case
+
+
+def sq_errors(case: Case, out: torch.Tensor, lse: torch.Tensor) -> tuple[float, float]:
+    """(relative latent_out error, relative lse error) of a multi-token case over rows that see a cached row."""
+    ref_out, ref_lse = latent_decode_reference(*case.args())
+    assert out.shape == case.q_abs.shape and lse.shape == case.q_abs.shape[:3]
+    seen = ref_lse > float("-inf")
+    assert bool((lse[~seen] == float("-inf")).all()) and not out[~seen].any()
+    a, b = out[seen].double(), ref_out[seen]
+    rel = float((a - b).abs().max() / b.abs().max())
+    lse_rel = float(((lse[seen].double() - ref_lse[seen]).abs() / ref_lse[seen].abs().clamp_min(1.0)).max())
+    return rel, lse_rel
+
+
+@pytest.mark.parametrize("s_q", [2, 4, 7])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_multi_token_queries_are_causal(s_q, num_splits):
+    """``s_q > 1`` (speculative verification, chunked prefill): query ``i`` sees rows ``<= n - s_q + i``; mixed
+    lengths (one page, several pages, exactly s_q, empty) and splits that cut through the query block."""
+    case = make_sq_case([s_q, 40, 0, 17 + s_q], s_q, seed=s_q)
+    out, lse = K.latent_decode(*case.args(), num_splits=num_splits)
+    rel, lse_rel = sq_errors(case, out, lse)
+    assert rel < FP32_TOL and lse_rel < FP32_TOL
+    # causality is real: the first query token of a request does not see the block's later rows
+    single = make_sq_case([s_q, 40, 0, 17 + s_q], s_q, seed=s_q)
+    single.q_abs, single.q_rope = case.q_abs[:, :1].contiguous(), case.q_rope[:, :1].contiguous()
+    single.seq_lens = (case.seq_lens - (s_q - 1)).clamp_min(0)
+    single.seq_lens[case.seq_lens == 0] = 0
+    first, _ = K.latent_decode(*single.args())
+    assert torch.allclose(first[[0, 1, 3], 0], out[[0, 1, 3], 0], rtol=1e-5, atol=1e-6)
+
+
+def test_multi_token_queries_float16():
+    case = make_sq_case([5, 70, 33], 5, heads=16, d_c=64, dtype=torch.float16, seed=3)
+    out, lse = K.latent_decode(*case.args())
+    rel, lse_rel = sq_errors(case, out, lse)
+    assert rel < FP16_TOL and lse_rel < FP16_LSE_REL_TOL
+
+
+def test_multi_token_rows_span_head_blocks():
+    """s_q x H rows tile 16 at a time: with H = 9 a row block holds two query tokens and several rope heads."""
+    case = make_sq_case([12, 30], 3, heads=9, d_c=40, rope_heads=3, d_r=8, seed=5)
+    out, lse = K.latent_decode(*case.args(), num_splits=2)
+    rel, lse_rel = sq_errors(case, out, lse)
+    assert rel < FP32_TOL and lse_rel < FP32_TOL
+
+
+def test_seq_lens_below_s_q_refused():
+    case = make_sq_case([3, 20], 4)
+    with pytest.raises(ValueError, match="request 0 has 3 rows for 4 query tokens"):
+        K.latent_decode(*case.args())
+    with pytest.raises(ValueError, match="request 0 has 3 rows for 4 query tokens"):
+        latent_decode_reference(*case.args())
+
+
+def test_padded_row_stride():
+    """Rows may sit in a wider row stride (the paged cache pads to 16 elements for aligned vector loads)."""
+    case = make_case([5, 40, 17], 16, heads=9, d_c=88, rope_heads=1, d_r=32)  # row 120, stride 128
+    padded = torch.full((*case.kv_cache.shape[:2], 128), float("nan"), device=DEVICE)
+    padded[..., :120] = case.kv_cache
+    case.kv_cache = padded[..., :120]
+    assert case.kv_cache.stride(1) == 128
+    check(case)
+
+
+def test_block_n_below_16_refused():
+    """block_n = 8 runs in the interpreter but tl.dot cannot compile it for sm_80/sm_90 in fp16/bf16."""
+    with pytest.raises(ValueError, match="block_n must be a power of two >= 16"):
+        K.latent_decode(*make_case([5], 16, heads=4, d_c=32).args(), block_n=8)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's bfloat16 fault")
+def test_bfloat16_refused_in_the_interpreter():
+    """The interpreter reads bfloat16 as int16 (outputs ~1e8, LSE ~1e10 where the oracle gives 0.004 / 4.6):
+    refused with the fix, never computed."""
+    case = make_case([5, 9], 16, heads=4, d_c=32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16 cannot run in the Triton interpreter"):
+        K.latent_decode(*case.args())
+
+
+def test_inputs_on_different_devices_refused():
+    """Every input must be on the kernel's device (on a CUDA host a CPU pointer makes the launch fail)."""
+    case = make_case([5, 9], 16, heads=4, d_c=32)
+    args = list(case.args())
+    args[2] = torch.empty(args[2].shape, device="meta")
+    with pytest.raises(ValueError, match="all inputs must be on one device; .*kv_cache on meta"):
+        K.latent_decode(*args)
+    with pytest.raises(ValueError, match="all inputs must be on one device"):
+        latent_decode_reference(*args)
+
+
+def test_host_side_reads_no_device_value(monkeypatch):
+    """The kernel call's host work (checks, split choice, buffers, launch) reads no tensor value: with every
+    input on the meta device (tensors without values) it reaches both launches; on a GPU it therefore never
+    synchronises and can be captured in a CUDA graph."""
+    launches: list[tuple[int, ...]] = []
+
+    class Stub:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append(grid)
+
+            return launch
+
+    monkeypatch.setattr(K, "_split_kernel", Stub("split"))
+    monkeypatch.setattr(K, "_merge_kernel", Stub("merge"))
+    meta = [
+        torch.empty(t.shape, dtype=t.dtype, device="meta")
+        for t in make_case([5, 40], 16, heads=20, d_c=32).args()[:6]
+    ]
+    out, lse = K.latent_decode(*meta, softmax_scale=0.1, max_seq_len=40)
+    assert out.device.type == "meta" and out.shape == (2, 20, 32) and lse.shape == (2, 20)
+    assert launches[0][1:] == (1, 2) and launches[0][0] == 2 and launches[1] == (2, 2)  # 2 row blocks
+
+
+def test_large_score_scale_lse_relative():
+    """Queries x100 push LSE to hundreds of nats; a correct fp16 result then misses by ~1e-3 absolute but stays
+    ~1e-6 relative, so lse is judged relatively where magnitudes vary."""
+    case = make_case([50, 300], 16, heads=16, d_c=64, dtype=torch.float16, seed=9)
+    case.q_abs = (case.q_abs.float() * 100).half()
+    out, lse = K.latent_decode(*case.args())
+    ref_out, ref_lse = latent_decode_reference(*case.args())
+    assert float(ref_lse.abs().min()) > 100
+    rel = float(((lse.double() - ref_lse).abs() / ref_lse.abs()).max())
+    assert rel < FP16_LSE_REL_TOL

@@ -208,7 +208,9 @@ def test_ledger_bytes(dtype, elem):
     cache = PagedLatentCache(widths, page_size=ps, num_pages=10, dtype=dtype)
     empty = cache.ledger()
     assert empty["tokens"] == 0 and empty["payload_bytes"] == 0 and empty["allocated_bytes"] == 0
-    assert empty["capacity_bytes"] == 10 * ps * sum(widths) * elem
+    strides = [48, 64, 48]  # rows padded to 16 elements: aligned vector loads for the kernel
+    assert empty["row_strides"] == strides and empty["row_widths"] == widths
+    assert empty["capacity_bytes"] == 10 * ps * sum(strides) * elem
     a, b = cache.add_request(), cache.add_request()
     for rid, n in ((a, 5), (b, 9)):
         cache.bind([rid])
@@ -221,19 +223,21 @@ def test_ledger_bytes(dtype, elem):
     assert led["tokens"] == tokens and led["layers"] == 3 and led["page_size"] == ps
     assert led["dtype"] == str(dtype).removeprefix("torch.")
     assert led["payload_bytes"] == tokens * sum(widths) * elem
-    assert led["allocated_bytes"] == pages * ps * sum(widths) * elem  # includes the last pages' tails
+    # memory of the pages in use: the last pages' tails and the row padding included, the padding stated
+    assert led["allocated_bytes"] == pages * ps * sum(strides) * elem
+    assert led["row_padding_bytes"] == pages * ps * (sum(strides) - sum(widths)) * elem
     assert led["allocated_bytes"] > led["payload_bytes"]
     assert led["capacity_bytes"] == empty["capacity_bytes"]
     assert led["payload_bytes_per_token_per_layer"] == pytest.approx(sum(widths) * elem / 3)
     assert led["allocated_bytes_per_token_per_layer"] == pytest.approx(
-        pages * ps * sum(widths) * elem / (tokens * 3)
+        pages * ps * sum(strides) * elem / (tokens * 3)
     )
     # reserved but uncommitted rows cost pages, not payload
     cache.bind([a])
     cache.reserve(4)  # 9 rows -> a third page for a
     led2 = cache.ledger()
     assert led2["payload_bytes"] == led["payload_bytes"]
-    assert led2["allocated_bytes"] == (pages + 1) * ps * sum(widths) * elem
+    assert led2["allocated_bytes"] == (pages + 1) * ps * sum(strides) * elem
 
 
 # ------------------------------------------------------------------------------------ a tiny MLA model
@@ -327,7 +331,8 @@ def test_backend_log_proves_the_kernel_ran(model, runs):
     layers = model.config.num_hidden_layers
     kernel_key = f"{kernel_backend()}:decode"
     assert kernel_backend() == ("triton-cuda" if torch.cuda.is_available() else "triton-interpreter")
-    assert triton.backend_log == {kernel_key: layers * (NEW - 1), "absorbed-torch:prefill": layers}
+    # the prompt is prefilled on the kernel too (s_q = prompt length, causal inside the block)
+    assert triton.backend_log == {kernel_key: layers * (NEW - 1), f"{kernel_backend()}:prefill": layers}
     assert "absorbed-torch:decode" not in triton.backend_log
     assert absorbed.backend_log == {
         "absorbed-torch:decode": layers * (NEW - 1),
@@ -400,8 +405,11 @@ def test_mixed_lengths_decode_like_alone(model):
                 own.bind([own.add_request()])
                 model(input_ids=p, past_key_values=own)
                 alone.append(model(input_ids=t, past_key_values=own).logits[:, -1])
+            model.set_attention_path("absorbed")
             with pytest.raises(ValueError, match="different lengths"):
                 model(input_ids=torch.zeros(2, 2, dtype=torch.long, device=DEVICE), past_key_values=cache)
+            assert cache.seq_lens().tolist() == [6, 12]  # the refused step committed nothing
+            model.set_attention_path("triton")
         model.set_attention_path("absorbed")
         with torch.no_grad():
             full = [
@@ -451,3 +459,83 @@ def test_generate_caches_in_the_model_dtype(prompt):
     assert res.cache.pages[0].dtype == torch.float16
     assert res.cache.pages[0].device == half.device
     assert res.backend_log[f"{kernel_backend()}:decode"] == half.config.num_hidden_layers * 2
+
+
+# ------------------------------------------------------------------------------------ issue 14: the decode step on a GPU
+
+
+def test_triton_path_takes_several_tokens_of_ragged_requests(model):
+    """The kernel's multi-token queries: two requests of different lengths take 3 tokens each in one step
+    (speculative verification) and get the logits of full recomputation."""
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 97, (1, n), generator=gen).to(DEVICE) for n in (4, 9)]
+    draft = torch.randint(0, 97, (2, 3), generator=gen).to(DEVICE)
+    model.set_attention_path("triton")
+    try:
+        with torch.no_grad():
+            cache = PagedLatentCache.for_model(model.config, 64, 4, device=DEVICE, shuffle_pages=True)
+            rids = []
+            for p in prompts:
+                rids.append(cache.add_request())
+                cache.bind([rids[-1]])
+                model(input_ids=p, past_key_values=cache)
+            cache.bind(rids)
+            verify = model(input_ids=draft, past_key_values=cache).logits
+            assert cache.seq_lens().tolist() == [7, 12]
+            assert cache.backend_log[f"{kernel_backend()}:prefill"] == 3 * model.config.num_hidden_layers
+        model.set_attention_path("absorbed")
+        with torch.no_grad():
+            for b, p in enumerate(prompts):
+                full = model(input_ids=torch.cat([p, draft[b : b + 1]], dim=1), use_cache=False).logits
+                assert rel(verify[b], full[0, -3:]) < E2E_TOL, b
+    finally:
+        model.set_attention_path("absorbed")
+
+
+def test_triton_path_refuses_a_padding_mask(model, prompt):
+    """The kernel applies no padding mask, so the triton path refuses one (before, it ignored it)."""
+    cache = PagedLatentCache.for_model(model.config, 64, page_size=4, device=DEVICE)
+    cache.bind([cache.add_request() for _ in range(2)])
+    model.set_attention_path("triton")
+    try:
+        mask = torch.ones_like(prompt)
+        mask[0, :2] = 0
+        with torch.no_grad(), pytest.raises(ValueError, match="takes no padding mask"):
+            model(input_ids=prompt, attention_mask=mask, past_key_values=cache)
+    finally:
+        model.set_attention_path("absorbed")
+    assert cache.seq_lens().tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("backend", ["triton", "absorbed"])
+def test_decode_steps_never_read_a_device_value(backend, monkeypatch):
+    """No host synchronisation in a step: the whole greedy loop (prefill and decode steps, metadata, cache
+    writes, kernel call) runs on the meta device, whose tensors have no values, so any ``int()``, ``.item()``,
+    ``bool()`` or ``.tolist()`` of a device tensor would raise. On a GPU each such read is a blocking sync
+    (before: about 6 + 2B per layer per step)."""
+    from mla_convert.kernels import load_kernel
+
+    kernel = load_kernel()
+    real = kernel.latent_decode
+    calls: list[str] = []
+
+    def launch_nothing(*args, **kw):
+        calls.append(str(args[0].device))
+        monkeypatch.setattr(kernel, "_split_kernel", _NoLaunch())
+        monkeypatch.setattr(kernel, "_merge_kernel", _NoLaunch())
+        return real(*args, **kw)
+
+    monkeypatch.setattr(kernel, "latent_decode", launch_nothing)
+    config = tiny_mla().config
+    with torch.device("meta"):
+        meta_model = MLAForCausalLM(config).eval()
+    ids = torch.zeros(2, 5, dtype=torch.long, device="meta")
+    res = generate(meta_model, ids, 4, backend=backend, page_size=4)
+    assert res.tokens.shape == (2, 9) and res.tokens.device.type == "meta"
+    layers = meta_model.config.num_hidden_layers
+    assert len(calls) == (4 * layers if backend == "triton" else 0) and set(calls) <= {"meta"}
+
+
+class _NoLaunch:
+    def __getitem__(self, grid):
+        return lambda *args, **kw: None

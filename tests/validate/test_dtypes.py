@@ -188,3 +188,34 @@ def test_eval_loads_bf16(converted: dict[str, Path], tiny_src: Path) -> None:
     recorded = json.loads((converted["bfloat16"] / "report.json").read_text())["model"]["eval"]
     measured = json.loads(res.stdout.strip().splitlines()[-1])
     assert measured["perplexity"] == pytest.approx(recorded["perplexity"], rel=1e-4)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU host's answers")
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--backend", "triton", "--dtype", "bfloat16"], "Triton interpreter reads bfloat16"),
+        (["--device", "cuda"], "has no CUDA GPU; use --device cpu or auto"),
+        (["--device", "gpu0"], "--device 'gpu0' is not one of"),
+        (["--dtype", "int8"], "--dtype 'int8' is not one of"),
+    ],
+)
+def test_generate_device_and_dtype_refusals(
+    converted: dict[str, Path], flags: list[str], message: str
+) -> None:
+    """A bfloat16 model on the triton path on the CPU would get garbage from the interpreter: refused; a CUDA
+    device on a CPU host is one line, not a failed launch with CPU pointers."""
+    res = CliRunner().invoke(app, ["generate", str(converted["bfloat16"]), "The capital", *flags])
+    assert res.exit_code == 2, res.stdout + res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], res.stderr
+
+
+def test_generate_float16_on_the_kernel(converted: dict[str, Path]) -> None:
+    res = CliRunner().invoke(
+        app,
+        ["generate", str(converted["bfloat16"]), "The capital", "--max-new-tokens", "3", "--backend", "triton",
+         "--dtype", "float16"],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.stdout + res.stderr
+    assert "float16" in res.stderr and "decode x" in res.stderr
