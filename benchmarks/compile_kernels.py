@@ -24,15 +24,15 @@ RESULTS = ROOT / "benchmarks" / "results"
 def table(rows: list[dict]) -> str:
     """Markdown table of compile_check's JSON rows."""
     head = (
-        "| arch | kernel | dtype | d_c tile | d_R tile | rows/tile | rope | warps | registers | stack (spill) bytes "
-        "| shared bytes |\n|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| arch | kernel | queries | FP8 group | d_c tile | d_R tile | rows/tile | rope | warps | registers | stack (spill) bytes "
+        "| shared bytes |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in sorted(rows, key=lambda r: (-r["arch"], r["kernel"], r["key"]["dtype"], r["key"]["block_dc"],
                                          r["key"]["block_r"], r["key"]["has_rope"])):  # fmt: skip
         k = r["key"]
         lines.append(
-            f"| sm_{r['arch']} | {r['kernel']} | {k['dtype']} | {k['block_dc']} | {k['block_r']} | {k['block_n']} "
+            f"| sm_{r['arch']} | {r['kernel']} | {k['dtype']} | {k['fp8_group'] or '-'} | {k['block_dc']} | {k['block_r']} | {k['block_n']} "
             f"| {'yes' if k['has_rope'] else 'no'} | {r['num_warps']} | {r['registers']} | {r['stack_bytes']} "
             f"| {r['shared_bytes']} |"
         )

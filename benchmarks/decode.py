@@ -23,6 +23,7 @@ cache of the same shape (SmolLM2-135M's 3 KV heads x 64 for H = 9; 128 heads x 1
 
     .venv/bin/mla-convert --quiet factor smollm2-135m /tmp/bench-mla      # once, ~90 s
     .venv/bin/python benchmarks/decode.py --checkpoint /tmp/bench-mla [--readme]
+    .venv/bin/python benchmarks/decode.py --gpu                            # the GPU part alone
 
 Without ``--checkpoint`` (or with a path that does not exist yet) the script makes the default conversion
 first. Prints Markdown tables and writes them to ``benchmarks/results/decode.md``.
@@ -325,7 +326,8 @@ def gpu_bench(args: argparse.Namespace) -> list[str]:
             torch.cuda.empty_cache()
             for d_c, d_r in ((512, 64), (96, 24)):
                 per_request = -(-ctx // page)
-                cache = torch.randn(b * per_request, page, d_c + d_r, device=dev, dtype=dt)
+                stride = -(-(d_c + d_r) // 16) * 16  # the paged cache's padded row stride
+                cache = torch.randn(b * per_request, page, stride, device=dev, dtype=dt)[..., : d_c + d_r]
                 table = torch.arange(b * per_request, device=dev, dtype=torch.int32).view(b, per_request)
                 lens = torch.full((b,), ctx, device=dev, dtype=torch.int32)
                 q_abs = torch.randn(b, h, d_c, device=dev, dtype=dt)
@@ -381,10 +383,20 @@ def main() -> None:
     )
     ap.add_argument("--no-cpu", action="store_true", help="only the GPU part")
     ap.add_argument(
+        "--gpu",
+        action="store_true",
+        help="only the GPU part, in one command when a device is lent; prints 'no CUDA device' and writes "
+        "nothing without one",
+    )
+    ap.add_argument(
         "--readme", action="store_true", help="also replace the block between the README's markers"
     )
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "decode.md")
     args = ap.parse_args()
+    if args.gpu and not torch.cuda.is_available():
+        print("no CUDA device: the GPU benchmark needs one (torch.cuda.is_available() is False); nothing written")
+        return
+    args.no_cpu = args.no_cpu or args.gpu
     torch.manual_seed(0)
     sections: list[str] = []
     if not args.no_cpu:

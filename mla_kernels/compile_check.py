@@ -12,8 +12,9 @@ and ``import mla_convert`` turns the interpreter on where there is no GPU unless
 
     TRITON_INTERPRET=0 python -m mla_convert.kernels.compile_check [--arch 90 --arch 80] [--set product|grid] [--json F]
 
-``product`` is what the bundled model's conversions and DeepSeek-V3-shaped checkpoints launch (the CI check);
-``grid`` is every latent tile 16..512 x rope tile x dtype (``benchmarks/compile_kernels.py``).
+``product`` is what the bundled model's conversions and DeepSeek-V3-shaped checkpoints launch, FP8 caches
+included (the CI check); ``grid`` is every latent tile 16..512 x rope tile x dtype, FP8 with bfloat16 queries
+included (``benchmarks/compile_kernels.py``).
 """
 
 from __future__ import annotations
@@ -106,12 +107,12 @@ def compile_variant(kernel: str, key: Any, arch: int) -> Compiled:
     if kernel == "split":
         fn = ld._split_kernel
         pointers = {
-            "q_abs_ptr": t, "q_rope_ptr": t, "cache_ptr": t, "block_table_ptr": "i32", "seq_lens_ptr": "i32",
+            "q_abs_ptr": t, "q_rope_ptr": t, "cache_ptr": "u8" if key.fp8_group else t, "block_table_ptr": "i32", "seq_lens_ptr": "i32",
             "head_to_rope_ptr": "i32", "part_out_ptr": "fp32", "part_lse_ptr": "fp32",
         }  # fmt: skip
         consts = {
             "BLOCK_M": ld.BLOCK_M, "BLOCK_N": key.block_n, "BLOCK_DC": key.block_dc, "BLOCK_R": key.block_r,
-            "HAS_ROPE": key.has_rope, "IEEE": key.dtype == "float32",
+            "HAS_ROPE": key.has_rope, "IEEE": key.dtype == "float32", "FP8_GROUP": key.fp8_group,
         }  # fmt: skip
     else:
         fn = ld._merge_kernel
@@ -150,12 +151,18 @@ def variants(which: str) -> list[Any]:
     shapes = list(PRODUCT_SHAPES)
     if which == "grid":
         shapes = [(d_c, d_r) for d_c in (16, 32, 64, 128, 256, 512) for d_r in (0, 16, 32, 64)]
+    from .fp8 import default_group
+
     keys = []
     for dtype in DTYPES:
         for d_c, d_r in shapes:
             key = launch_key(getattr(torch, dtype), d_c, d_r)
             if key not in keys:
                 keys.append(key)
+    for d_c, d_r in shapes:  # FP8 caches are read with bfloat16 queries on a GPU
+        key = launch_key(torch.bfloat16, d_c, d_r, fp8_group=default_group(d_c))
+        if key not in keys:
+            keys.append(key)
     return keys
 
 
@@ -166,8 +173,12 @@ def run(archs: list[int], which: str) -> list[Compiled]:
     merged: set[tuple[int, str, int]] = set()
     for arch in archs:
         for key in variants(which):
+            if (
+                key.fp8_group and arch < 89
+            ):  # E4M3 conversion exists from Ada/Hopper on; refused at launch below
+                continue
             out.append(compile_variant("split", key, arch))
-            if (arch, key.dtype, key.block_dc) not in merged:
+            if (arch, key.dtype, key.block_dc) not in merged:  # the merge kernel reads float32 partials only
                 merged.add((arch, key.dtype, key.block_dc))
                 out.append(compile_variant("merge", key, arch))
     return out
@@ -191,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         k = r.key
         print(
-            f"sm_{r.arch} {r.kernel:5} {k['dtype']:8} dc={k['block_dc']:3} r={k['block_r']:2} n={k['block_n']:2} "
+            f"sm_{r.arch} {r.kernel:5} {k['dtype']:8} fp8={k['fp8_group']:3} dc={k['block_dc']:3} r={k['block_r']:2} n={k['block_n']:2} "
             f"rope={int(k['has_rope'])} warps={r.num_warps} regs={r.registers:3} stack={r.stack_bytes} "
             f"local={r.local_bytes} smem={r.shared_bytes} {r.seconds:.1f}s"
         )

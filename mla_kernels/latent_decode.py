@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8 import Fp8Layout
 from .reference import check_decode_inputs, check_decode_values
 
 MERGE_WARPS = 4
@@ -54,9 +55,9 @@ def _split_kernel(
     stride_qab, stride_qas, stride_qah, stride_qrb, stride_qrs, stride_qrh,
     stride_cp, stride_cs, stride_btb,
     stride_pob, stride_pom, stride_pos, stride_plb, stride_plm,
-    num_heads, s_q, d_c, d_r, page_size, num_splits,
+    num_heads, s_q, d_c, d_r, page_size, num_splits, rope_off,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_R: tl.constexpr,
-    HAS_ROPE: tl.constexpr, IEEE: tl.constexpr,
+    HAS_ROPE: tl.constexpr, IEEE: tl.constexpr, FP8_GROUP: tl.constexpr,
 ):  # fmt: skip
     mb = tl.program_id(0)
     split = tl.program_id(1)
@@ -101,20 +102,31 @@ def _split_kernel(
         mask_n = offs_n < hi
         page = tl.load(block_table_ptr + b64 * stride_btb + offs_n // page_size, mask=mask_n, other=0)
         row = page.to(tl.int64) * stride_cp + (offs_n % page_size).to(tl.int64) * stride_cs
-        tile = tl.load(
-            cache_ptr + row[:, None] + offs_c[None, :], mask=mask_n[:, None] & mask_c[None, :], other=0.0
-        )
+        mask_nc = mask_n[:, None] & mask_c[None, :]
+        if FP8_GROUP > 0:  # E4M3 bytes times their group's float32 scale, dequantized in registers
+            raw = tl.load(cache_ptr + row[:, None] + offs_c[None, :], mask=mask_nc, other=0)
+            scale_ptrs = cache_ptr + row[:, None] + d_c + (offs_c[None, :] // FP8_GROUP) * 4
+            group_scale = tl.load(scale_ptrs.to(tl.pointer_type(tl.float32)), mask=mask_nc, other=0.0)
+            tile = (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * group_scale).to(q_abs.dtype)
+        else:
+            tile = tl.load(cache_ptr + row[:, None] + offs_c[None, :], mask=mask_nc, other=0.0)
         if IEEE:
             scores = tl.dot(q_abs, tl.trans(tile), input_precision="ieee")
         else:
             scores = tl.dot(q_abs, tl.trans(tile))
         if HAS_ROPE:
             for r in range(r_lo, r_hi + 1):  # one d_R-wide dot per rope head present in the row block
-                k_rope = tl.load(
-                    cache_ptr + row[:, None] + d_c + r * d_r + offs_r[None, :],
-                    mask=mask_n[:, None] & mask_r[None, :],
-                    other=0.0,
-                )
+                mask_nr = mask_n[:, None] & mask_r[None, :]
+                if FP8_GROUP > 0:  # bfloat16 bits at a byte offset: widen to float32 exactly
+                    bits_ptrs = cache_ptr + row[:, None] + rope_off + (r * d_r + offs_r[None, :]) * 2
+                    bits = tl.load(bits_ptrs.to(tl.pointer_type(tl.uint16)), mask=mask_nr, other=0)
+                    k_rope = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True).to(q_rope.dtype)
+                else:
+                    k_rope = tl.load(
+                        cache_ptr + row[:, None] + rope_off + r * d_r + offs_r[None, :],
+                        mask=mask_nr,
+                        other=0.0,
+                    )
                 q_r = tl.where((rope_head == r)[:, None], q_rope, 0.0).to(k_rope.dtype)
                 if IEEE:
                     scores += tl.dot(q_r, tl.trans(k_rope), input_precision="ieee")
@@ -243,6 +255,8 @@ class LaunchKey:
         block_dc: power-of-two tile of the latent width (``>= 16``); block_r: of ``d_R`` (16 when no rope).
         block_n: cached rows per tile; has_rope: whether rows carry a rope part.
         num_warps: warps per split program (:func:`default_num_warps`).
+        fp8_group: latent values per scale of an FP8 cache (:mod:`mla_convert.kernels.fp8`); 0 for a cache in
+            the queries' dtype.
     """
 
     dtype: str
@@ -251,10 +265,14 @@ class LaunchKey:
     block_n: int
     has_rope: bool
     num_warps: int
+    fp8_group: int = 0
 
 
-def launch_key(dtype: torch.dtype, d_c: int, d_r: int, block_n: int | None = None) -> LaunchKey:
-    """The compiled variant :func:`latent_decode` launches for these widths (see :class:`LaunchKey`)."""
+def launch_key(
+    dtype: torch.dtype, d_c: int, d_r: int, block_n: int | None = None, fp8_group: int = 0
+) -> LaunchKey:
+    """The compiled variant :func:`latent_decode` launches for queries of ``dtype`` and these widths (see
+    :class:`LaunchKey`)."""
     return LaunchKey(
         str(dtype).replace("torch.", ""),
         max(16, triton.next_power_of_2(d_c)),
@@ -262,6 +280,7 @@ def launch_key(dtype: torch.dtype, d_c: int, d_r: int, block_n: int | None = Non
         block_n or default_block_n(d_c),
         bool(d_r),
         default_num_warps(d_c),
+        fp8_group,
     )
 
 
@@ -282,6 +301,7 @@ def latent_decode(
     num_splits: int | None = None,
     block_n: int | None = None,
     max_seq_len: int | None = None,
+    fp8: Fp8Layout | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``s_q`` new query tokens per request over a paged ``[c_kv | k_rope]`` cache.
 
@@ -305,6 +325,9 @@ def latent_decode(
         block_n: rows per tile, ``>= 16`` (default :func:`default_block_n`).
         max_seq_len: a host-side upper bound of ``seq_lens`` for choosing the splits (default: read from
             ``seq_lens`` on the CPU, ``max_pages x page_size`` on a GPU, where reading would synchronise).
+        fp8: the layout of an FP8 cache: ``kv_cache`` is then uint8 ``[num_pages, page_size, >= row_bytes]``
+            rows ``[E4M3 c_kv | float32 scales | bfloat16 k_rope]`` (:mod:`mla_convert.kernels.fp8`), dequantized
+            in registers to the queries' dtype.
 
     Returns:
         ``latent_out`` shaped like ``q_abs`` in its dtype and natural-log ``lse`` (``[B, H]`` / ``[B, s_q, H]``)
@@ -318,7 +341,7 @@ def latent_decode(
     from . import kernel_backend
 
     d_c, d_r, _ = check_decode_inputs(
-        q_abs, q_rope, kv_cache, block_table, seq_lens, head_to_rope, softmax_scale
+        q_abs, q_rope, kv_cache, block_table, seq_lens, head_to_rope, softmax_scale, fp8
     )
     device = q_abs.device
     backend = kernel_backend()
@@ -327,13 +350,22 @@ def latent_decode(
             "the decode kernel runs natively on this CUDA host but its inputs are on the CPU; put the model "
             "and its paged cache on the GPU (--device cuda)"
         )
-    if kv_cache.dtype not in DTYPES:
-        raise ValueError(f"kv_cache dtype {kv_cache.dtype} is not supported (float32, float16, bfloat16)")
-    if q_abs.dtype != kv_cache.dtype or q_rope.dtype != kv_cache.dtype:
+    if fp8 is None and kv_cache.dtype not in DTYPES:
         raise ValueError(
-            f"q_abs ({q_abs.dtype}), q_rope ({q_rope.dtype}) and kv_cache ({kv_cache.dtype}) must share a dtype"
+            f"kv_cache dtype {kv_cache.dtype} is not supported (float32, float16, bfloat16; uint8 FP8 rows with fp8=)"
         )
-    if kv_cache.dtype == torch.bfloat16 and backend == "triton-interpreter":
+    want = q_abs.dtype if fp8 is not None else kv_cache.dtype
+    if q_abs.dtype not in DTYPES or q_abs.dtype != want or q_rope.dtype != want:
+        raise ValueError(
+            f"q_abs ({q_abs.dtype}), q_rope ({q_rope.dtype}) and kv_cache ({kv_cache.dtype}) must share a dtype "
+            "(the queries of an FP8 cache: float32, float16 or bfloat16)"
+        )
+    if fp8 is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(
+            f"an FP8 cache needs E4M3 support (sm_89 or newer); {torch.cuda.get_device_name(device)} is "
+            f"sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}: use a bfloat16 cache"
+        )
+    if q_abs.dtype == torch.bfloat16 and backend == "triton-interpreter":
         raise ValueError(
             "bfloat16 cannot run in the Triton interpreter (it reads bfloat16 as 16-bit integers); use a "
             "float32 or float16 cache on the CPU (--dtype float32), or a CUDA GPU"
@@ -347,7 +379,7 @@ def latent_decode(
         raise ValueError(f"num_splits must lie in 1..1024; got {num_splits}")
     on_host = block_table.device.type == "cpu"
     if on_host:
-        check_decode_values(q_abs, q_rope, kv_cache, block_table, seq_lens, head_to_rope)
+        check_decode_values(q_abs, q_rope, kv_cache, block_table, seq_lens, head_to_rope, fp8)
     block_table, seq_lens = block_table.contiguous(), seq_lens.contiguous()  # the kernels assume unit strides
     q4 = q_abs if q_abs.dim() == 4 else q_abs.unsqueeze(1)
     r4 = q_rope if q_rope.dim() == 4 else q_rope.unsqueeze(1)
@@ -355,7 +387,7 @@ def latent_decode(
     rows = s_q * h
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max()) if on_host and b else block_table.shape[1] * kv_cache.shape[1]
-    key = launch_key(kv_cache.dtype, d_c, d_r, block_n)
+    key = launch_key(q_abs.dtype, d_c, d_r, block_n, fp8.group if fp8 is not None else 0)
     if num_splits is None:
         row_bytes = kv_cache.shape[2] * kv_cache.element_size()
         num_splits = default_num_splits(
@@ -375,9 +407,10 @@ def latent_decode(
             q4.stride(0), q4.stride(1), q4.stride(2), r_arg.stride(0), r_arg.stride(1), r_arg.stride(2),
             kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
             part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-            h, s_q, d_c, max(d_r, 1), kv_cache.shape[1], num_splits,
+            h, s_q, d_c, max(d_r, 1), kv_cache.shape[1], num_splits, fp8.rope_offset if fp8 else d_c,
             BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_DC=key.block_dc, BLOCK_R=key.block_r,
-            HAS_ROPE=key.has_rope, IEEE=kv_cache.dtype == torch.float32, num_warps=key.num_warps,
+            HAS_ROPE=key.has_rope, IEEE=q_abs.dtype == torch.float32, FP8_GROUP=key.fp8_group,
+            num_warps=key.num_warps,
         )  # fmt: skip
         _merge_kernel[(row_blocks, b)](
             part_out, part_lse, out, lse,

@@ -19,7 +19,12 @@ Empty request convention: a request with ``seq_lens[b] = 0`` (and a query row th
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from .fp8 import Fp8Layout
 
 
 def _as_4d(q: torch.Tensor, name: str) -> torch.Tensor:
@@ -38,8 +43,11 @@ def check_decode_inputs(
     seq_lens: torch.Tensor,
     head_to_rope: torch.Tensor,
     softmax_scale: float,
+    fp8: Fp8Layout | None = None,
 ) -> tuple[int, int, int]:
     """Check shapes, dtypes and devices shared by the kernel and the reference; never reads tensor values.
+
+    With ``fp8`` (an :class:`~mla_convert.kernels.fp8.Fp8Layout`) the cache is uint8 FP8 rows of that layout.
 
     Value checks (page ids, lengths, rope heads) are :func:`check_decode_values`: they read index tensors,
     which costs a device-to-host synchronisation unless the tensors live on the CPU.
@@ -61,7 +69,24 @@ def check_decode_inputs(
         raise ValueError(
             f"kv_cache must be [num_pages, page_size, d_c + rope width]; got {tuple(kv_cache.shape)}"
         )
-    rope_width = kv_cache.shape[2] - d_c
+    if fp8 is not None or kv_cache.dtype == torch.uint8:
+        if fp8 is None or kv_cache.dtype != torch.uint8:
+            raise ValueError(
+                "an FP8 cache is uint8 rows together with its layout (fp8=...); got one without the other"
+            )
+        if (
+            fp8.d_c != d_c
+            or kv_cache.shape[2] < fp8.row_bytes
+            or (d_r == 0) != (fp8.rope_width == 0)
+            or (d_r and fp8.rope_width % d_r)
+        ):
+            raise ValueError(
+                f"FP8 rows of {kv_cache.shape[2]} bytes with layout d_c={fp8.d_c}, rope width {fp8.rope_width} "
+                f"({fp8.row_bytes} bytes) do not fit q_abs d_c={d_c} and q_rope d_R={d_r}"
+            )
+        rope_width = fp8.rope_width
+    else:
+        rope_width = kv_cache.shape[2] - d_c
     if rope_width < 0 or (d_r == 0) != (rope_width == 0) or (d_r and rope_width % d_r):
         raise ValueError(
             f"kv_cache rows are {kv_cache.shape[2]} wide but q_abs has d_c={d_c} and q_rope d_R={d_r}: "
@@ -101,6 +126,7 @@ def check_decode_values(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     head_to_rope: torch.Tensor,
+    fp8: Fp8Layout | None = None,
 ) -> None:
     """Check the index tensors' values: rope heads, lengths against block-table capacity and ``s_q``, and
     every page id a request reads (its first ``ceil(seq_lens[b] / page_size)`` entries) in ``[0, num_pages)``.
@@ -112,7 +138,7 @@ def check_decode_values(
     """
     b, s_q = q_abs.shape[0], (q_abs.shape[1] if q_abs.dim() == 4 else 1)
     h, d_r = head_to_rope.shape[0], q_rope.shape[-1]
-    rope_width = kv_cache.shape[2] - q_abs.shape[-1]
+    rope_width = fp8.rope_width if fp8 is not None else kv_cache.shape[2] - q_abs.shape[-1]
     num_pages, page = kv_cache.shape[0], kv_cache.shape[1]
     n_rope = rope_width // d_r if d_r else 1
     if h and d_r and (int(head_to_rope.min()) < 0 or int(head_to_rope.max()) >= n_rope):
@@ -153,6 +179,7 @@ def latent_decode_reference(
     head_to_rope: torch.Tensor,
     softmax_scale: float,
     dtype: torch.dtype = torch.float64,
+    fp8: Fp8Layout | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``s_q`` new query tokens per request over a paged latent cache, computed plainly in ``dtype``.
 
@@ -166,6 +193,8 @@ def latent_decode_reference(
         head_to_rope: ``[H]`` rope head read by each query head.
         softmax_scale: the source model's scale (required; no default by design).
         dtype: compute dtype (float64 for the oracle).
+        fp8: the layout of an FP8 cache (uint8 rows, :mod:`mla_convert.kernels.fp8`): the rows are dequantized
+            exactly as the kernel does, then computed in ``dtype``.
 
     Returns:
         ``latent_out`` shaped like ``q_abs`` and natural-log ``lse`` (``q_abs``'s shape without ``d_c``), both in
@@ -176,9 +205,13 @@ def latent_decode_reference(
         ValueError: see :func:`check_decode_inputs` and :func:`check_decode_values`.
     """
     d_c, d_r, _ = check_decode_inputs(
-        q_abs, q_rope, kv_cache, block_table, seq_lens, head_to_rope, softmax_scale
+        q_abs, q_rope, kv_cache, block_table, seq_lens, head_to_rope, softmax_scale, fp8
     )
-    check_decode_values(q_abs, q_rope, kv_cache, block_table, seq_lens, head_to_rope)
+    check_decode_values(q_abs, q_rope, kv_cache, block_table, seq_lens, head_to_rope, fp8)
+    if fp8 is not None:
+        from .fp8 import dequantize_rows
+
+        kv_cache = dequantize_rows(kv_cache, fp8)
     qa, qr = _as_4d(q_abs, "q_abs"), _as_4d(q_rope, "q_rope")
     b, s_q, h, _ = qa.shape
     page = kv_cache.shape[1]

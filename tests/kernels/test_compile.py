@@ -38,10 +38,17 @@ def test_product_variants_compile_for_sm90_and_sm80(tmp_path: Path) -> None:
 
     keys = variants("product")
     splits = [c for c in compiled if c["kernel"] == "split"]
-    assert len(splits) == 2 * len(keys) and {c["arch"] for c in compiled} == {80, 90}
+    fp8 = [k for k in keys if k.fp8_group]
+    assert (
+        fp8
+    )  # FP8 caches (bfloat16 queries) compile for sm_90; sm_80 has no E4M3 and refuses them at launch
+    assert len(splits) == 2 * len(keys) - len(fp8) and {c["arch"] for c in compiled} == {80, 90}
+    assert {c["arch"] for c in splits if c["key"]["fp8_group"]} == {90}
     assert all(0 < c["registers"] <= 255 for c in compiled)
     dtypes = {c["key"]["dtype"] for c in splits}
     assert dtypes == {"float16", "bfloat16", "float32"}
+    # spills (a stack frame) are findings, recorded in benchmarks/results/kernel_compile.md, not failures
+    assert all(c["stack_bytes"] >= 0 for c in compiled)
     # DeepSeek's width (d_c = 512) is among them, on 8 warps
     wide = [c for c in splits if c["key"]["block_dc"] == 512]
     assert wide and all(c["num_warps"] == 8 for c in wide)
