@@ -545,7 +545,15 @@ def rung_ledger(
     stored = sum(int((~p.isnan().all(-1)).sum()) for p in cache.pages)
     committed = float(led["tokens"] * led["layers"])
     rung.check("rows holding data (all layers) vs committed tokens x layers", float(stored), committed, "==")
-    rung.record("bytes/token/layer with page padding", round(led["allocated_bytes_per_token_per_layer"], 1))
+    rung.record(
+        "bytes/token/layer allocated (page tails and row-stride padding)",
+        round(led["allocated_bytes_per_token_per_layer"], 1),
+    )
+    per = max(1, led["tokens"] * led["layers"])
+    rung.record(
+        f"of which row-stride padding (rows {led['row_widths'][0]} -> {led['row_strides'][0]} values in layer 0)",
+        round(led["row_padding_bytes"] / per, 1),
+    )
     cfg = model.config
     # the source as loaded (float32) when it is measured, else in the converted cache's element size
     src_elem = elem if source_model is None else torch.empty(0, dtype=source_model.dtype).element_size()

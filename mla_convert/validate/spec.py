@@ -147,7 +147,7 @@ KERNEL = RungSpec(
     "kernel-vs-reference",
     "per layer, the Triton decode kernel against the float64 PyTorch oracle on the model's real queries and "
     "real paged cache rows (two requests of different lengths, shuffled pages): `latent_out`, `lse`; "
-    "the kernel with 1 KV split against its default split count",
+    "the kernel with 1 KV split against 4 (the split-KV merge is exact; the default count depends on the device)",
     f"`latent_out` rel. {tol(TOL_KERNEL)}; `lse` abs. {tol(TOL_KERNEL_LSE)} nats; "
     f"1 split vs many rel. {tol(TOL_KERNEL)}",
     "the same checks with the queries and cache rows rounded to the checkpoint's dtype (the dtype its "
@@ -159,7 +159,8 @@ DECODE = RungSpec(
     3,
     "decode-vs-recompute",
     "the model's RoPE frequency buffers against the source's RoPE table at the recorded pair indices (and "
-    "`config.json`); paged prefill + greedy one-token decode steps on the chosen backend against one full "
+    "`config.json`); paged prefill (on the kernel too for the triton backend: multi-token causal queries) + "
+    "greedy one-token decode steps on the chosen backend against one full "
     "pass: step logits, greedy tokens; every cache row against `[c_kv | k_rope]` recomputed at its absolute "
     "position with those frequencies; committed length; decode attention calls per backend",
     f"frequencies rel. {tol(TOL_FREQ)}; logits rel. {tol(TOL_DECODE_LOGITS)}; cache rows rel. {tol(TOL_ROWS)}; "
@@ -185,7 +186,7 @@ LEDGER = RungSpec(
     "cache-ledger",
     "the bytes rung 3's paged cache holds: payload bytes/token/layer against `(d_c + R*d_R) x element size`, "
     "rows holding data against committed tokens x layers; the source's KV cache measured after a prefill "
-    "against its formula `2 x G x head_dim x element size`; records bytes with page padding and the ratio",
+    "against its formula `2 x G x head_dim x element size`; records bytes allocated (page tails and row-stride padding, the padding on its own) and the ratio",
     "exact",
     "measures the paged cache of rung 3's decode in the checkpoint's dtype (its element size); the ratio "
     "to the source compares values, the source measured in float32",
