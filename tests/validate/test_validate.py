@@ -69,7 +69,7 @@ def test_validate_passes_on_reference(reference_ckpt):
     assert kernel["value"] < 1e-5
     assert checks["kernel backend"]["value"] == "triton-interpreter"
     assert json.loads(checks["backends that ran"]["value"]) == {
-        "absorbed-torch:prefill": 30,
+        "triton-interpreter:prefill": 30,
         "triton-interpreter:decode": 30 * 15,
     }
     recorded = json.loads((reference_ckpt / "report.json").read_text())["model"]["eval"]
