@@ -55,7 +55,7 @@ def _split_kernel(
     stride_qab, stride_qas, stride_qah, stride_qrb, stride_qrs, stride_qrh,
     stride_cp, stride_cs, stride_btb,
     stride_pob, stride_pom, stride_pos, stride_plb, stride_plm,
-    num_heads, s_q, d_c, d_r, page_size, num_splits, rope_off,
+    num_heads, s_q, d_c, d_r, page_size, num_splits, rope_off, scale_off,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_R: tl.constexpr,
     HAS_ROPE: tl.constexpr, IEEE: tl.constexpr, FP8_GROUP: tl.constexpr,
 ):  # fmt: skip
@@ -103,11 +103,19 @@ def _split_kernel(
         page = tl.load(block_table_ptr + b64 * stride_btb + offs_n // page_size, mask=mask_n, other=0)
         row = page.to(tl.int64) * stride_cp + (offs_n % page_size).to(tl.int64) * stride_cs
         mask_nc = mask_n[:, None] & mask_c[None, :]
-        if FP8_GROUP > 0:  # E4M3 bytes times their group's float32 scale, dequantized in registers
+        if FP8_GROUP > 0:  # E4M3 bytes times their group's float32 scale (one load per group), in registers
             raw = tl.load(cache_ptr + row[:, None] + offs_c[None, :], mask=mask_nc, other=0)
-            scale_ptrs = cache_ptr + row[:, None] + d_c + (offs_c[None, :] // FP8_GROUP) * 4
-            group_scale = tl.load(scale_ptrs.to(tl.pointer_type(tl.float32)), mask=mask_nc, other=0.0)
-            tile = (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * group_scale).to(q_abs.dtype)
+            offs_g = tl.arange(0, BLOCK_DC // FP8_GROUP)
+            scale_ptrs = (cache_ptr + row[:, None] + scale_off + offs_g[None, :] * 4).to(
+                tl.pointer_type(tl.float32)
+            )
+            mask_ng = mask_n[:, None] & (offs_g[None, :] * FP8_GROUP < d_c)
+            scales = tl.load(scale_ptrs, mask=mask_ng, other=0.0)  # [BLOCK_N, groups]
+            grouped = tl.reshape(
+                raw.to(tl.float8e4nv, bitcast=True).to(tl.float32),
+                [BLOCK_N, BLOCK_DC // FP8_GROUP, FP8_GROUP],
+            )
+            tile = tl.reshape(grouped * scales[:, :, None], [BLOCK_N, BLOCK_DC]).to(q_abs.dtype)
         else:
             tile = tl.load(cache_ptr + row[:, None] + offs_c[None, :], mask=mask_nc, other=0.0)
         if IEEE:
@@ -285,9 +293,11 @@ def launch_key(
 
 
 def default_num_warps(d_c: int) -> int:
-    """Warps per split program: 8 when ``d_c > 256`` (the ``[16, d_c]`` float32 accumulator and a ``[BLOCK_N, d_c]``
-    tile spread over 256 threads instead of 128), else 4."""
-    return 8 if d_c > 256 else 4
+    """Warps per split program: 8 when ``d_c > 64`` (the ``[16, d_c]`` float32 accumulator and a ``[BLOCK_N, d_c]``
+    tile spread over 256 threads instead of 128), else 4. Compiled for sm_90, a 128-wide latent tile with a
+    64-wide rope tile spilled 192 bytes per thread on 4 warps in float32 (88-160 with FP8 rows) and none on 8
+    (``benchmarks/results/kernel_compile.md``)."""
+    return 8 if d_c > 64 else 4
 
 
 def latent_decode(
@@ -407,7 +417,8 @@ def latent_decode(
             q4.stride(0), q4.stride(1), q4.stride(2), r_arg.stride(0), r_arg.stride(1), r_arg.stride(2),
             kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
             part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-            h, s_q, d_c, max(d_r, 1), kv_cache.shape[1], num_splits, fp8.rope_offset if fp8 else d_c,
+            h, s_q, d_c, max(d_r, 1), kv_cache.shape[1], num_splits,
+            fp8.rope_offset if fp8 else d_c, fp8.scale_offset if fp8 else d_c,
             BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_DC=key.block_dc, BLOCK_R=key.block_r,
             HAS_ROPE=key.has_rope, IEEE=q_abs.dtype == torch.float32, FP8_GROUP=key.fp8_group,
             num_warps=key.num_warps,

@@ -23,6 +23,7 @@ from mla_convert.cli.render import (
     err_console,
     estimate_lines,
     fail,
+    matrix_table,
     note,
     plain,
     progress_bar,
@@ -354,6 +355,11 @@ def generate(
         help="auto (bfloat16 on a GPU, float32 on the CPU) | float32 | float16 | bfloat16: the model's and "
         "the paged cache's dtype.",
     ),
+    cache_dtype: str = typer.Option(
+        "model",
+        help="model (cache rows in --dtype) | fp8 (E4M3 latent + float32 scales per group + bfloat16 rope; "
+        "the paged and triton backends; on a GPU sm_89 or newer).",
+    ),
 ) -> None:
     """Greedy text through the latent cache (never expanded K/V); the backend that ran is printed.
 
@@ -369,6 +375,10 @@ def generate(
         fail(f"--device {device!r} is not one of auto, cpu, cuda, cuda:N")
     if max_new_tokens < 1:
         fail("--max-new-tokens must be at least 1")
+    if cache_dtype not in ("model", "fp8"):
+        fail(f"--cache-dtype {cache_dtype!r} is not one of model, fp8")
+    if cache_dtype == "fp8" and backend == "absorbed":
+        fail("--cache-dtype fp8 needs a paged latent cache; use --backend triton or --backend paged")
     with user_errors():  # a wrong folder, before the model libraries are imported
         kind = read_checkpoint_config(ckpt, require_mla=True).get("model_type")
     import torch
@@ -400,10 +410,15 @@ def generate(
             ran = "absorbed-torch (transformers DynamicCache holding [c_kv | k_rope])"
         else:
             res = paged_generate(
-                model, ids, max_new_tokens, backend="triton" if backend == "triton" else "absorbed"
+                model,
+                ids,
+                max_new_tokens,
+                backend="triton" if backend == "triton" else "absorbed",
+                cache_dtype=cache_dtype,
             )
             log = ", ".join(f"{k} x{v}" for k, v in sorted(res.backend_log.items()))
-            out, ran = res.tokens, f"paged latent cache: {log}"
+            rows = "FP8 rows" if cache_dtype == "fp8" else f"{want} rows"
+            out, ran = res.tokens, f"paged latent cache ({rows}): {log}"
     console.print(tok.decode(out[0], skip_special_tokens=True), highlight=False, markup=False)
     if not STATE["quiet"]:
         err_console.print(f"backend: {ran} on {where} in {want}", highlight=False, markup=False)
@@ -418,7 +433,8 @@ def validate(
     """Run the validation ladder; write validation.json and validation.md into CKPT.
 
     Rungs: 1 naive vs absorbed, 2 kernel vs float64 reference, 3 decode vs full recomputation (logits and
-    every cache row), 4 converted vs source (perplexity, KL, top-1, softmax scale), 5 cache ledger.
+    every cache row), 4 converted vs source (perplexity, KL, top-1, softmax scale), 5 cache ledger, 6 kernel
+    matrix (prefill/decode/verify x float32/bfloat16/FP8 rows x history 1..4096, printed as a second table).
     Exits 1 when any rung fails, naming it.
 
     Example: mla-convert validate out/smollm2-mla
@@ -435,6 +451,9 @@ def validate(
         res = run_validate(ckpt, options, progress=note)
         write_validation(ckpt, res)
     console.print(validation_table(ckpt, res))
+    matrix = matrix_table(res)
+    if matrix is not None:
+        console.print(matrix)
     console.print(
         f"wrote {ckpt / 'validation.json'} and {ckpt / 'validation.md'}", highlight=False, markup=False
     )

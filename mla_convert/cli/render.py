@@ -227,6 +227,22 @@ def estimate_lines(options: Any, max_shard_size: str, lines: list[str]) -> None:
         plain(f"  {line}")
 
 
+def matrix_table(res: Any) -> Table | None:
+    """``validate``'s second table: rung 6's kernel matrix, one row per cell (which backend ran, the kernel's
+    error against the oracle, what the cache format costs), or None when no rung measured a grid."""
+    from mla_convert.validate.matrix import MATRIX_HEADER, matrix_rows
+
+    rung = next((r for r in res.rungs if r.cells), None)
+    if rung is None:
+        return None
+    table = Table(title=f"rung {rung.number} {rung.name}: phase x cache x history")
+    for col in MATRIX_HEADER:
+        table.add_column(col)
+    for row in matrix_rows(rung.cells):
+        table.add_row(*(escape(x) for x in row))
+    return table
+
+
 def validation_table(ckpt: Any, res: Any) -> Table:
     """``validate``'s table: one row per check of every rung (value, tolerance, verdict)."""
     from mla_convert.validate.result import format_value

@@ -205,6 +205,7 @@ class MLAAttention(nn.Module):
                 self.head_to_rope_on(q_abs.device),
                 softmax_scale=self.softmax_scale,
                 max_seq_len=step.max_seq_len,
+                fp8=cache.fp8[self.layer_idx] if cache.fp8 is not None else None,
             )
             cache.backend_log[f"{kernel_backend()}:" + ("decode" if t == 1 else "prefill")] += 1
             return self.output_from_latent(latent)

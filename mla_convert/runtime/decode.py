@@ -53,6 +53,7 @@ def generate(
     page_size: int = 16,
     shuffle_pages: bool = False,
     cache: PagedLatentCache | None = None,
+    cache_dtype: str = "model",
 ) -> DecodeResult:
     """Greedy decode ``max_new_tokens`` tokens for each prompt row (no EOS stop, equal prompt lengths).
 
@@ -63,17 +64,21 @@ def generate(
         page_size: cache page size in tokens (1..128).
         shuffle_pages: allocate pages in a random order (tests, ``validate``).
         cache: reuse a cache (new requests are added to it); default: a fresh one sized for the job.
+        cache_dtype: rows of a fresh cache in the model's dtype (``"model"``) or as FP8 rows (``"fp8"``: E4M3
+            latent with float32 scales per group and bfloat16 rope, :mod:`mla_convert.kernels.fp8`).
 
     Returns:
         A :class:`DecodeResult`.
 
     Raises:
-        ValueError: unknown backend or empty prompt; ``KernelUnavailable`` when Triton cannot run.
+        ValueError: unknown backend or cache dtype, or empty prompt; ``KernelUnavailable`` when Triton cannot run.
     """
     import time
 
     if backend not in DECODE_BACKENDS:
         raise ValueError(f"unknown decode backend {backend!r}; choose one of {DECODE_BACKENDS}")
+    if cache_dtype not in ("model", "fp8"):
+        raise ValueError(f"unknown cache dtype {cache_dtype!r}; choose 'model' or 'fp8'")
     b, t = input_ids.shape
     if t < 1 or max_new_tokens < 1:
         raise ValueError("need a prompt of at least one token and max_new_tokens >= 1")
@@ -85,6 +90,7 @@ def generate(
             dtype=model.dtype,
             device=input_ids.device,
             shuffle_pages=shuffle_pages,
+            fp8=cache_dtype == "fp8",
         )
     cache.bind([cache.add_request() for _ in range(b)])
     before = dict(cache.backend_log)

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 
 from mla_convert.errors import UserError
+from mla_convert.kernels.fp8 import Fp8Layout, dequantize_rows, quantize_rows
+from mla_convert.kernels.fp8 import layout as fp8_layout
 
 ROW_ALIGN = (
     16  # elements: a padded row stride keeps every row start 32-byte (fp16/bf16) or 64-byte (fp32) aligned
@@ -74,6 +76,10 @@ class PagedLatentCache:
         shuffle_pages: hand out pages in a random order (seeded), so page ids of a request are not
             contiguous; used by tests and ``validate`` to prove addressing goes through the block table.
         seed: seed of that order.
+        fp8: one :class:`~mla_convert.kernels.fp8.Fp8Layout` per layer for an FP8 cache (``dtype`` is then
+            ignored): rows are stored as uint8 ``[E4M3 c_kv | float32 scales | bfloat16 k_rope]``, quantized on
+            write; readers other than the kernel get them dequantized to float32. Free slots hold 0xFF bytes
+            (NaN in all three parts).
 
     Raises:
         CacheError: a page size outside 1..128 or no pages.
@@ -88,6 +94,7 @@ class PagedLatentCache:
         device: torch.device | str = "cpu",
         shuffle_pages: bool = False,
         seed: int = 0,
+        fp8: list[Fp8Layout] | None = None,
     ) -> None:
         if not 1 <= page_size <= 128:
             raise CacheError(f"page_size {page_size} is outside 1..128")
@@ -96,13 +103,22 @@ class PagedLatentCache:
         self.row_widths = list(row_widths)
         self.page_size = page_size
         self.num_pages = num_pages
-        self.dtype = dtype
-        self.row_strides = [-(-w // ROW_ALIGN) * ROW_ALIGN for w in self.row_widths]
+        self.fp8 = list(fp8) if fp8 is not None else None
+        if self.fp8 is not None:
+            if [lay.d_c + lay.rope_width for lay in self.fp8] != self.row_widths:
+                raise CacheError("the FP8 layouts do not match the row widths")
+            self.dtype = torch.uint8
+            self.row_bytes = [lay.row_bytes for lay in self.fp8]
+            self.row_strides = [lay.stride_bytes for lay in self.fp8]
+        else:
+            self.dtype = dtype
+            self.row_bytes = list(self.row_widths)  # elements, for the views below
+            self.row_strides = [-(-w // ROW_ALIGN) * ROW_ALIGN for w in self.row_widths]
         self.storage = [
-            torch.full((num_pages, page_size, s), float("nan"), dtype=dtype, device=device)
+            torch.full((num_pages, page_size, s), self._free_fill, dtype=self.dtype, device=device)
             for s in self.row_strides
         ]
-        self.pages = [st[..., :w] for st, w in zip(self.storage, self.row_widths, strict=True)]
+        self.pages = [st[..., :w] for st, w in zip(self.storage, self.row_bytes, strict=True)]
         self.step: StepMetadata | None = None
         order = list(range(num_pages))
         if shuffle_pages:
@@ -114,6 +130,16 @@ class PagedLatentCache:
         self.active: list[int] = []
         self.backend_log: Counter[str] = Counter()
 
+    @property
+    def _free_fill(self) -> float:
+        return 255 if self.fp8 is not None else float("nan")
+
+    def _decode(self, layer: int, stored: torch.Tensor) -> torch.Tensor:
+        """Stored rows ``[..., stride]`` -> ``[..., row_width]`` values (FP8 rows dequantized to float32)."""
+        if self.fp8 is not None:
+            return dequantize_rows(stored, self.fp8[layer])
+        return stored[..., : self.row_widths[layer]]
+
     @classmethod
     def for_model(
         cls,
@@ -123,10 +149,20 @@ class PagedLatentCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         shuffle_pages: bool = False,
+        fp8: bool = False,
     ) -> PagedLatentCache:
-        """A cache sized for ``max_tokens`` tokens in total (all requests) of an :class:`MLAConfig`."""
+        """A cache sized for ``max_tokens`` tokens in total (all requests) of an :class:`MLAConfig`; ``fp8``
+        stores FP8 rows (:mod:`mla_convert.kernels.fp8`; every layer's ``d_c`` a multiple of 16).
+
+        Raises:
+            ValueError: ``fp8`` with a latent width that is not a multiple of 16.
+        """
         pages = max(1, -(-max_tokens // page_size))
-        return cls(list(config.cache_width), page_size, pages, dtype, device, shuffle_pages)
+        layouts = None
+        if fp8:
+            rope = config.num_rope_heads * config.qk_rope_head_dim
+            layouts = [fp8_layout(int(d_c), rope) for d_c in config.kv_lora_rank]
+        return cls(list(config.cache_width), page_size, pages, dtype, device, shuffle_pages, fp8=layouts)
 
     # ------------------------------------------------------------------ requests and pages
     def add_request(self) -> int:
@@ -141,7 +177,7 @@ class PagedLatentCache:
         """Free a request's pages (their rows are reset to NaN)."""
         for page in self.tables.pop(self._known(rid)):
             for layer in self.storage:
-                layer[page].fill_(float("nan"))
+                layer[page].fill_(self._free_fill)
             self._free.append(page)
         del self.lengths[rid]
 
@@ -244,7 +280,10 @@ class PagedLatentCache:
         else:
             slots = step.slots
         flat = self.storage[layer].view(-1, self.row_strides[layer])
-        flat[slots.reshape(-1), :w] = rows.reshape(b * t, w).to(self.dtype)
+        if self.fp8 is not None:
+            flat[slots.reshape(-1)] = quantize_rows(rows.reshape(b * t, w), self.fp8[layer])
+        else:
+            flat[slots.reshape(-1), :w] = rows.reshape(b * t, w).to(self.dtype)
 
     def gather_step(self, layer: int) -> torch.Tensor:
         """``[B, L, row_width]`` the first ``L = step.max_seq_len`` rows of every bound request (the step's new
@@ -261,7 +300,7 @@ class PagedLatentCache:
         pos = torch.arange(n, device=step.block_table.device)
         pages = step.block_table[:, pos // self.page_size].long()  # [B, L]
         flat = self.storage[layer].view(-1, self.row_strides[layer])
-        return flat[pages * self.page_size + pos % self.page_size, : self.row_widths[layer]]
+        return self._decode(layer, flat[pages * self.page_size + pos % self.page_size])
 
     def commit(self, new_tokens: int) -> None:
         """Advance the committed length of every bound request by ``new_tokens``."""
@@ -283,11 +322,13 @@ class PagedLatentCache:
         return table.to(device or self.pages[0].device)
 
     def rows(self, layer: int, rid: int, length: int | None = None) -> torch.Tensor:
-        """``[n, row_width]`` the first ``length`` rows of a request (default: committed length)."""
+        """``[n, row_width]`` the first ``length`` rows of a request (default: committed length); FP8 rows come
+        back dequantized to float32."""
         n = self.lengths[self._known(rid)] if length is None else length
         used = -(-n // self.page_size)
         pages = torch.tensor(self.tables[rid][:used], dtype=torch.long, device=self.pages[layer].device)
-        return self.pages[layer][pages].reshape(-1, self.row_widths[layer])[:n]  # whole pages, then trim
+        stored = self.storage[layer][pages].reshape(-1, self.row_strides[layer])[:n]  # whole pages, then trim
+        return self._decode(layer, stored)
 
     def gather(self, layer: int, length: int) -> torch.Tensor:
         """``[B, length, row_width]`` the first ``length`` rows of every bound request."""
@@ -301,22 +342,23 @@ class PagedLatentCache:
             ``tokens`` (committed, all requests), ``payload_bytes`` (committed rows' values only),
             ``allocated_bytes`` (memory of the pages in use: the unused tail of last pages and the row-stride
             padding included), ``row_padding_bytes`` (the padding's share of ``allocated_bytes``),
-            ``capacity_bytes`` (all pages), ``row_widths`` / ``row_strides`` (elements per layer), and
-            per-token-per-layer averages of payload and allocation.
+            ``capacity_bytes`` (all pages), ``row_widths`` / ``row_strides`` (elements per layer; FP8 strides
+            in bytes), and per-token-per-layer averages of payload and allocation; for an FP8 cache also
+            ``fp8_bytes_per_token_by_part`` (latent, scales, rope, padding, summed over layers).
         """
         tokens = sum(self.lengths.values())
         elem = self.storage[0].element_size()
-        width_sum = sum(self.row_widths)
+        width_sum = sum(self.row_bytes)  # FP8: bytes of latent, scales and rope
         stride_sum = sum(self.row_strides)
         used_pages = sum(len(t) for t in self.tables.values())
         payload = tokens * width_sum * elem
         allocated = used_pages * self.page_size * stride_sum * elem
         layers = len(self.row_widths)
-        return {
+        out: dict[str, Any] = {
             "tokens": tokens,
             "layers": layers,
             "page_size": self.page_size,
-            "dtype": str(self.dtype).replace("torch.", ""),
+            "dtype": "fp8_e4m3+scales" if self.fp8 is not None else str(self.dtype).replace("torch.", ""),
             "row_widths": list(self.row_widths),
             "row_strides": list(self.row_strides),
             "payload_bytes": payload,
@@ -326,6 +368,10 @@ class PagedLatentCache:
             "payload_bytes_per_token_per_layer": payload / max(1, tokens * layers),
             "allocated_bytes_per_token_per_layer": allocated / max(1, tokens * layers),
         }
+        if self.fp8 is not None:  # payload by part, summed over layers, per token
+            parts = [lay.ledger() for lay in self.fp8]
+            out["fp8_bytes_per_token_by_part"] = {k: sum(p[k] for p in parts) for k in parts[0]}
+        return out
 
     def _known(self, rid: int) -> int:
         if rid not in self.tables:

@@ -1,6 +1,6 @@
 """``mla-convert validate``: the numerical ladder every converted checkpoint must pass.
 
-:func:`validate` opens the checkpoint, its source and the held-out text, then runs the five rungs of
+:func:`validate` opens the checkpoint, its source and the held-out text, then runs the six rungs of
 :mod:`.rungs` (what each compares and its tolerances: :mod:`.spec`; why, and the faults each catches:
 docs/validation.md). Every number is measured on named real data; nothing is written here
 (:func:`~mla_convert.validate.report.write_validation` writes ``validation.json`` and ``validation.md``).
@@ -128,6 +128,25 @@ def evaluation_ids(ckpt: Path, options: ValidateOptions) -> torch.Tensor:
     return ids
 
 
+def matrix_ids(ckpt: Path, options: ValidateOptions) -> torch.Tensor:
+    """``[1, T]`` the first ``T = matrix_max_history`` tokens of the evaluation split as one stream (fewer when
+    the split is shorter: rung 6 then records the histories it could not measure).
+
+    Raises:
+        TextError: text that cannot be read.
+    """
+    from transformers import AutoTokenizer
+
+    from mla_convert.text.corpora import load_documents
+    from mla_convert.text.windows import split_documents, token_windows
+
+    assert options.text is not None
+    tok = AutoTokenizer.from_pretrained(str(ckpt))
+    docs = split_documents(load_documents(options.text))["evaluation"]
+    stream = token_windows(tok, docs, 1, options.matrix_max_history, bos=False)  # [T, 1] one token per row
+    return stream.reshape(1, -1)
+
+
 @dataclass
 class _Ladder:
     """What every rung reads: the loaded model (float32), the dtype its weights are stored in, the source (or
@@ -147,7 +166,7 @@ class _Ladder:
         return f"{self.options.text} evaluation split"
 
     def run(self) -> list[Rung]:
-        """Rungs 1-5 in order (rung 5 measures rung 3's cache)."""
+        """Rungs 1-6 in order (rung 5 measures rung 3's cache)."""
         self.say("rung 1: naive vs absorbed")
         probe = self.ids[:1, :PROBE_TOKENS]
         one = rungs.rung_paths(self.model, probe, f"{self.data}, window 0, first {probe.shape[1]} tokens")
@@ -159,7 +178,21 @@ class _Ladder:
         four = self.rung_source()
         self.say("rung 5: cache ledger")
         five = rungs.rung_ledger(self.model, cache, self.source_model, probe)
-        return [one, two, three, four, five]
+        self.say("rung 6: kernel matrix")
+        six = self.rung_matrix()
+        return [one, two, three, four, five, six]
+
+    def rung_matrix(self) -> Rung:
+        """Layer 0 over the first ``matrix_max_history`` tokens of the evaluation split as one request."""
+        from mla_convert.validate.matrix import rung_matrix
+
+        o = self.options
+        ids = matrix_ids(self.ckpt, o)
+        data = (
+            f"{self.data}, first {ids.shape[1]} tokens as one request (documents joined by EOS), layer 0, "
+            f"page size {o.page_size}, shuffled pages"
+        )
+        return rung_matrix(self.model, ids, o.page_size, data, o.matrix_max_history)
 
     def rung_kernel(self) -> Rung:
         """Two requests: the prompt of rung 3 (window 0) and a shorter one (window 1)."""
@@ -237,7 +270,7 @@ def validate(
     progress: Callable[[str], None] | None = None,
     **settings: Any,
 ) -> ValidationResult:
-    """Run the five rungs on a converted checkpoint.
+    """Run the six rungs on a converted checkpoint.
 
     Args:
         ckpt: a folder written by ``mla-convert factor`` (or ``adapt``).

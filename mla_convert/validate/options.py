@@ -23,6 +23,11 @@ class LadderSettings(BaseModel):
     new_tokens: int = Field(16, ge=2, description="decode steps of rung 3")
     page_size: int = Field(16, ge=1, le=128, description="paged-cache page size, 1..128")
     backend: Backend = Field("triton", description="decode backend of rung 3: triton | absorbed")
+    matrix_max_history: int = Field(
+        4096,
+        ge=1,
+        description="longest history of rung 6's kernel matrix (cells 1, 127, 128, 129, 4096 rows up to it)",
+    )
 
 
 class LadderInputs(BaseModel):

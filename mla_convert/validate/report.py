@@ -47,6 +47,12 @@ def validation_markdown(res: ValidationResult) -> str:
                 row = (c.name, format_value(c.value), c.tolerance, verdict)
                 lines.append("| " + " | ".join(table_cell(x) for x in row) + " |")
             lines.append("")
+        if r.cells:
+            from mla_convert.validate.matrix import MATRIX_HEADER, matrix_rows
+
+            lines += ["| " + " | ".join(MATRIX_HEADER) + " |", "|" + "---|" * len(MATRIX_HEADER)]
+            lines += ["| " + " | ".join(table_cell(x) for x in row) + " |" for row in matrix_rows(r.cells)]
+            lines.append("")
     return "\n".join(lines)
 
 

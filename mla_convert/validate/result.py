@@ -26,7 +26,8 @@ class Check:
 
 @dataclass
 class Rung:
-    """One rung of the ladder: its checks, the data it ran on, and wall time (seconds)."""
+    """One rung of the ladder: its checks, the data it ran on, and wall time (seconds); ``cells``: the rows of
+    a rung that measures a grid (rung 6's kernel matrix: one dict per cell), empty otherwise."""
 
     number: int
     name: str
@@ -34,6 +35,7 @@ class Rung:
     checks: list[Check] = field(default_factory=list)
     seconds: float = 0.0
     skipped: str | None = None
+    cells: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def of(cls, spec: RungSpec, data: str) -> Rung:

@@ -1,4 +1,4 @@
-"""The five rungs of the ladder, each a function of a loaded model and real token ids that returns a
+"""Rungs 1-5 of the ladder (rung 6 is :mod:`.matrix`), each a function of a loaded model and real token ids that returns a
 :class:`~mla_convert.validate.result.Rung` (what each compares and its tolerances: :mod:`.spec`).
 
 The rungs use only the model's public methods and :mod:`mla_convert.mla.algebra`; rung 3 recomputes cache

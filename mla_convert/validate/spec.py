@@ -192,10 +192,32 @@ LEDGER = RungSpec(
     "to the source compares values, the source measured in float32",
 )
 
-#: The five rungs in ladder order.
-RUNGS: tuple[RungSpec, ...] = (PATHS, KERNEL, DECODE, SOURCE, LEDGER)
+#: query tokens per request of each phase of rung 6's matrix: a decode step, a speculative verification of 4
+#: draft tokens, a chunk of a chunked prefill (causal inside the block)
+MATRIX_PHASES: dict[str, int] = {"prefill": 16, "decode": 1, "verify": 4}
+#: cached rows the last query sees: one row, a tile/page boundary (127, 128, 129) and a long context
+MATRIX_HISTORIES: tuple[int, ...] = (1, 127, 128, 129, 4096)
+#: the cache rows of the matrix: float32, bfloat16, FP8 (E4M3 latent + float32 scales + bfloat16 rope)
+MATRIX_CACHES: tuple[str, ...] = ("float32", "bfloat16", "fp8")
+
+MATRIX = RungSpec(
+    6,
+    "kernel-matrix",
+    "layer 0's real queries and cache rows (one request, shuffled pages) for every phase "
+    f"{{{', '.join(f'{k} ({v} query tokens)' for k, v in MATRIX_PHASES.items())}}} x cache "
+    f"{{{', '.join(MATRIX_CACHES)}}} x history {{{', '.join(map(str, MATRIX_HISTORIES))}}} rows: the kernel "
+    "against the float64 oracle on the same rows where the kernel can run that cache here (float32 and FP8 in "
+    "the Triton interpreter; bfloat16 on a GPU; FP8 on sm_89 or newer), else the oracle alone, recorded per "
+    "cell; and what each cache format costs: the oracle's output on bfloat16 and FP8 rows against float32 rows, "
+    "FP8 against bfloat16",
+    f"`latent_out` rel. {tol(TOL_KERNEL)} (float32 queries; bfloat16 queries: the bfloat16 kernel tolerance); "
+    f"`lse` rel. {tol(TOL_KERNEL)}; format errors recorded",
+)
+
+#: The rungs in ladder order.
+RUNGS: tuple[RungSpec, ...] = (PATHS, KERNEL, DECODE, SOURCE, LEDGER, MATRIX)
 
 
 def spec_of(number: int) -> RungSpec | None:
-    """The documented rung ``number`` (1-5), or None."""
+    """The documented rung ``number`` (1-6), or None."""
     return next((s for s in RUNGS if s.number == number), None)

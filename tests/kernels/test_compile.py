@@ -55,6 +55,22 @@ def test_product_variants_compile_for_sm90_and_sm80(tmp_path: Path) -> None:
     print(res.stdout)
 
 
+def test_product_set_covers_the_bundled_conversion(reference_ckpt: Path) -> None:
+    """Every variant the bundled default conversion launches (its per-layer ranks, its rope head; float32,
+    float16 and bfloat16 caches, FP8 with bfloat16 queries) is in the compiled product set."""
+    from mla_convert.kernels import fp8
+    from mla_convert.kernels.compile_check import variants
+
+    config = json.loads((reference_ckpt / "config.json").read_text())
+    d_r = config["qk_rope_head_dim"]
+    launched = {K.launch_key(dt, d_c, d_r) for d_c in config["kv_lora_rank"] for dt in K.DTYPES}
+    launched |= {
+        K.launch_key(torch.bfloat16, d_c, d_r, fp8_group=fp8.default_group(d_c))
+        for d_c in config["kv_lora_rank"]
+    }
+    assert launched <= set(variants("product")), launched - set(variants("product"))
+
+
 def test_compile_check_refuses_the_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     res = subprocess.run(

@@ -653,8 +653,41 @@ def test_fp8_row_layout_matches_deepseek():
     assert lay.ledger() == {"latent": 512, "scales": 16, "rope": 128, "padding": 0}
     small = F8.layout(96, 32)  # SmolLM2-shaped: groups of 32
     assert small.group == 32 and small.row_bytes == 96 + 12 + 64 and small.stride_bytes == 176
-    with pytest.raises(ValueError, match="multiple of 16"):
-        F8.layout(72 + 3, 16)
+    odd = F8.layout(18, 48)  # a per-layer rank of the bundled conversion: latent zero-padded to 32 bytes
+    assert (odd.latent_bytes, odd.group, odd.scale_offset, odd.row_bytes, odd.stride_bytes) == (
+        32,
+        32,
+        32,
+        132,
+        144,
+    )
+    assert odd.ledger() == {"latent": 18, "scales": 4, "rope": 96, "padding": 144 - 18 - 4 - 96}
+    with pytest.raises(ValueError, match="must be 16, 32, 64 or 128"):
+        F8.layout(96, 16, group=64)
+
+
+@pytest.mark.parametrize("d_c", [18, 75, 96])
+def test_fp8_latent_widths_not_multiple_of_16(d_c):
+    """Padded latent parts: the kernel reads the scales at the padded offset and never the zero padding."""
+    case, lay, packed = _fp8_case([5, 40, 17], heads=9, d_c=d_c, d_r=16, rope_heads=3)
+    assert lay.latent_bytes % 16 == 0 and lay.latent_bytes >= d_c
+    deq = F8.dequantize_rows(packed, lay)
+    valid = case.kv_cache.isfinite()
+    err = (deq - case.kv_cache.nan_to_num(0.0))[valid].abs().max() / case.kv_cache[valid].abs().max()
+    assert 0 < float(err) < 2**-4
+    args = (
+        case.q_abs,
+        case.q_rope,
+        packed,
+        case.block_table,
+        case.seq_lens,
+        case.head_to_rope,
+        case.softmax_scale,
+    )
+    out, lse = K.latent_decode(*args, fp8=lay, num_splits=2)
+    ref_out, ref_lse = latent_decode_reference(*args, fp8=lay)
+    assert float((out.double() - ref_out).abs().max() / ref_out.abs().max()) < FP32_TOL
+    assert float(((lse.double() - ref_lse) / ref_lse.abs().clamp_min(1)).abs().max()) < FP32_TOL
 
 
 def _fp8_case(lengths, heads=16, d_c=64, d_r=16, rope_heads=1, seed=0):

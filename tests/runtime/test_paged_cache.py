@@ -539,3 +539,67 @@ def test_decode_steps_never_read_a_device_value(backend, monkeypatch):
 class _NoLaunch:
     def __getitem__(self, grid):
         return lambda *args, **kw: None
+
+
+# ------------------------------------------------------------------------------------ FP8 rows
+
+
+def test_fp8_cache_bookkeeping_and_ledger():
+    """FP8 rows: uint8 storage of the :mod:`mla_convert.kernels.fp8` layout (latent widths not multiples of 16
+    zero-padded), free slots 0xFF (NaN in every part when read), rows read back dequantized within E4M3's
+    rounding, and the ledger states latent, scales, rope and padding bytes separately."""
+    from mla_convert.kernels import fp8 as F8
+
+    widths, rope = [24 + 8, 40 + 8], 8
+    layouts = [F8.layout(w - rope, rope) for w in widths]
+    cache = PagedLatentCache(widths, page_size=4, num_pages=6, fp8=layouts)
+    assert cache.dtype == torch.uint8 and [p.dtype for p in cache.storage] == [torch.uint8] * 2
+    # d_c 24 -> 32 latent bytes, one scale, 16 rope bytes = 52 -> 64; d_c 40 -> 48 bytes, 3 scales (groups of
+    # 16), 16 rope bytes = 76 -> 80
+    assert cache.row_strides == [lay.stride_bytes for lay in layouts] == [64, 80]
+    assert all(bool((st == 255).all()) for st in cache.storage)
+    rid = cache.add_request()
+    cache.bind([rid])
+    cache.reserve(6)
+    new = [_rows(6, w, seed=i) for i, w in enumerate(widths)]
+    for layer, rows in enumerate(new):
+        cache.write(layer, rows)
+    cache.commit(6)
+    for layer, rows in enumerate(new):
+        back = cache.rows(layer, rid)
+        assert back.dtype == torch.float32 and back.shape == (6, widths[layer])
+        d_c = layouts[layer].d_c
+        err = (back[:, :d_c] - rows[0, :, :d_c]).abs().max() / rows[0, :, :d_c].abs().max()
+        assert 0 < float(err) <= 2**-4  # E4M3: 3 mantissa bits
+        assert torch.equal(back[:, d_c:], rows[0, :, d_c:].to(torch.bfloat16).float())  # rope in bfloat16
+    free = F8.dequantize_rows(cache.storage[0][cache.tables[rid][1], 2:], layouts[0])  # slots past the length
+    assert free.isnan().all()
+    led = cache.ledger()
+    assert led["dtype"] == "fp8_e4m3+scales" and led["row_strides"] == [64, 80]
+    parts = led["fp8_bytes_per_token_by_part"]
+    assert parts == {"latent": 24 + 40, "scales": 4 + 12, "rope": 16 + 16, "padding": (64 - 44) + (80 - 68)}
+    assert led["payload_bytes"] == 6 * (52 + 76)
+    assert led["allocated_bytes"] == 2 * 4 * (64 + 80)
+    cache.release(rid)
+    assert all(bool((st == 255).all()) for st in cache.storage)
+
+
+def test_fp8_cache_decodes_on_both_backends(model, prompt, runs):
+    """The kernel and the absorbed torch path read the same FP8 rows, so they agree to float32 arithmetic;
+    against the float32 cache the format's own error shows, bounded."""
+    fp8_triton = generate(
+        model, prompt, NEW, backend="triton", page_size=4, shuffle_pages=True, cache_dtype="fp8"
+    )
+    fp8_torch = generate(model, prompt, NEW, backend="absorbed", page_size=4, cache_dtype="fp8")
+    assert fp8_triton.cache.fp8 is not None and fp8_triton.cache.storage[0].dtype == torch.uint8
+    assert set(fp8_triton.backend_log) == {f"{kernel_backend()}:decode", f"{kernel_backend()}:prefill"}
+    # same tokens in, so the step logits must agree as computations over the same rows
+    model.set_attention_path("absorbed")
+    assert torch.equal(fp8_triton.tokens[:, :PROMPT_LEN], prompt)
+    if torch.equal(fp8_triton.tokens, fp8_torch.tokens):
+        assert rel(fp8_triton.step_logits, fp8_torch.step_logits) < E2E_TOL
+    exact = runs[0]
+    err = rel(fp8_triton.step_logits[:, 0], exact.step_logits[:, 0])  # first step: same prompt, same rows
+    assert 1e-5 < err < 0.1, err
+    with pytest.raises(ValueError, match="cache dtype"):
+        generate(model, prompt, 1, cache_dtype="int4")

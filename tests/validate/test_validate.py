@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from mla_convert.cli.commands import app
 
-SMALL = ["--windows", "2", "--window", "128", "--new-tokens", "4"]
+SMALL = ["--windows", "2", "--window", "128", "--new-tokens", "4", "--matrix-max-history", "129"]
 
 
 def broken_copy(ref: Path, dest: Path, corrupt: str) -> Path:
@@ -62,6 +62,7 @@ def test_validate_passes_on_reference(reference_ckpt):
         "decode-vs-recompute",
         "converted-vs-source",
         "cache-ledger",
+        "kernel-matrix",
     ]
     assert all(r["passed"] and r["skipped"] is None for r in report["rungs"])
     checks = {c["name"]: c for r in report["rungs"] for c in r["checks"]}
@@ -77,8 +78,34 @@ def test_validate_passes_on_reference(reference_ckpt):
     payload = next(c for n, c in checks.items() if n.startswith("payload bytes/token/layer"))
     assert payload["value"] == 0 and "480.0" in payload["name"]  # 120 float32 values
     assert checks["cache ratio (converted payload / source measured)"]["value"] == pytest.approx(0.3125)
+    # rung 6: phase x cache x history on layer 0's real rows; the interpreter runs float32 and FP8, bfloat16
+    # goes through the oracle alone, and every cell says which
+    cells = rungs["kernel-matrix"]["cells"]
+    assert len(cells) == 3 * 3 * 5
+    assert {c["history"] for c in cells} == {1, 127, 128, 129, 4096}
+    assert {(c["phase"], c["s_q"]) for c in cells if c["history"] == 4096} == {
+        ("prefill", 16),
+        ("decode", 1),
+        ("verify", 4),
+    }
+    for c in cells:
+        if c["cache"] == "bfloat16":
+            assert c["backend"].startswith("float64 oracle only") and c["kernel_out_rel"] is None
+        else:
+            assert (
+                c["backend"] == "triton-interpreter"
+                and c["kernel_out_rel"] < 1e-5
+                and c["kernel_lse_rel"] < 1e-5
+            )
+    fp8 = [c["format_rel_vs_float32"] for c in cells if c["cache"] == "fp8"]
+    bf16 = [c["format_rel_vs_float32"] for c in cells if c["cache"] == "bfloat16"]
+    assert 0 < max(bf16) < max(fp8) < 0.1  # E4M3 costs more than bfloat16 rows, measured, bounded
     md = (reference_ckpt / "validation.md").read_text()
-    assert md.startswith(f"# Validation of `{reference_ckpt.name}`: PASSED") and "## 5. cache-ledger: pass" in md
+    assert (
+        md.startswith(f"# Validation of `{reference_ckpt.name}`: PASSED") and "## 5. cache-ledger: pass" in md
+    )
+    assert "## 6. kernel-matrix: pass" in md and "| verify | fp8 | 4096 | 4 | triton-interpreter |" in md
+    assert "kernel-matrix: phase x cache x history" in res.stdout  # the CLI prints the matrix
     # validation files are not outputs of the conversion: the manifest still verifies
     assert CliRunner().invoke(app, ["manifest", "verify", str(reference_ckpt)]).exit_code == 0
 
@@ -104,17 +131,24 @@ def test_validate_names_the_failing_rung(reference_ckpt, tmp_path, corrupt, rung
     assert by_name["naive-vs-absorbed"]["passed"] and by_name["kernel-vs-reference"]["passed"]
     if corrupt == "scale":
         assert by_name["decode-vs-recompute"]["passed"]
-        scale = next(c for c in by_name["converted-vs-source"]["checks"] if c["name"].startswith("softmax_scale"))
+        scale = next(
+            c for c in by_name["converted-vs-source"]["checks"] if c["name"].startswith("softmax_scale")
+        )
         assert scale["passed"] is False
     else:
-        rows = next(c for c in by_name["decode-vs-recompute"]["checks"] if c["name"].startswith("cache rows k_rope"))
+        rows = next(
+            c for c in by_name["decode-vs-recompute"]["checks"] if c["name"].startswith("cache rows k_rope")
+        )
         assert rows["passed"] is False and rows["value"] > 1e-2
 
 
 def test_validate_without_the_source_still_checks_the_scale(reference_ckpt, tmp_path):
     bad = broken_copy(reference_ckpt, tmp_path / "bad", "scale-no-source")
     res = CliRunner().invoke(app, ["validate", str(bad), *SMALL])
-    assert res.exit_code == 1 and "rung 4 (converted-vs-source): softmax_scale 0.1 vs 1/sqrt(head_dim)" in res.stderr
+    assert (
+        res.exit_code == 1
+        and "rung 4 (converted-vs-source): softmax_scale 0.1 vs 1/sqrt(head_dim)" in res.stderr
+    )
     report = json.loads((bad / "validation.json").read_text())
     assert "source not available" in report["not_measured"]
 
