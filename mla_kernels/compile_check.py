@@ -171,10 +171,15 @@ def variants(which: str) -> list[Any]:
     return keys
 
 
-def run(archs: list[int], which: str) -> list[Compiled]:
+def _compile_job(job: tuple[str, Any, int]) -> Compiled:
+    return compile_variant(*job)
+
+
+def run(archs: list[int], which: str, jobs: int = 1) -> list[Compiled]:
     """Compile every split and merge kernel of ``variants(which)`` for each arch (merge kernels once per latent
-    tile and dtype). Raises the first compile error."""
-    out: list[Compiled] = []
+    tile and dtype), ``jobs`` compiles at a time (processes; each compile is one CPU-bound ``ptxas``), results
+    in a fixed order. Raises the first compile error."""
+    todo: list[tuple[str, Any, int]] = []
     merged: set[tuple[int, str, int]] = set()
     for arch in archs:
         for key in variants(which):
@@ -182,11 +187,17 @@ def run(archs: list[int], which: str) -> list[Compiled]:
                 key.fp8_group and arch < 89
             ):  # E4M3 conversion exists from Ada/Hopper on; refused at launch below
                 continue
-            out.append(compile_variant("split", key, arch))
+            todo.append(("split", key, arch))
             if (arch, key.dtype, key.block_dc) not in merged:  # the merge kernel reads float32 partials only
                 merged.add((arch, key.dtype, key.block_dc))
-                out.append(compile_variant("merge", key, arch))
-    return out
+                todo.append(("merge", key, arch))
+    if jobs <= 1:
+        return [compile_variant(*job) for job in todo]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(_compile_job, todo))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", type=int, action="append", choices=ARCHS, help="SM version (repeatable)")
     parser.add_argument("--set", dest="which", choices=("product", "grid"), default="product")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument(
+        "--jobs", type=int, default=os.cpu_count() or 1, help="compiles at a time (default: CPUs)"
+    )
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print(
@@ -204,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     try:
-        results = run(args.arch or list(ARCHS), args.which)
+        results = run(args.arch or list(ARCHS), args.which, max(1, args.jobs))
     except Exception as err:  # noqa: BLE001 - any compile failure is the finding
         print(f"error: compile failed: {type(err).__name__}: {err}", file=sys.stderr)
         return 1

@@ -200,11 +200,13 @@ MATRIX_HISTORIES: tuple[int, ...] = (1, 127, 128, 129, 4096)
 #: the cache rows of the matrix: float32, bfloat16, FP8 (E4M3 latent + float32 scales + bfloat16 rope)
 MATRIX_CACHES: tuple[str, ...] = ("float32", "bfloat16", "fp8")
 
+_PHASES_TEXT = ", ".join(f"{k} ({v} query token{'s' if v > 1 else ''})" for k, v in MATRIX_PHASES.items())
+
 MATRIX = RungSpec(
     6,
     "kernel-matrix",
     "layer 0's real queries and cache rows (one request, shuffled pages) for every phase "
-    f"{{{', '.join(f'{k} ({v} query tokens)' for k, v in MATRIX_PHASES.items())}}} x cache "
+    f"{{{_PHASES_TEXT}}} x cache "
     f"{{{', '.join(MATRIX_CACHES)}}} x history {{{', '.join(map(str, MATRIX_HISTORIES))}}} rows: the kernel "
     "against the float64 oracle on the same rows where the kernel can run that cache here (float32 and FP8 in "
     "the Triton interpreter; bfloat16 on a GPU; FP8 on sm_89 or newer), else the oracle alone, recorded per "
