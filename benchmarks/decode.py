@@ -5,8 +5,9 @@ chunked prefill) to each context length, then times single-token decode steps of
 turn (round robin, so machine load falls on all paths alike) and reports the median seconds per step,
 its ratios to the source and to the naive MLA path, and the bytes the cache tensors hold. Paths:
 
-* ``source``: transformers ``LlamaForCausalLM`` (eager attention, as ``load_source_model`` loads it)
-  with a ``DynamicCache`` of per-KV-head K and V;
+* ``source``: transformers ``LlamaForCausalLM`` with its default attention (SDPA) and a ``DynamicCache`` of
+  per-KV-head K and V: the speed to meet (the ``x source`` column);
+* ``source, eager``: the same model with eager attention (as ``load_source_model`` loads it for calibration);
 * ``MLA naive``: the converted model's reference path, ``DynamicCache`` of expanded K/V;
 * ``MLA absorbed``: the product path, ``DynamicCache`` holding ``c_kv`` and rotated ``k_rope`` only;
 * ``MLA absorbed, paged``: the same math over a ``PagedLatentCache`` (what ``mla_convert.runtime.decode`` uses);
@@ -150,6 +151,8 @@ def cpu_bench(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
     per_ctx = args.warmup + args.steps
     src = open_source("smollm2-135m")
     source = load_source_model(src)
+    source_sdpa = load_source_model(src)
+    source_sdpa.set_attn_implementation("sdpa")
     max_pos = int(source.config.max_position_embeddings)
     total = contexts[-1] + per_ctx
     if total > max_pos:
@@ -177,6 +180,7 @@ def cpu_bench(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
     paged = PagedLatentCache.for_model(cfg, total + args.page_size, args.page_size)
     paged.bind([paged.add_request()])
     runners = [
+        Runner("source (Llama, SDPA)", source_sdpa, None, DynamicCache(config=source.config)),
         Runner("source (Llama, eager attention)", source, None, DynamicCache(config=source.config)),
         Runner("MLA naive (expanded K/V)", mla, "naive", DynamicCache(config=cfg)),
         Runner("MLA absorbed (latent)", mla, "absorbed", DynamicCache(config=cfg)),
@@ -188,7 +192,7 @@ def cpu_bench(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
         runners.append(
             Runner("MLA triton kernel, paged (Triton interpreter)", mla, "triton", tri, until=contexts[0])
         )
-    absorbed = runners[2]
+    absorbed = runners[3]
 
     load_start = os.getloadavg()[0]
     wall = time.perf_counter()
@@ -236,7 +240,7 @@ def cpu_bench(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
         "| cache x source | max abs logit diff vs absorbed |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    source_r, naive_r = runners[0], runners[1]
+    source_r, naive_r = runners[0], runners[2]
     summary: dict[str, Any] = {"contexts": contexts, "wall_s": wall}
     for ctx in contexts:
         med = {r.name: statistics.median(r.times[ctx]) for r in runners if r.times.get(ctx)}
@@ -245,7 +249,7 @@ def cpu_bench(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
                 continue
             m = med[r.name]
             by = r.bytes_at[ctx]
-            if r is source_r:
+            if r.path is None:  # the source models compute another function
                 diff = "n/a (source)"
             else:
                 n = len(r.logits[ctx])
@@ -381,6 +385,13 @@ def main() -> None:
         help="timed decode steps of the Triton kernel at the first context (CPU only, in the Triton "
         "interpreter: a record that the kernel runs and agrees, not a speed; 0 leaves it out)",
     )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (1: a one-token step of a 135M model is per-op overhead, and extra threads "
+        "only add synchronisation on a busy 2-core machine)",
+    )
     ap.add_argument("--no-cpu", action="store_true", help="only the GPU part")
     ap.add_argument(
         "--gpu",
@@ -397,6 +408,7 @@ def main() -> None:
         print("no CUDA device: the GPU benchmark needs one (torch.cuda.is_available() is False); nothing written")
         return
     args.no_cpu = args.no_cpu or args.gpu
+    torch.set_num_threads(max(1, args.threads))
     torch.manual_seed(0)
     sections: list[str] = []
     if not args.no_cpu:

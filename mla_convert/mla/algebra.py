@@ -148,6 +148,49 @@ def attend_latent(probs: torch.Tensor, c_kv: torch.Tensor) -> torch.Tensor:
     return torch.einsum("bhts,bsc->bthc", probs, c_kv)
 
 
+def attend_latent_fused(
+    q_abs: torch.Tensor,
+    q_rope: torch.Tensor,
+    c_kv: torch.Tensor,
+    k_rope: torch.Tensor,
+    num_rope_heads: int,
+    softmax_scale: float,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """``attend_latent(attention_probs(latent_scores(...), scale, mask), c_kv)`` as a few large matrix products.
+
+    The query rows of all heads and new tokens form one ``[T * H, .]`` matrix per request, so the scores are one
+    product with the latent rows (plus one per rope head) and the latent sum one more, with the cache rows read
+    through transposed views (no copy of the cache); the softmax is taken in float32 and returned in the scores'
+    dtype, as :func:`attention_probs`. Same function as the three-einsum form, which the ladder and the oracles
+    keep (on a CPU the einsum form of a one-token step spends its time in per-op overhead and copies).
+
+    Args:
+        q_abs: ``[B, T, H, d_c]``; q_rope: rotated ``[B, T, H, d_R]``.
+        c_kv: ``[B, S, d_c]``; k_rope: rotated ``[B, S, R * d_R]``; query head ``h`` reads rope head
+            ``h // (H / R)`` (:func:`head_to_group`).
+        num_rope_heads: ``R``; softmax_scale: the source's scale; mask: additive ``[B, 1, T, S]`` or None.
+
+    Returns:
+        ``[B, T, H, d_c]``, as :func:`attend_latent`.
+    """
+    b, t, h, d_c = q_abs.shape
+    s, r, d_r = c_kv.shape[1], num_rope_heads, q_rope.shape[-1]
+    scores = torch.matmul(q_abs.reshape(b, t * h, d_c), c_kv.transpose(1, 2))  # [B, T*H, S]
+    if d_r and r == 1:
+        scores = torch.baddbmm(scores, q_rope.reshape(b, t * h, d_r), k_rope.transpose(1, 2))
+    elif d_r:  # rows grouped by rope head: [B, R, T*H/R, d_R] against [B, R, d_R, S]
+        qr = q_rope.reshape(b, t, r, h // r, d_r).transpose(1, 2).reshape(b, r, t * (h // r), d_r)
+        kr = k_rope.reshape(b, s, r, d_r).permute(0, 2, 3, 1)
+        rope = torch.matmul(qr, kr).reshape(b, r, t, h // r, s).transpose(1, 2).reshape(b, t * h, s)
+        scores = scores + rope
+    scaled = scores.view(b, t, h, s) * softmax_scale
+    if mask is not None:
+        scaled = scaled + mask.transpose(1, 2)  # [B, 1, T, S] -> [B, T, 1, S]: one row of the mask per token
+    probs = torch.softmax(scaled.float(), dim=-1).to(scores.dtype)
+    return torch.matmul(probs.view(b, t * h, s), c_kv).view(b, t, h, d_c)
+
+
 def latent_output(latent_out: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     """Per-head values from the attended latent: ``[B, T, H, d_c] -> [B, T, H * d_V]`` (``o_proj``'s input)."""
     b, t, h, _ = latent_out.shape

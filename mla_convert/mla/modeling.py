@@ -243,9 +243,12 @@ class MLAAttention(nn.Module):
         kr_all: torch.Tensor,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Absorbed attention over latent rows ``c_all [B, S, d_c]``, ``kr_all [B, S, R * d_R]``."""
-        probs = self._softmax(self.latent_scores(q_abs, q_rope, c_all, kr_all), mask)
-        return self.output_from_latent(algebra.attend_latent(probs, c_all))
+        """Absorbed attention over latent rows ``c_all [B, S, d_c]``, ``kr_all [B, S, R * d_R]`` (scores, softmax
+        and latent sum in one SDPA call: :func:`~mla_convert.mla.algebra.attend_latent_fused`)."""
+        latent = algebra.attend_latent_fused(
+            q_abs, q_rope, c_all, kr_all, self.num_rope_heads, self.softmax_scale, mask
+        )
+        return self.output_from_latent(latent)
 
     def _naive(self, p: Projected, mask: torch.Tensor | None, cache: Cache | None) -> torch.Tensor:
         w_uk, w_uv = self.up_weights()

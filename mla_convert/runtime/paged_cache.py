@@ -173,6 +173,13 @@ class PagedLatentCache:
         self.lengths[rid] = 0
         return rid
 
+    def to(self, device: torch.device | str) -> PagedLatentCache:
+        """Move every layer's pages to ``device`` in place (returns ``self``); a step in progress is dropped."""
+        self.storage = [st.to(device) for st in self.storage]
+        self.pages = [st[..., :w] for st, w in zip(self.storage, self.row_bytes, strict=True)]
+        self.step = None
+        return self
+
     def release(self, rid: int) -> None:
         """Free a request's pages (their rows are reset to NaN)."""
         for page in self.tables.pop(self._known(rid)):

@@ -103,6 +103,28 @@ def in_dtype(model: torch.nn.Module, dtype: str) -> Iterator[None]:
             param.data = param.data.to(torch.float32)
 
 
+def decode_on_kernel_device(
+    model: MLAForCausalLM, prompt: torch.Tensor, new_tokens: int, backend: str, page_size: int
+) -> Any:
+    """:func:`~mla_convert.runtime.decode.generate` on the device the kernel runs on (a CUDA GPU where Triton
+    runs natively: the native kernel takes no CPU tensors), the model moved there for the call and back after;
+    the result's tokens, step logits and cache come back on the CPU, where the rung's checks run."""
+    from mla_convert.kernels import kernel_backend
+
+    if backend != "triton" or kernel_backend() != "triton-cuda":
+        return generate(model, prompt, new_tokens, backend=backend, page_size=page_size, shuffle_pages=True)
+    torch.nn.Module.to(model, torch.device("cuda"))
+    try:
+        res = generate(
+            model, prompt.to("cuda"), new_tokens, backend=backend, page_size=page_size, shuffle_pages=True
+        )
+    finally:
+        torch.nn.Module.to(model, torch.device("cpu"))
+    res.tokens, res.step_logits = res.tokens.cpu(), res.step_logits.cpu()
+    res.cache.to("cpu")
+    return res
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """``max|a - b| / max|b|`` in float64 (0 when both are empty)."""
     if b.numel() == 0:
@@ -378,7 +400,7 @@ def rung_decode(
     rung = Rung.of(DECODE, data)
     if model.config.qk_rope_head_dim:
         _check_frequencies(rung, model, pair_freq, freq_source)
-    res = generate(model, prompt, new_tokens, backend=backend, page_size=page_size, shuffle_pages=True)
+    res = decode_on_kernel_device(model, prompt, new_tokens, backend, page_size)
     tokens = res.tokens[:, :-1]  # the last generated token was never fed back
     model.set_attention_path("absorbed")
     seen, logits = capture_attention_inputs(model, tokens)
@@ -433,7 +455,7 @@ def _decode_in_dtype(
             f"{prefix}decode backend", f"absorbed (torch): {why}; the triton decode above ran in float32"
         )
     with in_dtype(model, dtype):
-        res = generate(model, prompt, new_tokens, backend=ran, page_size=page_size, shuffle_pages=True)
+        res = decode_on_kernel_device(model, prompt, new_tokens, ran, page_size)
         tokens = res.tokens[:, :-1]
         model.set_attention_path("absorbed")
         seen, logits = capture_attention_inputs(model, tokens)

@@ -73,3 +73,27 @@ def test_scale_width_and_head_maps() -> None:
     assert algebra.head_to_group(9, 3).tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     with pytest.raises(ValueError, match="do not divide"):
         algebra.head_to_group(9, 2)
+
+
+@pytest.mark.parametrize(
+    "b, t, heads, d_c, rope_heads, d_r, past",
+    [(2, 1, 9, 70, 1, 48, 300), (1, 5, 6, 24, 2, 8, 15), (2, 3, 8, 16, 4, 0, 4), (1, 4, 12, 33, 3, 16, 0)],
+)
+def test_fused_latent_attention_equals_the_einsum_form(b, t, heads, d_c, rope_heads, d_r, past) -> None:
+    """The product's one-call SDPA form of scores -> softmax -> latent sum is the three-einsum form (which the
+    ladder's rung 1 and the oracles use), for several rope heads, no rope part, decode and masked prefill."""
+    g = torch.Generator().manual_seed(t + heads)
+    s = past + t
+    q_abs, q_rope = torch.randn(b, t, heads, d_c, generator=g), torch.randn(b, t, heads, d_r, generator=g)
+    c_kv, k_rope = torch.randn(b, s, d_c, generator=g), torch.randn(b, s, rope_heads * d_r, generator=g)
+    pad = torch.ones(b, s, dtype=torch.long)
+    pad[0, 0] = 0  # a padded first slot in the first row
+    mask = algebra.causal_mask(b, t, past, pad, torch.float32, torch.device("cpu"))
+    for m in (mask, None):
+        scores = algebra.latent_scores(q_abs, q_rope, c_kv, k_rope, rope_heads)
+        ref = algebra.attend_latent(algebra.attention_probs(scores, 0.125, m), c_kv)
+        out = algebra.attend_latent_fused(q_abs, q_rope, c_kv, k_rope, rope_heads, 0.125, m)
+        assert out.shape == ref.shape == (b, t, heads, d_c)
+        assert float((out - ref).abs().max() / ref.abs().max()) < 1e-5
+    wrong = algebra.attend_latent_fused(q_abs, q_rope, c_kv, k_rope, rope_heads, 0.25, None)
+    assert float((wrong - ref).abs().max() / ref.abs().max()) > 1e-2  # the scale is the one passed

@@ -436,6 +436,7 @@ def test_run_skips_stages_whose_outputs_match(tmp_path, fakes):
         "new_tokens": 4,
         "page_size": 16,
         "backend": "triton",
+        "matrix_max_history": 4096,
     }
 
     # a second run skips both stages and still ends with validate

@@ -603,3 +603,24 @@ def test_fp8_cache_decodes_on_both_backends(model, prompt, runs):
     assert 1e-5 < err < 0.1, err
     with pytest.raises(ValueError, match="cache dtype"):
         generate(model, prompt, 1, cache_dtype="int4")
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cache_moves_between_devices(fp8):
+    """``to(device)`` moves every layer's pages, rebuilds the views and keeps the bookkeeping (validate decodes
+    on the kernel's device and checks the rows on the CPU)."""
+    cache = PagedLatentCache.for_model(tiny_mla().config, 12, 4, fp8=fp8)
+    rid = cache.add_request()
+    cache.bind([rid])
+    cache.begin_step(5)
+    for layer, w in enumerate(cache.row_widths):
+        cache.write(layer, _rows(5, w, seed=layer))
+    cache.commit(5)
+    before = [cache.rows(layer, rid) for layer in range(len(cache.row_widths))]
+    assert cache.to(torch.device("cpu")) is cache
+    assert all(torch.equal(cache.rows(layer, rid), rows) for layer, rows in enumerate(before))
+    cache.begin_step(1)
+    cache.to("meta")
+    assert cache.step is None and cache.lengths[rid] == 5
+    pages = zip(cache.pages, cache.row_bytes, strict=True)
+    assert all(p.device.type == "meta" and p.shape[-1] == w for p, w in pages)
