@@ -235,7 +235,7 @@ def test_validate_reads_the_export_back_as_mla(exported, tmp_path):
     shutil.copytree(out, copy)
     res = CliRunner().invoke(app, ["validate", str(copy), "--source", "smollm2-135m", "--window", "64",
                                    "--windows", "2", "--new-tokens", "2",
-                                   "--matrix-max-history", "129"])
+                                   "--matrix-max-history", "129", "--backend", "absorbed", "--prompt-tokens", "24"])
     assert res.exit_code == 0, res.output + str(res.exception)
     report = json.loads((copy / "validation.json").read_text())
     assert all(r["passed"] for r in report["rungs"])
