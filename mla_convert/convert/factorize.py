@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mla_convert.convert import linalg
 from mla_convert.convert.calibration import LayerStats, head_moments
 from mla_convert.convert.options import FACTORIZATIONS, OBJECTIVES
 from mla_convert.convert.rope import RopePlan
@@ -69,7 +70,7 @@ class Factors:
 def _psd_sqrt(m: torch.Tensor, eps: float = 1e-10) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric square root and inverse square root of a PSD matrix (ridge ``eps * mean diag``)."""
     ridge = eps * float(torch.diagonal(m).mean().clamp_min(1e-30))
-    evals, evecs = torch.linalg.eigh(m + ridge * torch.eye(m.shape[0], dtype=m.dtype))
+    evals, evecs = linalg.eigh(m + ridge * torch.eye(m.shape[0], dtype=m.dtype))
     evals = evals.clamp_min(ridge)
     return (evecs * evals.sqrt()) @ evecs.T, (evecs * evals.rsqrt()) @ evecs.T
 
@@ -141,7 +142,7 @@ def spectrum(t: LayerTarget) -> torch.Tensor:
     """Singular values (descending) of the weighted matrix ``L W R`` of a layer (its rank budget curve);
     computed once per target (kept in ``t.singular_values``)."""
     if t.singular_values is None:
-        t.singular_values = torch.linalg.svdvals(t.left @ t.w @ t.right)
+        t.singular_values = linalg.svdvals(t.left @ t.w @ t.right)
     return t.singular_values
 
 
@@ -157,10 +158,10 @@ def _factor_block(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if rank == 0 or w.shape[0] == 0:
         return torch.zeros(0, w.shape[1], dtype=w.dtype), torch.zeros(w.shape[0], 0, dtype=w.dtype)
-    u = torch.linalg.svd(left @ w @ right, full_matrices=False)[0][:, :rank]
+    u = linalg.svd(left @ w @ right)[0][:, :rank]
     u = _fix_signs(u)
     down = u.T @ left @ w
-    up = torch.linalg.solve(left, u)
+    up = linalg.solve(left, u)
     return down, up
 
 

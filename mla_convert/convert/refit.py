@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from mla_convert.convert import linalg
 from mla_convert.mla.algebra import causal_mask
 from mla_convert.mla.modeling import MLAAttention, MLAForCausalLM
 
@@ -49,6 +50,6 @@ def refit_o_proj(attn: MLAAttention, x: torch.Tensor, target: torch.Tensor, ridg
     gram = z.T @ z
     lam = ridge * float(torch.diagonal(gram).mean().clamp_min(1e-30))
     w0 = attn.o_proj.weight.detach().double().T  # shrink toward the assembled o_proj, not toward zero
-    w = torch.linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device), z.T @ y + lam * w0)
+    w = linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device), z.T @ y + lam * w0)
     attn.o_proj.weight.copy_(w.T.to(attn.o_proj.weight.dtype))
     return float((z @ w - y).norm() / y.norm().clamp_min(1e-30))

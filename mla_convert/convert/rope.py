@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mla_convert.convert import linalg
 from mla_convert.convert.calibration import LayerStats, head_moments, projection_moment
 from mla_convert.convert.options import BASES, MODES, STRATEGIES
 from mla_convert.errors import UserError
@@ -112,10 +113,10 @@ def _complex_cov(kk: torch.Tensor, g: int, d: int, k: int) -> torch.Tensor:
 def _basis(cov: torch.Tensor, basis: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Unitary ``U`` (rows = components, descending energy) and the energies ``[G]``."""
     if basis == "real":
-        evals, evecs = torch.linalg.eigh(cov.real)
+        evals, evecs = linalg.eigh(cov.real)
         evecs = evecs.to(torch.complex128)
     else:
-        evals, evecs = torch.linalg.eigh(cov)
+        evals, evecs = linalg.eigh(cov)
     order = torch.argsort(evals, descending=True)
     return evecs[:, order].conj().T.contiguous(), evals[order].clamp_min(0)
 

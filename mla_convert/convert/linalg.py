@@ -1,0 +1,67 @@
+"""Float64 decompositions of the conversion, run on one CPU thread when the matrix is small.
+
+The matrices a conversion decomposes are small (``hidden`` x ``hidden`` statistics, ``[G, G]`` RoPE-pair
+covariances, the ``(n_nope + G d_v)`` x ``hidden`` weighted K/V target). Splitting a LAPACK call on such a
+matrix across OpenMP threads gains little when the cores are idle and collapses when another process holds
+one of them: measured on a 2-core machine beside one busy process, ``svdvals`` of a 576 x 384 float64
+matrix took 3.9 s on 2 threads and 0.021 s on 1; ``eigh`` of a 576 x 576 one 7.5 s and 0.063 s. Matrices
+whose larger side exceeds :data:`SERIAL_MAX` keep the process's thread count (a 4096-wide eigh is worth
+splitting).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+SERIAL_MAX = 2048
+"""Largest matrix side (elements) decomposed on one thread."""
+
+
+@contextmanager
+def threads_for(*tensors: torch.Tensor) -> Iterator[None]:
+    """One intra-op thread while the block runs if every CPU tensor's larger side is at most
+    :data:`SERIAL_MAX`; the previous thread count is restored after the block (also on error)."""
+    small = all(t.device.type != "cpu" or max(t.shape, default=0) <= SERIAL_MAX for t in tensors)
+    before = torch.get_num_threads()
+    if not small or before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def eigh(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.linalg.eigh`` of a Hermitian ``[n, n]`` matrix: eigenvalues ``[n]`` ascending, eigenvectors
+    ``[n, n]`` as columns (see :func:`threads_for`)."""
+    with threads_for(m):
+        evals, evecs = torch.linalg.eigh(m)
+    return evals, evecs
+
+
+def svd(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Thin ``torch.linalg.svd`` of ``[r, c]``: ``U [r, k]``, ``S [k]``, ``Vh [k, c]``, ``k = min(r, c)``."""
+    with threads_for(m):
+        u, s, vh = torch.linalg.svd(m, full_matrices=False)
+    return u, s, vh
+
+
+def svdvals(m: torch.Tensor) -> torch.Tensor:
+    """Singular values ``[min(r, c)]`` (descending) of ``[r, c]``."""
+    with threads_for(m):
+        return torch.linalg.svdvals(m)
+
+
+def solve(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``X`` with ``a X = b`` for square ``a [n, n]`` and ``b [n, k]``.
+
+    Raises:
+        torch.linalg.LinAlgError: ``a`` is singular.
+    """
+    with threads_for(a, b):
+        return torch.linalg.solve(a, b)
