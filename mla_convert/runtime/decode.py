@@ -54,6 +54,7 @@ def generate(
     shuffle_pages: bool = False,
     cache: PagedLatentCache | None = None,
     cache_dtype: str = "model",
+    graph: bool = False,
 ) -> DecodeResult:
     """Greedy decode ``max_new_tokens`` tokens for each prompt row (no EOS stop, equal prompt lengths).
 
@@ -66,6 +67,8 @@ def generate(
         cache: reuse a cache (new requests are added to it); default: a fresh one sized for the job.
         cache_dtype: rows of a fresh cache in the model's dtype (``"model"``) or as FP8 rows (``"fp8"``: E4M3
             latent with float32 scales per group and bfloat16 rope, :mod:`mla_convert.kernels.fp8`).
+        graph: run the decode steps through a :class:`~mla_convert.runtime.graph.DecodeGraph` (``triton``
+            backend only): captured as a CUDA graph on a GPU, the same static-buffer step run eagerly elsewhere.
 
     Returns:
         A :class:`DecodeResult`.
@@ -79,6 +82,8 @@ def generate(
         raise ValueError(f"unknown decode backend {backend!r}; choose one of {DECODE_BACKENDS}")
     if cache_dtype not in ("model", "fp8"):
         raise ValueError(f"unknown cache dtype {cache_dtype!r}; choose 'model' or 'fp8'")
+    if graph and backend != "triton":
+        raise ValueError("a decode graph runs the triton backend; use backend='triton' or graph=False")
     b, t = input_ids.shape
     if t < 1 or max_new_tokens < 1:
         raise ValueError("need a prompt of at least one token and max_new_tokens >= 1")
@@ -101,9 +106,17 @@ def generate(
         chosen = [logits]
         tokens = [input_ids, logits.argmax(-1, keepdim=True)]
         steps: list[float] = []
+        decode_graph = None
+        if graph and max_new_tokens > 1:
+            from mla_convert.runtime.graph import DecodeGraph
+
+            decode_graph = DecodeGraph(model, cache, t + max_new_tokens - 1)
         for _ in range(max_new_tokens - 1):
             start = time.perf_counter()
-            logits = model(input_ids=tokens[-1], past_key_values=cache).logits[:, -1].float()
+            if decode_graph is not None:
+                logits = decode_graph.step(tokens[-1]).clone()
+            else:
+                logits = model(input_ids=tokens[-1], past_key_values=cache).logits[:, -1].float()
             steps.append(time.perf_counter() - start)
             chosen.append(logits)
             tokens.append(logits.argmax(-1, keepdim=True))

@@ -212,17 +212,41 @@ class PagedLatentCache:
         for rid, n in zip(self.active, need, strict=True):
             self.tables[rid].extend(self._free.pop() for _ in range(n))
 
-    def begin_step(self, new_tokens: int) -> StepMetadata:
+    def begin_step(self, new_tokens: int, into: StepMetadata | None = None) -> StepMetadata:
         """Reserve pages for ``new_tokens`` more rows per bound request and build the step's metadata once
         (:class:`StepMetadata`, also kept as :attr:`step` for the layers until :meth:`commit`).
 
+        The host-side page lists reach the device by asynchronous host-to-device copies (never a device-to-host
+        read, never a stream synchronisation). With ``into`` (from :meth:`static_step`) the values are copied
+        into its tensors in place and the step keeps their addresses and its ``max_seq_len`` bound, so a
+        captured CUDA graph (:class:`~mla_convert.runtime.graph.DecodeGraph`) replays on the new values.
+
         Raises:
-            CacheError: not enough free pages (nothing is allocated then).
+            CacheError: not enough free pages (nothing is allocated then); with ``into``: another batch size or
+                token count, or a request that would pass its ``max_seq_len`` bound.
         """
+        lengths = tuple(self.lengths[r] for r in self.active)
+        if into is not None:
+            longest = max(lengths, default=0) + new_tokens
+            if into.new_tokens != new_tokens or into.seq_lens.shape[0] != len(self.active):
+                raise CacheError(
+                    f"static step metadata is for {into.seq_lens.shape[0]} requests x {into.new_tokens} tokens; "
+                    f"got {len(self.active)} x {new_tokens} (make another with static_step)"
+                )
+            if longest > into.max_seq_len:
+                raise CacheError(
+                    f"a request reaches {longest} rows, past the static step's bound of {into.max_seq_len} "
+                    "(capture a new graph with a larger max_seq_len)"
+                )
         self.reserve(new_tokens)
         device = self.storage[0].device
-        lengths = tuple(self.lengths[r] for r in self.active)
         width = max([len(self.tables[r]) for r in self.active] + [1])
+        if into is not None:
+            width = into.block_table.shape[1]
+        if any(len(self.tables[r]) > width for r in self.active):
+            raise CacheError(
+                f"a request holds more than the static step's {width} pages (capture with a larger max_seq_len)"
+            )
         table = [self.tables[r] + [0] * (width - len(self.tables[r])) for r in self.active]
         slots: list[list[int]] = []
         for rid, start in zip(self.active, lengths, strict=True):
@@ -234,18 +258,49 @@ class PagedLatentCache:
                 ]
             )
         b = len(self.active)
-        self.step = StepMetadata(
-            new_tokens=new_tokens,
-            lengths=lengths,
-            seq_lens=torch.tensor([n + new_tokens for n in lengths], dtype=torch.int32).to(device),
-            block_table=torch.tensor(table, dtype=torch.int32).reshape(b, width).to(device),
-            slots=torch.tensor(slots, dtype=torch.long).reshape(b, new_tokens).to(device),
-            positions=(
-                torch.tensor(lengths, dtype=torch.long)[:, None] + torch.arange(new_tokens)[None, :]
-            ).to(device),
-            max_seq_len=max(lengths, default=0) + new_tokens,
-        )
+        host = {
+            "seq_lens": torch.tensor([n + new_tokens for n in lengths], dtype=torch.int32),
+            "block_table": torch.tensor(table, dtype=torch.int32).reshape(b, width),
+            "slots": torch.tensor(slots, dtype=torch.long).reshape(b, new_tokens),
+            "positions": torch.tensor(lengths, dtype=torch.long)[:, None] + torch.arange(new_tokens)[None, :],
+        }
+        if into is None:
+            on_device = {k: v.to(device, non_blocking=True) for k, v in host.items()}
+            max_seq_len = max(lengths, default=0) + new_tokens
+        else:
+            on_device = {k: getattr(into, k) for k in host}
+            for k, v in host.items():
+                on_device[k].copy_(v, non_blocking=True)
+            max_seq_len = into.max_seq_len
+        self.step = StepMetadata(new_tokens=new_tokens, lengths=lengths, max_seq_len=max_seq_len, **on_device)
         return self.step
+
+    def static_step(self, max_seq_len: int, new_tokens: int = 1) -> StepMetadata:
+        """Step metadata buffers for the bound requests that later steps fill in place (``begin_step(t, into=)``):
+        ``seq_lens [B]``, ``block_table [B, ceil(max_seq_len / page_size)]``, ``slots``/``positions [B, T]``
+        on the cache's device (zeros until filled), with ``max_seq_len`` the bound every request must stay
+        under (the kernel sizes its grid and splits from it, so a captured launch stays valid).
+
+        Raises:
+            CacheError: ``max_seq_len`` below ``new_tokens`` or more pages than the cache has.
+        """
+        pages = -(-max_seq_len // self.page_size)
+        if max_seq_len < new_tokens or pages > self.num_pages:
+            raise CacheError(
+                f"static step bound {max_seq_len} rows needs 1..{self.num_pages} pages of {self.page_size}; "
+                f"got {pages} for {new_tokens} new tokens"
+            )
+        device = self.storage[0].device
+        b = len(self.active)
+        return StepMetadata(
+            new_tokens=new_tokens,
+            lengths=(0,) * b,
+            seq_lens=torch.zeros(b, dtype=torch.int32, device=device),
+            block_table=torch.zeros(b, pages, dtype=torch.int32, device=device),
+            slots=torch.zeros(b, new_tokens, dtype=torch.long, device=device),
+            positions=torch.zeros(b, new_tokens, dtype=torch.long, device=device),
+            max_seq_len=max_seq_len,
+        )
 
     def write(self, layer: int, rows: torch.Tensor) -> None:
         """Store the new rows ``[B, T, row_width]`` of layer ``layer`` for the bound requests at positions

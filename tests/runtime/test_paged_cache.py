@@ -507,12 +507,13 @@ def test_triton_path_refuses_a_padding_mask(model, prompt):
     assert cache.seq_lens().tolist() == [0, 0]
 
 
-@pytest.mark.parametrize("backend", ["triton", "absorbed"])
-def test_decode_steps_never_read_a_device_value(backend, monkeypatch):
+@pytest.mark.parametrize(("backend", "graph"), [("triton", False), ("absorbed", False), ("triton", True)])
+def test_decode_steps_never_read_a_device_value(backend, graph, monkeypatch):
     """No host synchronisation in a step: the whole greedy loop (prefill and decode steps, metadata, cache
     writes, kernel call) runs on the meta device, whose tensors have no values, so any ``int()``, ``.item()``,
     ``bool()`` or ``.tolist()`` of a device tensor would raise. On a GPU each such read is a blocking sync
-    (before: about 6 + 2B per layer per step)."""
+    (before: about 6 + 2B per layer per step). With ``graph`` the steps go through the decode graph's static
+    buffers (filled in place each step), as a CUDA graph replays them."""
     from mla_convert.kernels import load_kernel
 
     kernel = load_kernel()
@@ -530,7 +531,7 @@ def test_decode_steps_never_read_a_device_value(backend, monkeypatch):
     with torch.device("meta"):
         meta_model = MLAForCausalLM(config).eval()
     ids = torch.zeros(2, 5, dtype=torch.long, device="meta")
-    res = generate(meta_model, ids, 4, backend=backend, page_size=4)
+    res = generate(meta_model, ids, 4, backend=backend, page_size=4, graph=graph)
     assert res.tokens.shape == (2, 9) and res.tokens.device.type == "meta"
     layers = meta_model.config.num_hidden_layers
     assert len(calls) == (4 * layers if backend == "triton" else 0) and set(calls) <= {"meta"}

@@ -1,0 +1,108 @@
+"""The decode step as a replayable graph (:class:`mla_convert.runtime.graph.DecodeGraph`): on this CPU the
+captured body runs eagerly on the graph's static buffers, which is the capture path's logic without the
+capture (fixed addresses, metadata filled in place, a fixed ``max_seq_len`` for the kernel's grid). On a CUDA
+host the same tests capture a real graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mla_convert  # noqa: F401  (sets TRITON_INTERPRET=1 on CPU before triton is imported)
+from mla_convert.runtime.decode import generate
+from mla_convert.runtime.graph import DecodeGraph
+from mla_convert.runtime.paged_cache import CacheError, PagedLatentCache
+from tests.runtime.test_paged_cache import DEVICE, E2E_TOL, rel, tiny_mla
+
+CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_mla()
+
+
+def _prefilled(model, lengths: list[int], seed: int = 3) -> tuple[PagedLatentCache, list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    cache = PagedLatentCache.for_model(model.config, 96, 4, device=DEVICE, shuffle_pages=True)
+    rids = []
+    model.set_attention_path("triton")
+    try:
+        with torch.no_grad():
+            for n in lengths:
+                rids.append(cache.add_request())
+                cache.bind([rids[-1]])
+                model(input_ids=torch.randint(0, 97, (1, n), generator=gen).to(DEVICE), past_key_values=cache)
+    finally:
+        model.set_attention_path("absorbed")
+    cache.bind(rids)
+    return cache, rids
+
+
+def test_graph_generate_equals_the_plain_triton_steps(model):
+    prompt = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    plain = generate(model, prompt, 6, backend="triton", page_size=4)
+    graphed = generate(model, prompt, 6, backend="triton", page_size=4, graph=True)
+    assert torch.equal(graphed.tokens, plain.tokens)
+    assert rel(graphed.step_logits, plain.step_logits) < E2E_TOL
+    layers = model.config.num_hidden_layers
+    decode_key = "triton-cuda:decode-graph" if CUDA else "triton-interpreter:decode"
+    assert graphed.backend_log[decode_key] >= layers * 5
+    assert model.config.attn_implementation_mla == "absorbed"  # generate restores the path
+    with pytest.raises(ValueError, match="triton backend"):
+        generate(model, prompt, 3, backend="absorbed", graph=True)
+
+
+def test_static_buffers_keep_their_addresses_and_take_each_steps_values(model):
+    """Requests of different lengths (5 and 11 rows) step together; every step's metadata lands in the same
+    tensors (a replay reads them by address), with the values a fresh step would build, and the logits equal
+    the model's own paged step on an identical cache."""
+    cache, rids = _prefilled(model, [5, 11])
+    twin, _ = _prefilled(model, [5, 11])
+    g = DecodeGraph(model, cache, max_seq_len=16)
+    static = g.static
+    addresses = [t.data_ptr() for t in (static.seq_lens, static.block_table, static.slots, static.positions)]
+    assert static.block_table.shape == (2, 4)  # 16 rows / page size 4
+    tokens = torch.tensor([[3], [60]], device=DEVICE)
+    for step in range(3):
+        logits = g.step(tokens).clone()
+        assert [
+            t.data_ptr() for t in (static.seq_lens, static.block_table, static.slots, static.positions)
+        ] == addresses
+        assert static.seq_lens.tolist() == [6 + step, 12 + step]
+        assert static.positions[:, 0].tolist() == [5 + step, 11 + step]
+        for b, rid in enumerate(rids):
+            pos = 5 + step if b == 0 else 11 + step
+            page = cache.tables[rid][pos // 4]
+            assert int(static.slots[b, 0]) == page * 4 + pos % 4
+            assert static.block_table[b, : len(cache.tables[rid])].tolist() == cache.tables[rid]
+        with torch.no_grad():  # the graph keeps the model on the triton path while it lives
+            expected = model(input_ids=tokens, past_key_values=twin).logits[:, -1].float()
+        assert rel(logits, expected) < E2E_TOL
+        tokens = logits.argmax(-1, keepdim=True)
+    assert cache.seq_lens().tolist() == [8, 14] and g.replays == 3
+    g.close()
+    assert model.config.attn_implementation_mla == "absorbed"
+
+
+def test_bound_and_misuse_are_refused_and_commit_nothing(model):
+    cache, _ = _prefilled(model, [5, 11])
+    with DecodeGraph(model, cache, max_seq_len=13) as g:
+        ids = torch.tensor([[1], [2]], device=DEVICE)
+        g.step(ids)
+        g.step(ids)  # request 1 reaches 13 rows: the bound
+        with pytest.raises(CacheError, match="past the static step's bound of 13"):
+            g.step(ids)
+        assert cache.seq_lens().tolist() == [7, 13]  # the refused step committed nothing
+        with pytest.raises(CacheError, match=r"input_ids must be \[2, 1\]"):
+            g.step(torch.tensor([[1]], device=DEVICE))
+    fresh = PagedLatentCache.for_model(model.config, 32, 4, device=DEVICE)
+    fresh.bind([fresh.add_request()])
+    with pytest.raises(CacheError, match="prefill every bound request"):
+        DecodeGraph(model, fresh, max_seq_len=8)
+    with pytest.raises(CacheError, match="pages"):
+        DecodeGraph(model, cache, max_seq_len=10_000)
+    if not CUDA:
+        with pytest.raises(ValueError, match="needs the cache on a CUDA device"):
+            DecodeGraph(model, cache, max_seq_len=16, capture=True)
+    assert model.config.attn_implementation_mla == "absorbed"
