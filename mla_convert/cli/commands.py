@@ -358,7 +358,8 @@ def generate(
     cache_dtype: str = typer.Option(
         "model",
         help="model (cache rows in --dtype) | fp8 (E4M3 latent + float32 scales per group + bfloat16 rope; "
-        "the paged and triton backends; on a GPU sm_89 or newer).",
+        "the paged and triton backends; the kernel reads FP8 rows in the Triton interpreter on a CPU and "
+        "natively on a GPU of sm_89 or newer).",
     ),
 ) -> None:
     """Greedy text through the latent cache (never expanded K/V); the backend that ran is printed.
@@ -379,8 +380,11 @@ def generate(
         fail(f"--cache-dtype {cache_dtype!r} is not one of model, fp8")
     if cache_dtype == "fp8" and backend == "absorbed":
         fail("--cache-dtype fp8 needs a paged latent cache; use --backend triton or --backend paged")
+    if not prompt.strip():
+        fail('the prompt is empty; give some text to continue, e.g. "The capital of France is"')
     with user_errors():  # a wrong folder, before the model libraries are imported
-        kind = read_checkpoint_config(ckpt, require_mla=True).get("model_type")
+        config = read_checkpoint_config(ckpt, require_mla=True)
+    kind = config.get("model_type")
     import torch
     from transformers import AutoTokenizer
 
@@ -396,16 +400,27 @@ def generate(
                 "--backend triton --dtype bfloat16 cannot run on the CPU: the Triton interpreter reads bfloat16 as "
                 "16-bit integers; use --dtype float32 or float16, or --device cuda"
             )
+        tok = AutoTokenizer.from_pretrained(str(ckpt))
+        ids = tok(prompt, return_tensors="pt").input_ids
+        if ids.shape[1] == 0:
+            fail(f"the prompt {prompt!r} gives no tokens; give some text to continue")
+        positions = config.get("max_position_embeddings")
+        if isinstance(positions, int) and ids.shape[1] + max_new_tokens > positions:
+            fail(
+                f"{ids.shape[1]} prompt tokens + --max-new-tokens {max_new_tokens} pass the model's "
+                f"{positions} positions (max_position_embeddings in {ckpt / 'config.json'}); generate at most "
+                f"{max(positions - ids.shape[1], 0)} tokens"
+            )
         # an export runs stock for --backend absorbed; read back as MLA for the paged/triton backends
         model = _load_mla(ckpt, require_mla=kind != "deepseek_v3" or backend != "absorbed")
         model = model.to(device=where, dtype=getattr(torch, want))
-        tok = AutoTokenizer.from_pretrained(str(ckpt))
-        ids = tok(prompt, return_tensors="pt").input_ids.to(where)
+        ids = ids.to(where)
         if kind == "deepseek_v3" and backend == "absorbed":
             out = greedy(model, ids, max_new_tokens)
             ran = "stock transformers DeepseekV3ForCausalLM (DynamicCache holding the normalised latent and k_rope)"
         elif backend == "absorbed":
             model.set_attention_path("absorbed")
+            model.set_folding(True)  # W_UK / W_UV folded into q_proj / o_proj where that saves work
             out = greedy(model, ids, max_new_tokens)
             ran = "absorbed-torch (transformers DynamicCache holding [c_kv | k_rope])"
         else:

@@ -235,7 +235,14 @@ def matrix_table(res: Any) -> Table | None:
     rung = next((r for r in res.rungs if r.cells), None)
     if rung is None:
         return None
-    table = Table(title=f"rung {rung.number} {rung.name}: phase x cache x history")
+    table = Table(
+        title=f"rung {rung.number} {rung.name}: phase x cache x history",
+        caption=escape(
+            f"on: {rung.data}. kernel out/lse rel.: max relative error of the kernel's latent_out / lse against "
+            "the float64 oracle on the same stored rows; format vs float32: the oracle's latent_out on these "
+            "rows against float32 rows (max relative); s_q is capped by the history (one row: one query)"
+        ),
+    )
     for col in MATRIX_HEADER:
         table.add_column(col)
     for row in matrix_rows(rung.cells):
@@ -262,4 +269,5 @@ def validation_table(ckpt: Any, res: Any) -> Table:
                 c.tolerance,
                 verdict,
             )
+        table.add_row("", f"[dim]on: {escape(r.data)} ({r.seconds:.1f} s)[/]", "", "", "", end_section=True)
     return table

@@ -28,10 +28,16 @@ def read_checkpoint_config(ckpt: Path, require_mla: bool = True) -> dict[str, An
             ``deepseek_v3`` folders written by ``mla-convert export``.
 
     Raises:
-        CheckpointError: no ``config.json``, one that is not a JSON object, or (with ``require_mla``) another
+        CheckpointError: a missing folder, a file, no ``config.json``, one that is not a JSON object, or (with ``require_mla``) another
             model type.
     """
     path = ckpt / "config.json"
+    if not ckpt.exists():
+        raise CheckpointError(f"{ckpt} does not exist; pass a folder written by 'mla-convert factor'")
+    if not ckpt.is_dir():
+        raise CheckpointError(
+            f"{ckpt} is a file, not a checkpoint folder; pass a folder written by 'mla-convert factor'"
+        )
     if not path.is_file():
         raise CheckpointError(f"{ckpt} has no config.json; pass a folder written by 'mla-convert factor'")
     try:
@@ -43,9 +49,11 @@ def read_checkpoint_config(ckpt: Path, require_mla: bool = True) -> dict[str, An
             f"{path} holds {type(config).__name__}, not a JSON object; the checkpoint is damaged"
         )
     kind = config.get("model_type")
-    if kind == "deepseek_v3" and (ckpt / "mla_manifest.json").is_file() and '"export"' in (
-        ckpt / "mla_manifest.json"
-    ).read_text():
+    if (
+        kind == "deepseek_v3"
+        and (ckpt / "mla_manifest.json").is_file()
+        and '"export"' in (ckpt / "mla_manifest.json").read_text()
+    ):
         return config  # an export by mla-convert: read back as MLA (load_checkpoint) or run stock
     if require_mla and kind != "mla":
         raise CheckpointError(
@@ -112,7 +120,9 @@ def load_checkpoint(ckpt: Path, require_mla: bool = True, dtype: Any = None) -> 
     if require_mla and config.get("model_type") == "deepseek_v3":
         from mla_convert.export.reimport import load_export_as_mla
 
-        return load_export_as_mla(ckpt) if dtype in (None, torch.float32) else load_export_as_mla(ckpt).to(dtype)
+        return (
+            load_export_as_mla(ckpt) if dtype in (None, torch.float32) else load_export_as_mla(ckpt).to(dtype)
+        )
     register()  # model_type "mla" (the CLI starts without transformers)
     try:
         return AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=dtype or torch.float32).eval()

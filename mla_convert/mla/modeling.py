@@ -55,6 +55,62 @@ class Projected(NamedTuple):
     k_rope: torch.Tensor
 
 
+class FoldedWeights(NamedTuple):
+    """Inference weights of one layer with the up-projections folded in (:meth:`MLAAttention.set_folding`):
+    ``q_weight [H * (d_c + d_R) + d_c + R * d_R, hidden]`` / ``q_bias`` give ``[q_abs | q_rope]`` per head and
+    then ``kv_a_proj_with_mqa``'s ``[c_kv | k_rope]`` (one product for both), ``o_weight
+    [hidden, H * d_c]`` maps the attended latent to the output; ``None`` where folding does not pay. ``key``
+    identifies the weights they were made from."""
+
+    q_weight: torch.Tensor | None
+    q_bias: torch.Tensor | None
+    o_weight: torch.Tensor | None
+    key: tuple[Any, ...]
+
+
+@torch.no_grad()
+def fold_weights(attn: MLAAttention, key: tuple[Any, ...]) -> FoldedWeights:
+    """Fold ``W_UK [G, d_N, d_c]`` into the NoPE rows of ``q_proj`` (``W_UK[g(h)]^T W_q,nope[h]``) and ``W_UV [G,
+    d_V, d_c]`` into ``o_proj`` (``W_o[:, h] W_UV[g(h)]``), in float64 on the CPU (float32 elsewhere), returned in
+    the weights' dtype; each only where :meth:`MLAAttention.folding_plan` says it pays."""
+    fold_q, fold_o = attn.folding_plan()
+    w = attn.q_proj.weight
+    work = torch.float64 if w.device.type == "cpu" else torch.float32
+    h, g = attn.num_heads, attn.num_kv_heads
+    d_n, d_r, d_v = attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim
+    w_uk, w_uv = (u.to(work) for u in attn.up_weights())
+    kv_of = algebra.head_to_group(h, g, w.device)
+    q_weight = q_bias = o_weight = None
+    if fold_q:
+        wq = w.to(work).view(h, d_n + d_r, -1)
+        q_abs = torch.einsum("hnc,hnx->hcx", w_uk[kv_of], wq[:, :d_n])
+        kv_a = attn.kv_a_proj_with_mqa
+        rows = torch.cat([q_abs, wq[:, d_n:]], dim=1).reshape(-1, w.shape[1])
+        q_weight = torch.cat([rows.to(w.dtype), kv_a.weight]).contiguous()  # one product for queries and rows
+        if attn.q_proj.bias is not None or kv_a.bias is not None:
+            if attn.q_proj.bias is not None:
+                bq = attn.q_proj.bias.to(work).view(h, d_n + d_r)
+                b_abs = torch.einsum("hnc,hn->hc", w_uk[kv_of], bq[:, :d_n])
+                b_rows = torch.cat([b_abs, bq[:, d_n:]], dim=1).reshape(-1).to(w.dtype)
+            else:
+                b_rows = torch.zeros(rows.shape[0], dtype=w.dtype, device=w.device)
+            b_kv = (
+                kv_a.bias
+                if kv_a.bias is not None
+                else torch.zeros(kv_a.out_features, dtype=w.dtype, device=w.device)
+            )
+            q_bias = torch.cat([b_rows, b_kv.to(w.dtype)]).contiguous()
+    if fold_o:
+        wo = attn.o_proj.weight
+        o_weight = (
+            torch.einsum("ohv,hvc->ohc", wo.to(work).view(wo.shape[0], h, d_v), w_uv[kv_of])
+            .reshape(wo.shape[0], -1)
+            .to(wo.dtype)
+            .contiguous()
+        )
+    return FoldedWeights(q_weight, q_bias, o_weight, key)
+
+
 class MLAAttention(nn.Module):
     """One converted attention layer; see the module docstring for the math.
 
@@ -95,6 +151,8 @@ class MLAAttention(nn.Module):
         )
         self.o_proj = nn.Linear(h * self.v_head_dim, hidden, bias=config.o_bias)
         self._head_to_rope: dict[torch.device, torch.Tensor] = {}
+        self.folding = False
+        self._folded: FoldedWeights | None = None
         inv = torch.tensor(config.rope_inv_freq[layer_idx], dtype=torch.float32).reshape(r, -1)
         self.register_buffer(
             "rope_inv_freq", inv, persistent=True
@@ -117,14 +175,85 @@ class MLAAttention(nn.Module):
         if self.kv_a_layernorm is not None:
             c_kv = self.kv_a_layernorm(c_kv)
         k_rope = kv[..., d_c:].reshape(b, t, r, self.qk_rope_head_dim)
-        if self.qk_rope_head_dim:
-            cos, sin = rope_angles(position_ids, self.rope_inv_freq)
-            k_rope = apply_rope(k_rope, cos.to(k_rope.dtype), sin.to(k_rope.dtype))
-            head_to_rope = algebra.head_to_group(h, r, x.device)
-            q_rope = apply_rope(
-                q_rope, cos[:, :, head_to_rope].to(q.dtype), sin[:, :, head_to_rope].to(q.dtype)
-            )
+        k_rope, q_rope = self._rotate(position_ids, k_rope, q_rope)
         return Projected(q_nope, q_rope, c_kv, k_rope)
+
+    def _rotate(
+        self, position_ids: torch.Tensor, k_rope: torch.Tensor, q_rope: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k_rope [B, T, R, d_R]`` and ``q_rope [B, T, H, d_R]`` rotated at ``position_ids``; query head ``h``
+        takes rope head ``h // (H / R)``'s angles (a broadcast over the heads of each rope head, no gather)."""
+        if not self.qk_rope_head_dim:
+            return k_rope, q_rope
+        b, t, h, d_r = q_rope.shape
+        r = self.num_rope_heads
+        cos, sin = rope_angles(position_ids, self.rope_inv_freq)  # [B, T, R, P]
+        k_rope = apply_rope(k_rope, cos.to(k_rope.dtype), sin.to(k_rope.dtype))
+        cos_q, sin_q = cos[:, :, :, None].to(q_rope.dtype), sin[:, :, :, None].to(q_rope.dtype)
+        q_rope = apply_rope(q_rope.reshape(b, t, r, h // r, d_r), cos_q, sin_q).reshape(b, t, h, d_r)
+        return k_rope, q_rope
+
+    # ----------------------------------------------------------------------------- inference folding
+    def set_folding(self, enabled: bool) -> None:
+        """Fold ``W_UK`` into ``q_proj`` and ``W_UV`` into ``o_proj`` for inference (absorbed and triton paths,
+        only while autograd is off), each only where the folded product costs fewer multiply-adds per token
+        than the projection plus the per-head latent product (:meth:`folding_plan`). The folded weights are
+        derived (never saved) and rebuilt when a weight changes (in place or replaced)."""
+        self.folding = enabled
+        if not enabled:
+            self._folded = None  # the derived weights' memory goes back
+
+    def folding_plan(self) -> tuple[bool, bool]:
+        """``(fold_q, fold_o)``: whether folding ``W_UK`` into ``q_proj`` (``H d_c`` instead of ``H d_N`` rows,
+        minus the ``H d_N d_c`` absorption) and ``W_UV`` into ``o_proj`` (``H d_c`` instead of ``H d_V`` inputs,
+        minus ``H d_V d_c``) lowers the multiply-adds per token (DeepSeek-V2 §2.1.2 absorbs the same products;
+        at DeepSeek's widths, ``d_c`` 512 > ``d_N`` 128, it does not pay)."""
+        hidden = self.q_proj.in_features
+        d_c, d_n, d_v = self.kv_lora_rank, self.qk_nope_head_dim, self.v_head_dim
+        return d_c * (hidden - d_n) <= hidden * d_n, d_c * (hidden - d_v) <= hidden * d_v
+
+    def _folded_weights(self) -> FoldedWeights | None:
+        """The folded inference weights when folding applies now (``None`` during training or on the naive path)."""
+        if not self.folding or torch.is_grad_enabled() or self.path == "naive":
+            return None
+        params = [
+            self.q_proj.weight,
+            self.kv_b_proj.weight,
+            self.o_proj.weight,
+            self.kv_a_proj_with_mqa.weight,
+        ]
+        params += [p for p in (self.q_proj.bias, self.kv_a_proj_with_mqa.bias) if p is not None]
+        key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
+        if self._folded is None or self._folded.key != key:
+            self._folded = fold_weights(self, key)
+        return self._folded
+
+    def _output(self, latent_out: torch.Tensor, folded: FoldedWeights | None) -> torch.Tensor:
+        """``[B, T, H, d_c]`` attended latent -> ``[B, T, hidden]`` through the folded ``o_proj`` when there is one."""
+        if folded is None or folded.o_weight is None:
+            return self.output_from_latent(latent_out)
+        b, t = latent_out.shape[:2]
+        return nn.functional.linear(latent_out.reshape(b, t, -1), folded.o_weight, self.o_proj.bias)
+
+    def _project_folded(
+        self, x: torch.Tensor, position_ids: torch.Tensor, folded: FoldedWeights
+    ) -> Projected:
+        """:meth:`project` with the absorbed query straight from the folded ``q_proj``: ``Projected.q_nope`` then
+        holds ``q_abs [B, T, H, d_c]``."""
+        b, t, _ = x.shape
+        h, r, d_c = self.num_heads, self.num_rope_heads, self.kv_lora_rank
+        assert folded.q_weight is not None
+        width = h * (d_c + self.qk_rope_head_dim)
+        both = nn.functional.linear(x, folded.q_weight, folded.q_bias)
+        q = both[..., :width].view(b, t, h, d_c + self.qk_rope_head_dim)
+        q_abs, q_rope = q.split([d_c, self.qk_rope_head_dim], dim=-1)
+        kv = both[..., width:]
+        c_kv = kv[..., :d_c]
+        if self.kv_a_layernorm is not None:
+            c_kv = self.kv_a_layernorm(c_kv)
+        k_rope = kv[..., d_c:].reshape(b, t, r, self.qk_rope_head_dim)
+        k_rope, q_rope = self._rotate(position_ids, k_rope, q_rope)
+        return Projected(q_abs, q_rope, c_kv, k_rope)
 
     def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``W_UK [G, d_N, d_c]`` and ``W_UV [G, d_V, d_c]``, views of ``kv_b_proj.weight``."""
@@ -168,9 +297,13 @@ class MLAAttention(nn.Module):
         Raises:
             ValueError: the ``naive`` path with a paged cache, or the ``triton`` path with a ``DynamicCache``.
         """
-        p = self.project(x, position_ids)
+        folded = self._folded_weights()
+        if folded is not None and folded.q_weight is not None:
+            p, absorbed = self._project_folded(x, position_ids, folded), True
+        else:
+            p, absorbed = self.project(x, position_ids), False
         if isinstance(past_key_values, PagedLatentCache):
-            return self._paged(p, attention_mask, past_key_values)
+            return self._paged(p, attention_mask, past_key_values, absorbed, folded)
         if self.path == "naive":
             return self._naive(p, attention_mask, past_key_values)
         if self.path == "triton" and past_key_values is not None:
@@ -178,9 +311,16 @@ class MLAAttention(nn.Module):
                 "attention path 'triton' decodes from a PagedLatentCache; use mla_convert.runtime.decode.generate "
                 "(or `mla-convert generate --backend triton`) instead of a DynamicCache"
             )
-        return self._absorbed(p, attention_mask, past_key_values)
+        return self._absorbed(p, attention_mask, past_key_values, absorbed, folded)
 
-    def _paged(self, p: Projected, mask: torch.Tensor | None, cache: PagedLatentCache) -> torch.Tensor:
+    def _paged(
+        self,
+        p: Projected,
+        mask: torch.Tensor | None,
+        cache: PagedLatentCache,
+        absorbed: bool = False,
+        folded: FoldedWeights | None = None,
+    ) -> torch.Tensor:
         """Write this layer's new rows to the paged cache and attend over the request's rows; reads only the
         step's metadata (:attr:`PagedLatentCache.step`), so no host synchronisation happens here."""
         b, t = p.c_kv.shape[:2]
@@ -192,7 +332,7 @@ class MLAAttention(nn.Module):
                 "a PagedLatentCache is read inside a step: run the model on it (MLAModel.forward)"
             )
         cache.write(self.layer_idx, torch.cat([p.c_kv, p.k_rope.reshape(b, t, -1)], dim=-1))
-        q_abs = self.absorb_query(p.q_nope)
+        q_abs = p.q_nope if absorbed else self.absorb_query(p.q_nope)
         if self.path == "triton":
             from mla_convert.kernels import kernel_backend, load_kernel
 
@@ -208,7 +348,7 @@ class MLAAttention(nn.Module):
                 fp8=cache.fp8[self.layer_idx] if cache.fp8 is not None else None,
             )
             cache.backend_log[f"{kernel_backend()}:" + ("decode" if t == 1 else "prefill")] += 1
-            return self.output_from_latent(latent)
+            return self._output(latent, folded)
         if not step.uniform:
             raise ValueError(
                 "requests of different lengths need one token per step on the absorbed path (the triton path "
@@ -217,7 +357,7 @@ class MLAAttention(nn.Module):
         rows = cache.gather_step(self.layer_idx).to(q_abs.dtype)
         d_c = self.kv_lora_rank
         cache.backend_log["absorbed-torch:" + ("decode" if t == 1 else "prefill")] += 1
-        return self._attend_latent(q_abs, p.q_rope, rows[..., :d_c], rows[..., d_c:], mask)
+        return self._attend_latent(q_abs, p.q_rope, rows[..., :d_c], rows[..., d_c:], mask, folded)
 
     def head_to_rope_on(self, device: torch.device) -> torch.Tensor:
         """:meth:`head_to_rope` on ``device``, built once per device (the decode step must not copy it per call)."""
@@ -226,14 +366,22 @@ class MLAAttention(nn.Module):
             cached = self._head_to_rope[device] = self.head_to_rope(device)
         return cached
 
-    def _absorbed(self, p: Projected, mask: torch.Tensor | None, cache: Cache | None) -> torch.Tensor:
+    def _absorbed(
+        self,
+        p: Projected,
+        mask: torch.Tensor | None,
+        cache: Cache | None,
+        absorbed: bool = False,
+        folded: FoldedWeights | None = None,
+    ) -> torch.Tensor:
         b, t = p.c_kv.shape[:2]
         if cache is not None:
             c_all, kr_all = cache.update(p.c_kv.unsqueeze(1), p.k_rope.reshape(b, 1, t, -1), self.layer_idx)
             c_all, kr_all = c_all[:, 0], kr_all[:, 0]
         else:
             c_all, kr_all = p.c_kv, p.k_rope.reshape(b, t, -1)
-        return self._attend_latent(self.absorb_query(p.q_nope), p.q_rope, c_all, kr_all, mask)
+        q_abs = p.q_nope if absorbed else self.absorb_query(p.q_nope)
+        return self._attend_latent(q_abs, p.q_rope, c_all, kr_all, mask, folded)
 
     def _attend_latent(
         self,
@@ -242,13 +390,14 @@ class MLAAttention(nn.Module):
         c_all: torch.Tensor,
         kr_all: torch.Tensor,
         mask: torch.Tensor | None,
+        folded: FoldedWeights | None = None,
     ) -> torch.Tensor:
         """Absorbed attention over latent rows ``c_all [B, S, d_c]``, ``kr_all [B, S, R * d_R]`` (scores, softmax
         and latent sum in one SDPA call: :func:`~mla_convert.mla.algebra.attend_latent_fused`)."""
         latent = algebra.attend_latent_fused(
             q_abs, q_rope, c_all, kr_all, self.num_rope_heads, self.softmax_scale, mask
         )
-        return self.output_from_latent(latent)
+        return self._output(latent, folded)
 
     def _naive(self, p: Projected, mask: torch.Tensor | None, cache: Cache | None) -> torch.Tensor:
         w_uk, w_uv = self.up_weights()
@@ -414,6 +563,17 @@ class MLAForCausalLM(MLAPreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    def set_folding(self, enabled: bool) -> None:
+        """Fold the up-projections into ``q_proj``/``o_proj`` for inference in every layer where it pays
+        (:meth:`MLAAttention.set_folding`); the same function, fewer per-token products and ops."""
+        for layer in self.model.layers:
+            layer.self_attn.set_folding(enabled)
+
+    @property
+    def folding(self) -> bool:
+        """Whether inference folding is on (:meth:`set_folding`)."""
+        return bool(self.model.layers) and bool(self.model.layers[0].self_attn.folding)
 
     def set_attention_path(self, path: str) -> None:
         """Switch every layer to ``absorbed`` (latent cache, torch), ``triton`` (latent paged cache, the

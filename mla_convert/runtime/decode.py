@@ -55,6 +55,7 @@ def generate(
     cache: PagedLatentCache | None = None,
     cache_dtype: str = "model",
     graph: bool = False,
+    fold: bool = True,
 ) -> DecodeResult:
     """Greedy decode ``max_new_tokens`` tokens for each prompt row (no EOS stop, equal prompt lengths).
 
@@ -69,6 +70,9 @@ def generate(
             latent with float32 scales per group and bfloat16 rope, :mod:`mla_convert.kernels.fp8`).
         graph: run the decode steps through a :class:`~mla_convert.runtime.graph.DecodeGraph` (``triton``
             backend only): captured as a CUDA graph on a GPU, the same static-buffer step run eagerly elsewhere.
+        fold: fold ``W_UK``/``W_UV`` into ``q_proj``/``o_proj`` where it saves work
+            (:meth:`~mla_convert.mla.modeling.MLAForCausalLM.set_folding`; the same function to float rounding);
+            the model's previous setting comes back afterwards.
 
     Returns:
         A :class:`DecodeResult`.
@@ -100,7 +104,9 @@ def generate(
     cache.bind([cache.add_request() for _ in range(b)])
     before = dict(cache.backend_log)
     previous = model.config.attn_implementation_mla
+    folding = model.folding
     model.set_attention_path(backend)
+    model.set_folding(fold)
     try:
         logits = model(input_ids=input_ids, past_key_values=cache).logits[:, -1].float()
         chosen = [logits]
@@ -122,6 +128,7 @@ def generate(
             tokens.append(logits.argmax(-1, keepdim=True))
     finally:
         model.set_attention_path(previous)
+        model.set_folding(folding)
     log = {k: v - before.get(k, 0) for k, v in cache.backend_log.items() if v - before.get(k, 0)}
     return DecodeResult(torch.cat(tokens, dim=1), torch.stack(chosen, dim=1), cache, log, steps)
 

@@ -219,3 +219,21 @@ def test_generate_float16_on_the_kernel(converted: dict[str, Path]) -> None:
     )  # fmt: skip
     assert res.exit_code == 0, res.stdout + res.stderr
     assert "float16" in res.stderr and "decode x" in res.stderr
+
+
+@pytest.mark.parametrize(
+    "prompt,flags,message",
+    [
+        ("", [], "the prompt is empty"),
+        ("   ", ["--backend", "triton"], "the prompt is empty"),
+        ("The capital", ["--max-new-tokens", "100000"], "pass the model's"),
+    ],
+)
+def test_generate_prompt_refusals(
+    converted: dict[str, Path], prompt: str, flags: list[str], message: str
+) -> None:
+    """An empty prompt or a request past the model's positions is one line and exit 2, not a traceback."""
+    res = CliRunner().invoke(app, ["generate", str(converted["bfloat16"]), prompt, *flags])
+    assert res.exit_code == 2, res.stdout + res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], res.stderr
