@@ -12,4 +12,4 @@ echo "free disk under $tmp: ${free_mb} MB (the tests need about 3000 MB)"
 if [ "${free_mb:-0}" -lt 3000 ]; then
     echo "warning: less than 3000 MB free under $tmp; tests that save checkpoints may fail (set TMPDIR elsewhere)" >&2
 fi
-.venv/bin/python -m pytest -q --durations=15 tests "$@"
+.venv/bin/python -m pytest -q --durations=30 tests "$@"

@@ -79,8 +79,8 @@ def test_o_proj_refit_lowers_held_out_attention_error(smol, smol_model, smol_tok
     from mla_convert.convert.calibration import collect_stats
     from mla_convert.text.windows import token_windows
 
-    windows = token_windows(smol_tokenizer, wiki_splits["calibration"], 256, 17, bos=False)
-    stats, held = collect_stats(smol_model, smol, windows[:16], windows[16:], keep_calibration=True)
+    windows = token_windows(smol_tokenizer, wiki_splits["calibration"], 256, 9, bos=False)
+    stats, held = collect_stats(smol_model, smol, windows[:8], windows[8:], keep_calibration=True)
 
     base = dict(
         rope_mode="shared", rope_strategy="2-norm", rope_pairs=24, objective="output", cache_budget=120
