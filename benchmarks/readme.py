@@ -64,7 +64,7 @@ def reference_block(manifest: dict[str, Any]) -> str:
         f"| mean held-out attention-output error per layer | | {rec['mean_attn_rel_error']:.3f} |",
         f"| calibration | | {cal['tokens']:,} tokens, {len(cal['documents'])} documents |",
         f"| time: source pass / convert + eval passes / whole command ({run['threads']} threads; the pinned run "
-        f"shared the 2 cores with other jobs, idle timings are in the scale table below) | | "
+        f"was made inside the test suite, timings by stage on an idle machine are in the scale table below) | | "
         f"{t['source_pass_s']:.0f} s / {t['convert_pass_s']:.0f} s / {run['wall_s']:.0f} s |",
         f"| peak resident memory | | {run['peak_rss_mb'] / 1024:.1f} GB |",
     ]

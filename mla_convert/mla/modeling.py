@@ -57,8 +57,7 @@ class Projected(NamedTuple):
 
 class FoldedWeights(NamedTuple):
     """Inference weights of one layer with the up-projections folded in (:meth:`MLAAttention.set_folding`):
-    ``q_weight [H * (d_c + d_R) + d_c + R * d_R, hidden]`` / ``q_bias`` give ``[q_abs | q_rope]`` per head and
-    then ``kv_a_proj_with_mqa``'s ``[c_kv | k_rope]`` (one product for both), ``o_weight
+    ``q_weight [H * (d_c + d_R), hidden]`` / ``q_bias`` give ``[q_abs | q_rope]`` per head, ``o_weight
     [hidden, H * d_c]`` maps the attended latent to the output; ``None`` where folding does not pay. ``key``
     identifies the weights they were made from."""
 
@@ -84,22 +83,11 @@ def fold_weights(attn: MLAAttention, key: tuple[Any, ...]) -> FoldedWeights:
     if fold_q:
         wq = w.to(work).view(h, d_n + d_r, -1)
         q_abs = torch.einsum("hnc,hnx->hcx", w_uk[kv_of], wq[:, :d_n])
-        kv_a = attn.kv_a_proj_with_mqa
-        rows = torch.cat([q_abs, wq[:, d_n:]], dim=1).reshape(-1, w.shape[1])
-        q_weight = torch.cat([rows.to(w.dtype), kv_a.weight]).contiguous()  # one product for queries and rows
-        if attn.q_proj.bias is not None or kv_a.bias is not None:
-            if attn.q_proj.bias is not None:
-                bq = attn.q_proj.bias.to(work).view(h, d_n + d_r)
-                b_abs = torch.einsum("hnc,hn->hc", w_uk[kv_of], bq[:, :d_n])
-                b_rows = torch.cat([b_abs, bq[:, d_n:]], dim=1).reshape(-1).to(w.dtype)
-            else:
-                b_rows = torch.zeros(rows.shape[0], dtype=w.dtype, device=w.device)
-            b_kv = (
-                kv_a.bias
-                if kv_a.bias is not None
-                else torch.zeros(kv_a.out_features, dtype=w.dtype, device=w.device)
-            )
-            q_bias = torch.cat([b_rows, b_kv.to(w.dtype)]).contiguous()
+        q_weight = torch.cat([q_abs, wq[:, d_n:]], dim=1).reshape(-1, w.shape[1]).to(w.dtype).contiguous()
+        if attn.q_proj.bias is not None:
+            bq = attn.q_proj.bias.to(work).view(h, d_n + d_r)
+            b_abs = torch.einsum("hnc,hn->hc", w_uk[kv_of], bq[:, :d_n])
+            q_bias = torch.cat([b_abs, bq[:, d_n:]], dim=1).reshape(-1).to(w.dtype).contiguous()
     if fold_o:
         wo = attn.o_proj.weight
         o_weight = (
@@ -243,11 +231,9 @@ class MLAAttention(nn.Module):
         b, t, _ = x.shape
         h, r, d_c = self.num_heads, self.num_rope_heads, self.kv_lora_rank
         assert folded.q_weight is not None
-        width = h * (d_c + self.qk_rope_head_dim)
-        both = nn.functional.linear(x, folded.q_weight, folded.q_bias)
-        q = both[..., :width].view(b, t, h, d_c + self.qk_rope_head_dim)
+        q = nn.functional.linear(x, folded.q_weight, folded.q_bias).view(b, t, h, d_c + self.qk_rope_head_dim)
         q_abs, q_rope = q.split([d_c, self.qk_rope_head_dim], dim=-1)
-        kv = both[..., width:]
+        kv = self.kv_a_proj_with_mqa(x)  # the latent rows exactly as the unfolded path makes them
         c_kv = kv[..., :d_c]
         if self.kv_a_layernorm is not None:
             c_kv = self.kv_a_layernorm(c_kv)

@@ -39,7 +39,8 @@ def split_documents(
     given (``evaluation`` first by default): a role keeps taking the next document while the midpoint of
     that document stays within the role's cumulative share of the total characters, and the last role
     takes the rest. Each role with a positive fraction gets at least one document. The result depends
-    only on the ids, lengths and fractions, not on the input order.
+    only on the ids, lengths and fractions, not on the input order. With fewer documents than such roles
+    (e.g. one book) each document is split by position instead (:func:`_split_by_position`).
 
     Args:
         docs: Documents with unique ids.
@@ -50,7 +51,7 @@ def split_documents(
         Every document is in exactly one role.
 
     Raises:
-        TextError: Bad fractions, duplicate ids, or fewer documents than roles with positive fraction.
+        TextError: Bad fractions, duplicate ids, no documents, or a document too short to split by position.
     """
     roles = list(fractions)
     if not roles:
@@ -63,10 +64,10 @@ def split_documents(
         dup = sorted({i for i in ids if ids.count(i) > 1})
         raise TextError(f"duplicate document ids {dup[:3]}; each document must have a unique id")
     positive = [r for r, v in zip(roles, values, strict=True) if v > 0]
+    if not docs:
+        raise TextError("no documents to split; use more text")
     if len(docs) < len(positive):
-        raise TextError(
-            f"only {len(docs)} documents for {len(positive)} split roles {positive}; use more documents"
-        )
+        return _split_by_position(docs, roles, values)
 
     ordered = sorted(docs, key=_id_key)
     total = sum(len(d.text) for d in ordered)
@@ -89,6 +90,43 @@ def split_documents(
             out[role].append(ordered[pos])
             consumed += size
             pos += 1
+    return out
+
+
+def _split_by_position(
+    docs: Sequence[Document], roles: list[str], values: list[float]
+) -> dict[str, list[Document]]:
+    """Fewer documents than roles (one long book is normal user text): every document is cut by position into
+    consecutive pieces, one per role with a positive fraction, of those fractions of its characters (cuts
+    moved to the next whitespace), in the roles' order; a piece's id is ``<id>@chars<start>-<end>``, so the
+    manifest records the split as one by position.
+
+    Raises:
+        TextError: a document too short to give every role a non-empty piece.
+    """
+    out: dict[str, list[Document]] = {r: [] for r in roles}
+    for doc in sorted(docs, key=_id_key):
+        text, start, acc = doc.text, 0, 0.0
+        for k, (role, frac) in enumerate(zip(roles, values, strict=True)):
+            if frac <= 0:
+                continue
+            acc += frac
+            last = all(v <= 0 for v in values[k + 1 :])
+            end = len(text) if last else round(acc * len(text))
+            while not last and end < len(text) and not text[end].isspace():
+                end += 1
+            piece = text[start:end].strip()
+            if not piece:
+                raise TextError(
+                    f"document {doc.id!r} ({len(text)} characters) is too short to split by position between "
+                    f"{len([v for v in values if v > 0])} roles; use more text"
+                )
+            out[role].append(
+                Document.make(
+                    f"{doc.id}@chars{start}-{end}", f"{doc.title} (characters {start}-{end})", piece
+                )
+            )
+            start = end
     return out
 
 

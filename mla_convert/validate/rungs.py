@@ -377,6 +377,19 @@ def _check_backend_calls(rung: Rung, log: dict[str, int], backend: str, want: in
     )
 
 
+def recompute_folded(model: MLAForCausalLM, tokens: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """:func:`capture_attention_inputs` with the weights folded as ``generate`` folds them
+    (:meth:`~mla_convert.mla.modeling.MLAForCausalLM.set_folding`), so the decode is compared with a full pass
+    of the same products and the rung measures the cache, not the folding's float rounding (rung 3 checks the
+    folded pass against the unfolded one separately); the model's setting comes back afterwards."""
+    before = model.folding
+    model.set_folding(True)
+    try:
+        return capture_attention_inputs(model, tokens)
+    finally:
+        model.set_folding(before)
+
+
 @timed
 def rung_decode(
     model: MLAForCausalLM,
@@ -403,10 +416,17 @@ def rung_decode(
     res = decode_on_kernel_device(model, prompt, new_tokens, backend, page_size)
     tokens = res.tokens[:, :-1]  # the last generated token was never fed back
     model.set_attention_path("absorbed")
-    seen, logits = capture_attention_inputs(model, tokens)
+    seen, logits = recompute_folded(model, tokens)
     full = logits[:, prompt.shape[1] - 1 :].float()
     rung.check(
         "step logits vs full recomputation, max rel. error", rel_err(res.step_logits, full), TOL_DECODE_LOGITS
+    )
+    with torch.no_grad():  # the inference folding generate uses vs the factored weights, same tokens
+        plain = model(input_ids=tokens, use_cache=False).logits[:, prompt.shape[1] - 1 :].float()
+    rung.check(
+        "full pass with W_UK/W_UV folded (as generate runs) vs unfolded, max rel. error",
+        rel_err(full, plain),
+        TOL_DECODE_LOGITS,
     )
     differing = float((res.step_logits.argmax(-1) != full.argmax(-1)).sum())
     rung.check("greedy tokens differing from full recomputation", differing, 0, "==")
@@ -458,7 +478,7 @@ def _decode_in_dtype(
         res = decode_on_kernel_device(model, prompt, new_tokens, ran, page_size)
         tokens = res.tokens[:, :-1]
         model.set_attention_path("absorbed")
-        seen, logits = capture_attention_inputs(model, tokens)
+        seen, logits = recompute_folded(model, tokens)
         full = logits[:, prompt.shape[1] - 1 :].float()
         rung.check(
             f"{prefix}step logits vs full recomputation in {dtype}, max rel. error",

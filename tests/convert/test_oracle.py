@@ -7,7 +7,10 @@
 
 The oracles live in ``tests/oracle.py``; they read only the plan's *choice* (per-frequency basis and
 kept components), the source weights, transformers' own ``cos``/``sin`` and the saved latent rows.
-Float32 logits, max |Δ| <= 1e-4 (the exactness tolerance of ``test_exact.py``).
+Float32 logits, max |Δ| <= 1e-5 of the oracle's largest logit magnitude (``REL_TOL``; on SmolLM2's logits of
+magnitude ~37 that is ~4e-4 absolute: float32 rounding through 30 layers moves the default conversion's
+logits by 6.5e-5 to 1.2e-4 depending only on the LAPACK threading of its decompositions, so an absolute 1e-4 sat on
+the noise; a fault moves them by 1e-2 or more).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from mla_convert.convert.calibration import collect_stats
 from mla_convert.convert.options import ConvertOptions
 from mla_convert.sources.checkpoint import load_source_model, open_source
 
-TOL = 1e-4
+REL_TOL = 1e-5
 
 
 def _logits(model, ids, path=None):
@@ -64,7 +67,7 @@ def _check_partial_rope(src, source_model, stats, ids, mode, strategy, pairs, ba
 
 
 def _check(
-    src, source_model, stats, ids, opts, full_rank, paths=("absorbed",), tol=TOL, o_proj_from_mla=False
+    src, source_model, stats, ids, opts, full_rank, paths=("absorbed",), tol=REL_TOL, o_proj_from_mla=False
 ):
     mla, _, _, plans = build_mla(src, source_model, stats, opts)
     oracles = layer_oracles(
@@ -73,7 +76,8 @@ def _check(
     with oracle_model(source_model, oracles) as om:
         want = _logits(om, ids)
     source = _logits(source_model, ids)
-    errs = {p: (_logits(mla, ids, p) - want).abs().max().item() for p in paths}
+    scale = want.abs().max().item()
+    errs = {p: (_logits(mla, ids, p) - want).abs().max().item() / scale for p in paths}
     assert all(e <= tol for e in errs.values()), errs
     return mla, plans, want, source
 
@@ -153,7 +157,7 @@ def test_default_conversion_equals_oracle_on_every_path(smol, smol_model, smol_s
     with oracle_model(smol_model, layer_oracles(mla, plans, smol_stats[0], o_proj_from_mla=True)) as om:
         full = _logits(om, run.tokens)
     steps = full[:, prompt.shape[1] - 1 : run.tokens.shape[1] - 1]
-    assert (run.step_logits - steps).abs().max().item() <= TOL
+    assert (run.step_logits - steps).abs().max().item() / steps.abs().max().item() <= REL_TOL
 
 
 # --- tiny models: families, head layouts, every strategy and basis ---------------------------------------

@@ -215,8 +215,10 @@ def test_split_small_and_invalid() -> None:
     only_eval = split_documents(three, {"evaluation": 1.0, "calibration": 0.0})
     assert len(only_eval["evaluation"]) == 3 and only_eval["calibration"] == []
 
-    with pytest.raises(TextError, match="only 2 documents"):
-        split_documents(three[:2])
+    with pytest.raises(TextError, match="no documents"):
+        split_documents([])
+    with pytest.raises(TextError, match="too short to split by position"):
+        split_documents([Document.make("file:tiny.txt", "tiny", "two words")])
     with pytest.raises(TextError, match="sum to 1"):
         split_documents(three, {"evaluation": 0.5, "adaptation": 0.6})
     with pytest.raises(TextError, match="duplicate"):
@@ -260,3 +262,21 @@ def test_token_windows_too_short(tokenizer: Any) -> None:
     with pytest.raises(ValueError, match="max_windows"):
         token_windows(tokenizer, short, window=4, max_windows=0)
     assert token_windows(tokenizer, short, window=4, max_windows=1).shape == (1, 4)
+
+
+def test_one_long_document_is_split_by_position(wiki: list[Document]) -> None:
+    """One book is normal user text: each role gets a consecutive piece of it (evaluation first), the pieces
+    cover the text in order without overlap, and their ids say where they were cut."""
+    book = Document.make("file:book.txt", "book", "\n\n".join(d.text for d in wiki[:5]))
+    split = split_documents([book])
+    pieces = [split[r][0] for r in ("evaluation", "calibration", "adaptation")]
+    assert all(len(split[r]) == 1 for r in split)
+    spans = [tuple(int(x) for x in p.id.split("@chars")[1].split("-")) for p in pieces]
+    assert spans[0][0] == 0 and spans[-1][1] == len(book.text)
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))  # consecutive, no overlap
+    shares = [(e - s) / len(book.text) for s, e in spans]
+    assert shares == pytest.approx([0.2, 0.2, 0.6], abs=0.01)
+    assert all(p.text == book.text[s:e].strip() for p, (s, e) in zip(pieces, spans, strict=True))
+    assert split_documents([book]) == split  # deterministic
+    two = split_documents([book, Document.make("file:b.txt", "b", book.text[::-1])])
+    assert all(len(v) == 2 for v in two.values())
