@@ -27,7 +27,10 @@ class AdaptOptions(BaseModel):
     source: str | None = Field(
         None, description="teacher / reference model; default: the checkpoint's source"
     )
-    text: str = Field("wikipedia", description="wikipedia | news | comma-separated text files or folders")
+    text: str = Field(
+        "wikipedia",
+        description="wikipedia | news | comma-separated .txt / .jsonl / .json / .parquet / .csv files or folders",
+    )
     tokens: int = Field(100_000, gt=0, description="training token budget (all processes)")
     seq_len: int = Field(512, ge=8, description="tokens per training sequence and validation window")
     batch_size: int = Field(4, ge=1, description="sequences per micro-batch per process")

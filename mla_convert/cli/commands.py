@@ -299,7 +299,7 @@ def _load_mla(ckpt: Path, require_mla: bool = False) -> Any:
 def eval_cmd(
     ckpt: Path = typer.Argument(..., help="A converted checkpoint folder (or any supported source)."),
     against: str = typer.Option(None, help="Source model to compare with: perplexity delta, KL, top-1."),
-    text: str = typer.Option("wikipedia", help="wikipedia | news | comma-separated .txt files or folders."),
+    text: str = typer.Option("wikipedia", help="wikipedia | news | comma-separated .txt / .jsonl / .json / .parquet / .csv files or folders."),
     window: int = typer.Option(512, help="Tokens per window."),
     windows: int = typer.Option(8, help="Number of evaluation windows."),
 ) -> None:

@@ -156,19 +156,26 @@ def news_documents() -> list[Document]:
 
 
 def local_documents(paths: Sequence[Path]) -> list[Document]:
-    """Read local text files, one document per file.
+    """Read local text files, one document per file, and data files, one document per row.
 
     Args:
-        paths: Files and/or folders. A folder contributes every ``*.txt`` directly inside it, sorted by
-            name; a file given explicitly is read whatever its suffix. Files must be UTF-8.
+        paths: Files and/or folders. A folder contributes every ``*.txt`` and data file
+            (:data:`~mla_convert.text.datafiles.TABLE_SUFFIXES`) directly inside it, sorted by name; a saved
+            ``datasets`` folder is one table; any other file given explicitly is read as UTF-8 text whatever its
+            suffix. Data files give one document per row of their ``text`` column
+            (:func:`~mla_convert.text.datafiles.table_documents`).
 
     Returns:
-        Documents in the given order, ids ``file:<file name>``, titles the file stems.
+        Documents in the given order, ids ``file:<file name>`` (text files) or ``<format>:<file name>#<row>``
+        (data files), titles the file stems.
 
     Raises:
         TextError: No path given, a path does not exist, a folder has no ``*.txt``, a file is
-            unreadable, not UTF-8 or empty (whitespace only), or two files share a name.
+            unreadable, not UTF-8 or empty (whitespace only), or two files share a name; a data file without a
+            ``text`` column or that its format cannot parse.
     """
+    from mla_convert.text.datafiles import TABLE_SUFFIXES, is_table, table_documents
+
     if isinstance(paths, (str, Path)):
         paths = [Path(paths)]
     if not paths:
@@ -176,18 +183,29 @@ def local_documents(paths: Sequence[Path]) -> list[Document]:
     files: list[Path] = []
     for raw in paths:
         path = Path(raw).expanduser()
-        if path.is_dir():
-            found = sorted(p for p in path.glob("*.txt") if p.is_file())
+        if path.is_dir() and not is_table(path):
+            kinds = {".txt", *TABLE_SUFFIXES}
+            found = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in kinds)
             if not found:
-                raise TextError(f"{path}: folder has no *.txt files")
+                raise TextError(
+                    f"{path}: folder has no *.txt or data files ({', '.join(sorted(TABLE_SUFFIXES))})"
+                )
             files.extend(found)
-        elif path.is_file():
+        elif path.exists():
             files.append(path)
         else:
             raise TextError(f"{path}: no such file or folder")
     docs: list[Document] = []
     seen: dict[str, Path] = {}
     for path in files:
+        if is_table(path):  # one document per row of its "text" column
+            if f"table:{path.name}" in seen:
+                raise TextError(
+                    f"{path}: same file name as {seen[f'table:{path.name}']}; document ids must be unique"
+                )
+            seen[f"table:{path.name}"] = path
+            docs.extend(table_documents(path))
+            continue
         doc_id = f"file:{path.name}"
         if doc_id in seen:
             raise TextError(f"{path}: same file name as {seen[doc_id]}; document ids must be unique")
@@ -225,7 +243,7 @@ def parse_text_spec(spec: str) -> str | list[Path]:
     entries = [entry.strip() for entry in spec.split(",")]
     if not all(entries):
         raise TextError(
-            f"text spec {spec!r} has an empty entry; use 'wikipedia', 'news' or comma-separated .txt files or folders"
+            f"text spec {spec!r} has an empty entry; use 'wikipedia', 'news' or comma-separated text/data files or folders"
         )
     paths = [Path(entry).expanduser() for entry in entries]
     if len(paths) == 1 and not paths[0].exists():
