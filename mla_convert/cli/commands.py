@@ -299,7 +299,10 @@ def _load_mla(ckpt: Path, require_mla: bool = False) -> Any:
 def eval_cmd(
     ckpt: Path = typer.Argument(..., help="A converted checkpoint folder (or any supported source)."),
     against: str = typer.Option(None, help="Source model to compare with: perplexity delta, KL, top-1."),
-    text: str = typer.Option("wikipedia", help="wikipedia | news | comma-separated .txt / .jsonl / .json / .parquet / .csv files or folders."),
+    text: str = typer.Option(
+        "wikipedia",
+        help="wikipedia | news | comma-separated .txt / .jsonl / .json / .parquet / .csv files or folders.",
+    ),
     window: int = typer.Option(512, help="Tokens per window."),
     windows: int = typer.Option(8, help="Number of evaluation windows."),
 ) -> None:
@@ -400,6 +403,9 @@ def generate(
                 "--backend triton --dtype bfloat16 cannot run on the CPU: the Triton interpreter reads bfloat16 as "
                 "16-bit integers; use --dtype float32 or float16, or --device cuda"
             )
+        from mla_convert import register
+
+        register()  # model_type "mla" known before the tokenizer reads config.json (no transformers warning)
         tok = AutoTokenizer.from_pretrained(str(ckpt))
         ids = tok(prompt, return_tensors="pt").input_ids
         if ids.shape[1] == 0:
@@ -431,7 +437,9 @@ def generate(
                 backend="triton" if backend == "triton" else "absorbed",
                 cache_dtype=cache_dtype,
             )
-            log = ", ".join(f"{k} x{v}" for k, v in sorted(res.backend_log.items()))
+            log = "attention calls (layers x steps): " + ", ".join(
+                f"{k} x{v}" for k, v in sorted(res.backend_log.items())
+            )
             rows = "FP8 rows" if cache_dtype == "fp8" else f"{want} rows"
             out, ran = res.tokens, f"paged latent cache ({rows}): {log}"
     console.print(tok.decode(out[0], skip_special_tokens=True), highlight=False, markup=False)

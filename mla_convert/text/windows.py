@@ -117,9 +117,10 @@ def _split_by_position(
                 end += 1
             piece = text[start:end].strip()
             if not piece:
+                parts = ", ".join(r for r, v in zip(roles, values, strict=True) if v > 0)
                 raise TextError(
-                    f"document {doc.id!r} ({len(text)} characters) is too short to split by position between "
-                    f"{len([v for v in values if v > 0])} roles; use more text"
+                    f"document {doc.id!r} ({len(text)} characters) is too short to cut into {parts} parts by "
+                    "position; give more text (a few thousand characters at least) or several documents"
                 )
             out[role].append(
                 Document.make(

@@ -217,7 +217,7 @@ def test_split_small_and_invalid() -> None:
 
     with pytest.raises(TextError, match="no documents"):
         split_documents([])
-    with pytest.raises(TextError, match="too short to split by position"):
+    with pytest.raises(TextError, match="too short to cut into evaluation, calibration, adaptation parts by position"):
         split_documents([Document.make("file:tiny.txt", "tiny", "two words")])
     with pytest.raises(TextError, match="sum to 1"):
         split_documents(three, {"evaluation": 0.5, "adaptation": 0.6})
