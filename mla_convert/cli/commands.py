@@ -322,14 +322,18 @@ def eval_cmd(
     from mla_convert.validate.metrics import evaluate
 
     with user_errors():
+        docs = split_documents(load_documents(text))["evaluation"]  # bad text answers before the model loads
         model = _load_mla(ckpt)
         ref = load_source_model(open_source(against)) if against else None
         tok = AutoTokenizer.from_pretrained(str(ckpt))
-        docs = split_documents(load_documents(text))["evaluation"]
         ids = token_windows(tok, docs, window, windows, bos=False)
         with progress_bar() as cb:
             res = evaluate(model, ids, ref, progress=lambda n: cb("evaluate", n, len(ids)))
-    msg = f"perplexity {res.perplexity:.3f} on {res.tokens} tokens ({res.windows} x {res.window}, {text} evaluation split)"
+    where = f"{text} evaluation split"
+    cut = [d.title for d in docs if "@chars" in d.id]
+    if cut:  # fewer documents than split roles: the evaluation part is a span of each, cut by position
+        where += f", cut by position: {'; '.join(cut)}"
+    msg = f"perplexity {res.perplexity:.3f} on {res.tokens} tokens ({res.windows} x {res.window}, {where})"
     if ref is not None:
         msg += (
             f"; source {res.reference_perplexity:.3f} (x{res.perplexity / (res.reference_perplexity or 1):.3f}), "

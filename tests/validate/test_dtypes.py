@@ -237,3 +237,22 @@ def test_generate_prompt_refusals(
     assert res.exit_code == 2, res.stdout + res.stderr
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], res.stderr
+
+
+def test_eval_on_one_long_file_says_it_was_cut_by_position(
+    converted: dict[str, Path], tmp_path: Path
+) -> None:
+    """One book is normal user text: eval measures its evaluation part (the first 20 % of its characters) and
+    says so; a two-word file is refused in one line before the model loads."""
+    from mla_convert.text.corpora import wikipedia_documents
+
+    book = tmp_path / "book.txt"
+    book.write_text("\n\n".join(d.text for d in wikipedia_documents()[:3]))
+    res = CliRunner().invoke(
+        app, ["eval", str(converted["bfloat16"]), "--text", str(book), "--window", "64", "--windows", "1"]
+    )
+    assert res.exit_code == 0, res.stdout + res.stderr
+    assert "cut by position: book (characters 0-" in res.stdout
+    (tmp_path / "tiny.txt").write_text("two words")
+    res = CliRunner().invoke(app, ["eval", str(converted["bfloat16"]), "--text", str(tmp_path / "tiny.txt")])
+    assert res.exit_code == 2 and "too short to cut into" in res.stderr
