@@ -66,19 +66,30 @@ def objective_loss(
     ids: torch.Tensor,
     teacher_logits: torch.Tensor | None,
     hidden: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss of one micro-batch ``ids [B, T]``, logits ``[B, T, V]``; next-token positions ``0..T-2``.
 
     Args:
         teacher_logits: the source's ``[B, T, V]`` (needed by ``distill`` and ``mix``).
         hidden: per-layer outputs (MLA, source) for the ``hidden_weight`` term (:func:`hidden_loss`).
+        mask: ``[B, T]`` bool, True where token ``t`` is a loss target (``loss=assistant`` data): the LM and
+            distillation terms average over the positions predicting such tokens only (a micro-batch with
+            none contributes 0); None: every position. The hidden-state term always covers every token.
 
     Returns:
         the scalar loss and its parts (``lm``, ``kl`` in nats/token, ``hidden``) as floats.
     """
     s = logits[:, :-1].float()
     parts: dict[str, float] = {}
-    lm = F.cross_entropy(s.reshape(-1, s.shape[-1]), ids[:, 1:].reshape(-1))
+    target = None if mask is None else mask[:, 1:].reshape(-1).to(s.dtype)
+
+    def mean(per_token: torch.Tensor) -> torch.Tensor:
+        if target is None:
+            return per_token.mean()
+        return (per_token * target).sum() / target.sum().clamp_min(1.0)
+
+    lm = mean(F.cross_entropy(s.reshape(-1, s.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"))
     parts["lm"] = float(lm.detach())
     loss = lm
     if o.objective != "lm":
@@ -87,7 +98,7 @@ def objective_loss(
         t = teacher_logits[:, :-1].float() / o.temperature
         log_p_t = F.log_softmax(t, -1)
         log_p_s = F.log_softmax(s / o.temperature, -1)
-        kl = (log_p_t.exp() * (log_p_t - log_p_s)).sum(-1).mean() * o.temperature**2
+        kl = mean((log_p_t.exp() * (log_p_t - log_p_s)).sum(-1).reshape(-1)) * o.temperature**2
         parts["kl"] = float(kl.detach())
         loss = kl if o.objective == "distill" else o.mix_weight * kl + (1 - o.mix_weight) * lm
     if o.hidden_weight > 0:

@@ -29,7 +29,14 @@ class AdaptOptions(BaseModel):
     )
     text: str = Field(
         "wikipedia",
-        description="wikipedia | news | comma-separated .txt / .jsonl / .json / .parquet / .csv files or folders",
+        description="wikipedia | news | shakespeare | comma-separated .txt / .jsonl / .json / .parquet / .csv files or folders",
+    )
+    data: list[str] | None = Field(
+        None,
+        description="a training source SOURCE[,field=NAME][,messages=NAME][,weight=W][,loss=all|assistant]: a "
+        "corpus name, local .txt/.jsonl/.json/.parquet/.csv files or folders, saved datasets, or a hub dataset id; "
+        "repeat for a mixture (weight= on each: its share of the rows); replaces --text; validation uses the first "
+        "source's held-out documents",
     )
     tokens: int = Field(100_000, gt=0, description="training token budget (all processes)")
     seq_len: int = Field(512, ge=8, description="tokens per training sequence and validation window")
@@ -65,7 +72,14 @@ class AdaptOptions(BaseModel):
     eval_every: int = Field(0, ge=0, description="optimizer steps between evaluations (0: start and end)")
     eval_windows: int = Field(8, ge=1, description="validation windows of seq_len tokens")
     also_eval: str | None = Field(
-        None, description="a second text (its evaluation split) evaluated alongside: wikipedia | news | paths"
+        None,
+        description="a second text (its evaluation split) evaluated alongside: wikipedia | news | shakespeare | paths",
+    )
+    chat_prompts: int = Field(
+        8,
+        ge=0,
+        description="chat prompts of the KL-to-source probe run with every evaluation (the source's greedy "
+        "answers, 32 tokens each; held-out conversations of a loss=assistant source, else news articles); 0: off",
     )
     checkpoint_every: int = Field(25, ge=0, description="optimizer steps between checkpoints (0: none)")
     seed: int = Field(0, description="seed of the data order")
@@ -73,6 +87,29 @@ class AdaptOptions(BaseModel):
         "no", description="autocast precision where the hardware has it"
     )
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward")
+
+    @model_validator(mode="after")
+    def _data_specs(self) -> AdaptOptions:
+        from mla_convert.text.corpora import TextError
+        from mla_convert.text.specs import parse_data_spec
+
+        if not self.data:
+            self.data = None
+            return self
+        if self.text != "wikipedia":
+            raise ValueError(
+                f"give --text or --data, not both (--text {self.text!r} with {len(self.data)} --data)"
+            )
+        try:
+            specs = [parse_data_spec(d) for d in self.data]
+        except TextError as exc:
+            raise ValueError(str(exc)) from None
+        weighted = [s.weight is not None for s in specs]
+        if any(weighted) and not all(weighted):
+            raise ValueError(
+                "give weight= to every --data source or to none (then each row is seen once per epoch)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _transfer_alone(self) -> AdaptOptions:

@@ -26,6 +26,7 @@ def adapt_report(
     steps_here: int,
     data_record: dict[str, Any],
     inventory: dict[str, Any],
+    chat: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``adapt_report.json``: options, token counts, the first and last evaluation, every evaluation,
     throughput and the data and trainable-parameter summaries.
@@ -36,6 +37,8 @@ def adapt_report(
         wall_s: seconds this invocation trained and evaluated; ``steps_here``: steps it ran.
         data_record: the data manifest (its per-document lists are left out here).
         inventory: :func:`~mla_convert.adapt.objectives.select_trainable`'s (name lists left out).
+        chat: what the chat probe measured on (:class:`~mla_convert.adapt.chat.ChatProbe` ``.record``); its
+            ``chat_kl`` / ``chat_top1`` are in every evaluation. None: the tokenizer has no chat template.
     """
     per_step = tokens_per_step(options, world)
     evals = [m for m in metrics if m["kind"] == "eval"]
@@ -52,6 +55,7 @@ def adapt_report(
         "tokens_per_s": steps_here * per_step / max(wall_s, 1e-9),
         "data": {k: v for k, v in data_record.items() if not k.endswith("_documents")},
         "trainable": {k: v for k, v in inventory.items() if k not in ("trainable", "frozen")},
+        "chat_probe": chat,
     }
 
 
@@ -63,7 +67,14 @@ def model_card(ckpt: Path, o: AdaptOptions, report: dict[str, Any]) -> str:
         f"MLA checkpoint from `mla-convert adapt`: {report['tokens_trained']} training tokens of {o.text} "
         f"(adaptation split). Held-out perplexity ({a['eval_tokens']} tokens of the evaluation split): "
         f"{b['perplexity']:.3f} before, {a['perplexity']:.3f} after; source {a['source_perplexity']:.3f}.\n\n"
-        "Load with `import mla_convert` then `AutoModelForCausalLM.from_pretrained(...)`; for stock transformers "
+        + (
+            f"Chat: KL to the source {b['chat_kl']:.4f} -> {a['chat_kl']:.4f} nats/token, top-1 agreement "
+            f"{b['chat_top1']:.3f} -> {a['chat_top1']:.3f}, on {report['chat_probe']['answer_tokens']} tokens of the "
+            f"source's greedy answers to {report['chat_probe']['count']} chat prompts ({report['chat_probe']['source']}).\n\n"
+            if report.get("chat_probe") and "chat_kl" in a and "chat_kl" in b
+            else ""
+        )
+        + "Load with `import mla_convert` then `AutoModelForCausalLM.from_pretrained(...)`; for stock transformers "
         "write an exact DeepSeek-V3 copy with `mla-convert export PATH OUT --format deepseek-v3`.\n"
     )
 
@@ -105,9 +116,11 @@ def write_adapted(
     report: dict[str, Any],
     metrics: list[dict[str, Any]],
     manifest: dict[str, Any],
+    state_dict: dict[str, Any] | None = None,
 ) -> None:
     """Write OUT in one step (it appears only when complete): the checkpoint with ``ckpt``'s tokenizer
-    files and a model card, ``metrics.jsonl``, ``training.png``, ``adapt_report.json`` and the manifest
+    files and a model card (weights from ``state_dict`` when given: an FSDP run's gathered weights),
+    ``metrics.jsonl``, ``training.png``, ``adapt_report.json`` and the manifest
     over all of them.
 
     Raises:
@@ -118,7 +131,7 @@ def write_adapted(
 
     with atomic_folder(out) as tmp:
         extra = [p for p in ckpt.iterdir() if p.name.startswith("tokenizer") or p.suffix == ".jinja"]
-        save_checkpoint(model, tmp, extra, model_card(ckpt, options, report))
+        save_checkpoint(model, tmp, extra, model_card(ckpt, options, report), state_dict=state_dict)
         (tmp / "metrics.jsonl").write_text(jsonl(metrics))
         plot_metrics(metrics, tmp / "training.png", f"{ckpt.name}: {options.describe()}")
         (tmp / "adapt_report.json").write_text(json.dumps(report, indent=2) + "\n")

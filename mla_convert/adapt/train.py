@@ -15,6 +15,8 @@ plot, report, manifest with the parent's id).
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -24,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mla_convert.adapt.data import AdaptData, build_data, step_rows
+from mla_convert.adapt.chat import ChatProbe, build_chat_probe, chat_divergence
+from mla_convert.adapt.data import AdaptData, build_data, data_specs, step_rows, validation_windows
 from mla_convert.adapt.objectives import (
     AttentionIO,
     LayerOutputs,
@@ -61,6 +64,7 @@ class _Job:
     params: list[torch.nn.Parameter]  # the trainable ones
     data: AdaptData
     other: torch.Tensor | None  # validation windows of --also-eval
+    chat: ChatProbe | None  # chat prompts with the source's answers (None: no chat template)
     inventory: dict[str, Any]  # select_trainable's
     transfer: AttentionIO | None  # objective attention-transfer
     layers: tuple[LayerOutputs, LayerOutputs] | None  # (MLA, source) when hidden_weight > 0
@@ -71,6 +75,11 @@ class _Job:
     @property
     def main(self) -> bool:
         return bool(self.accelerator.is_main_process)
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP: the student's forward needs every process (its parameters are gathered from all shards)."""
+        return _sharded(self.accelerator)
 
     @property
     def tokens_per_step(self) -> int:
@@ -159,21 +168,38 @@ def _setup(ckpt: Path, options: AdaptOptions, src: SourceModel, work: Path) -> _
     from mla_convert.sources.checkpoint import load_source_model
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=options.mixed_precision)
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not _sharded(accelerator):
+        if accelerator.is_main_process:  # accelerate builds FSDP only on accelerators; CPUs get DDP
+            logging.getLogger(__name__).warning(
+                "note: the accelerate config asks for FSDP, which accelerate builds on GPUs only; these %d CPU "
+                "processes run data-parallel (DDP over gloo), each with a full copy of the model",
+                accelerator.num_processes,
+            )
     if options.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise AdaptError("--mixed-precision fp16 needs a GPU; on the CPU use bf16 or no")
     world = accelerator.num_processes
     if options.objective == "attention-transfer" and world > 1:
         raise AdaptError("--objective attention-transfer runs in one process; launch it without accelerate")
     set_seed(options.seed)
+    from mla_convert import register
+
+    register()  # model_type "mla" known before the tokenizer reads config.json (no transformers warning)
     tokenizer = AutoTokenizer.from_pretrained(str(ckpt))
-    data = build_data(tokenizer, options.text, options.seq_len, options.eval_windows)
+    steps = total_steps(options, world)
+    per_step = options.batch_size * options.grad_accum * world
+    data = build_data(
+        tokenizer, data_specs(options.text, options.data), options.seq_len, options.eval_windows,
+        rows_per_step=per_step, rows_needed=steps * per_step, seed=options.seed,
+    )  # fmt: skip
     other = None
     if options.also_eval:
-        other = build_data(tokenizer, options.also_eval, options.seq_len, options.eval_windows).validation
+        other = validation_windows(tokenizer, options.also_eval, options.seq_len, options.eval_windows)
     model, inventory = _load_student(ckpt, options)
     teacher = load_source_model(src).to(accelerator.device)
     teacher.requires_grad_(False)
-    steps = total_steps(options, world)
+    chat = None
+    if (accelerator.is_main_process or _sharded(accelerator)) and options.chat_prompts:
+        chat = build_chat_probe(tokenizer, teacher, data.chat_held_out, count=options.chat_prompts)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         params, lr=options.lr, betas=(options.beta1, options.beta2), weight_decay=options.weight_decay
@@ -186,9 +212,15 @@ def _setup(ckpt: Path, options: AdaptOptions, src: SourceModel, work: Path) -> _
     # itself, and evaluation must stay float32 (comparable across runs), so drop the wrapper.
     accelerator.unwrap_model(model, keep_fp32_wrapper=False)
     return _Job(
-        options, accelerator, model, teacher, optimizer, scheduler, params, data, other, inventory,
+        options, accelerator, model, teacher, optimizer, scheduler, params, data, other, chat, inventory,
         transfer, layers, steps, work,
     )  # fmt: skip
+
+
+def _sharded(accelerator: Accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return bool(accelerator.distributed_type == DistributedType.FSDP)
 
 
 def _log(job: _Job, entry: dict[str, Any]) -> None:
@@ -199,12 +231,13 @@ def _log(job: _Job, entry: dict[str, Any]) -> None:
 
 
 def _evaluate(job: _Job, step: int) -> dict[str, Any]:
-    """Evaluate in float32 on the main process after ``step`` optimizer steps and log the row; every
-    process waits. Returns the row (empty on other processes)."""
+    """Evaluate in float32 on the main process (on every process under FSDP, whose forward gathers the
+    shards; only the main one logs) after ``step`` optimizer steps and log the row; every process waits.
+    Returns the row (empty on other processes)."""
     from mla_convert.validate.metrics import evaluate
 
     res: dict[str, Any] = {}
-    if job.main:
+    if job.main or job.sharded:
         device = job.accelerator.device
         model = job.accelerator.unwrap_model(job.model)
         model.eval()
@@ -227,8 +260,13 @@ def _evaluate(job: _Job, step: int) -> dict[str, Any]:
                 other_source_perplexity=ev2.reference_perplexity,
                 other_kl=ev2.kl,
             )
+        if job.chat is not None:
+            res.update(chat_divergence(model, job.teacher, job.chat))
         model.train()
-        _log(job, res)
+        if job.main:
+            _log(job, res)
+        else:
+            res = {}
     job.accelerator.wait_for_everyone()
     return res
 
@@ -288,14 +326,14 @@ def _train_step(job: _Job, step: int) -> tuple[float, dict[str, float], float | 
     """
     o, acc = job.options, job.accelerator
     micro = step_rows(
-        job.data.train, step, o.batch_size, o.grad_accum, acc.num_processes, acc.process_index, o.seed
+        job.data, step, o.batch_size, o.grad_accum, acc.num_processes, acc.process_index, o.seed
     )
     parts: dict[str, float] = {}
     loss_sum = torch.zeros((), device=acc.device)
-    for m, ids in enumerate(micro):
+    for m, (ids, mask) in enumerate(micro):
         ids = ids.to(acc.device)
         with acc.no_sync(job.model) if m < len(micro) - 1 else nullcontext():
-            loss, micro_parts = _micro_loss(job, ids)
+            loss, micro_parts = _micro_loss(job, ids, None if mask is None else mask.to(acc.device))
             acc.backward(loss / len(micro))
         loss_sum += loss.detach() / len(micro)
         for k, v in micro_parts.items():
@@ -308,9 +346,11 @@ def _train_step(job: _Job, step: int) -> tuple[float, dict[str, float], float | 
     return loss_all, parts, float(grad_norm) if grad_norm is not None else None
 
 
-def _micro_loss(job: _Job, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-    """The objective's loss (and parts) on one micro-batch ``ids [B, T]``: the teacher's forward without
-    gradients, the student's under autocast."""
+def _micro_loss(
+    job: _Job, ids: torch.Tensor, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The objective's loss (and parts) on one micro-batch ``ids [B, T]`` (``mask [B, T]``: the loss
+    targets, None for all): the teacher's forward without gradients, the student's under autocast."""
     acc, teacher = job.accelerator, job.teacher
     if job.transfer is not None:
         with torch.no_grad(), acc.autocast():
@@ -335,7 +375,7 @@ def _micro_loss(job: _Job, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, f
     if rec is not None:
         hidden = (rec[0].take(), rec[1].take())
         rec[0].enabled = rec[1].enabled = False
-    return objective_loss(job.options, logits, ids, t_logits, hidden)
+    return objective_loss(job.options, logits, ids, t_logits, hidden, mask)
 
 
 def _finish(
@@ -350,12 +390,15 @@ def _finish(
 
     report: dict[str, Any] = {}
     world = job.accelerator.num_processes
+    # FSDP: gather the full weights (a collective: every process takes part); otherwise the model's own
+    state = job.accelerator.get_state_dict(job.model) if job.sharded else None
     if job.main:
         model = job.accelerator.unwrap_model(job.model)
         model.eval()
         report = adapt_report(
             ckpt, job.options, world=world, steps=job.steps, metrics=job.metrics, final=final, wall_s=wall_s,
             steps_here=steps_here, data_record=job.data.record, inventory=job.inventory,
+            chat=job.chat.record if job.chat is not None else None,
         )  # fmt: skip
         manifest = adaptation_manifest(
             ckpt,
@@ -367,7 +410,7 @@ def _finish(
             checkpoints_in=job.work.name,
             run={"wall_s": wall_s, "torch": torch.__version__, "processes": world},
         )
-        write_adapted(out, ckpt, model, job.options, report, job.metrics, manifest)
+        write_adapted(out, ckpt, model, job.options, report, job.metrics, manifest, state_dict=state)
         close_work(job.work)
     job.accelerator.wait_for_everyone()
     return report

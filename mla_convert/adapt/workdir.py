@@ -116,6 +116,7 @@ def save_step(accelerator: Accelerator, work: Path, step: int, tokens: int) -> N
     process; the main process then drops all but the two newest checkpoints."""
     tmp = work / f".tmp-step-{step:06d}"
     accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()  # every process has written its part (RNG states, FSDP shards)
     if accelerator.is_main_process:
         (tmp / STATE).write_text(json.dumps({"step": step, "tokens": tokens}))
         tmp.replace(work / f"step-{step:06d}")

@@ -130,6 +130,7 @@ def save_checkpoint(
     source: Path | Sequence[Path] | None,
     model_card: str,
     max_shard_size: str = "200MB",
+    state_dict: dict[str, Any] | None = None,
 ) -> list[str]:
     """Write a loadable MLA checkpoint into ``folder``: sharded safetensors + index (huggingface_hub
     sharding via ``save_pretrained``), config, and everything the source ships
@@ -141,6 +142,7 @@ def save_checkpoint(
     Args:
         source: the source folder; or (older form) a list of files in it, whose folder is then carried
             (the listed files too); None carries nothing.
+        state_dict: the weights to write instead of ``model.state_dict()`` (e.g. gathered from FSDP shards).
 
     Returns:
         The carried files' names in ``folder`` (relative POSIX paths, sorted).
@@ -154,7 +156,9 @@ def save_checkpoint(
         listed = [Path(f) for f in source]
         parents = {f.parent for f in listed}
         src_dir = parents.pop() if len(parents) == 1 else None
-    model.save_pretrained(str(folder), max_shard_size=max_shard_size, safe_serialization=True)
+    model.save_pretrained(
+        str(folder), max_shard_size=max_shard_size, safe_serialization=True, state_dict=state_dict
+    )
     return write_carried(folder, src_dir, model.config, model_card, listed)
 
 

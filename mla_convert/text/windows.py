@@ -115,16 +115,25 @@ def _split_by_position(
             end = len(text) if last else round(acc * len(text))
             while not last and end < len(text) and not text[end].isspace():
                 end += 1
-            piece = text[start:end].strip()
+            raw = text[start:end]
+            piece = raw.strip()
             if not piece:
                 parts = ", ".join(r for r, v in zip(roles, values, strict=True) if v > 0)
                 raise TextError(
                     f"document {doc.id!r} ({len(text)} characters) is too short to cut into {parts} parts by "
                     "position; give more text (a few thousand characters at least) or several documents"
                 )
+            spans = None
+            if doc.loss_spans is not None:  # the same characters, counted from the piece's first one
+                first = start + len(raw) - len(raw.lstrip())
+                spans = tuple(
+                    (max(a, first) - first, min(b, first + len(piece)) - first)
+                    for a, b in doc.loss_spans
+                    if min(b, first + len(piece)) > max(a, first)
+                )
             out[role].append(
                 Document.make(
-                    f"{doc.id}@chars{start}-{end}", f"{doc.title} (characters {start}-{end})", piece
+                    f"{doc.id}@chars{start}-{end}", f"{doc.title} (characters {start}-{end})", piece, spans
                 )
             )
             start = end

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from chats import news_chats
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -22,6 +23,7 @@ from mla_convert.cli.commands import app
 TINY = [
     "--tokens", "768", "--seq-len", "64", "--eval-windows", "1", "--objective", "mix",
     "--trainable", "attention+norms", "--lr", "1e-4", "--checkpoint-every", "0", "--warmup", "0.2",
+    "--chat-prompts", "0",
 ]  # fmt: skip
 
 
@@ -30,6 +32,12 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
     for f in sorted(folder.glob("*.safetensors")):
         out.update(load_file(f))
     return out
+
+
+def train_losses(folder: Path) -> list[float]:
+    """The training loss of every step in ``folder/metrics.jsonl``."""
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return [m["loss"] for m in rows if m["kind"] == "train"]
 
 
 def adapt(*args: str) -> object:
@@ -61,7 +69,9 @@ def test_gradients_reach_every_trainable_factor(reference_ckpt, eval_ids):
             assert p.grad is not None and float(p.grad.abs().max()) > 0, name  # kv_b_proj included
         else:
             assert p.grad is None, name
-    assert {"kv_b_proj", "kv_a_proj_with_mqa", "q_proj", "o_proj"} <= {n.split(".")[-2] for n in inv["trainable"]}
+    assert {"kv_b_proj", "kv_a_proj_with_mqa", "q_proj", "o_proj"} <= {
+        n.split(".")[-2] for n in inv["trainable"]
+    }
 
 
 def test_adapt_outputs_and_manifest(one_process, reference_ckpt):
@@ -88,7 +98,10 @@ def test_adapt_outputs_and_manifest(one_process, reference_ckpt):
     # frozen weights are untouched, trainable ones moved
     before, after = weights(reference_ckpt), weights(out)
     assert torch.equal(before["model.embed_tokens.weight"], after["model.embed_tokens.weight"])
-    assert not torch.equal(before["model.layers.0.self_attn.kv_b_proj.weight"], after["model.layers.0.self_attn.kv_b_proj.weight"])
+    assert not torch.equal(
+        before["model.layers.0.self_attn.kv_b_proj.weight"],
+        after["model.layers.0.self_attn.kv_b_proj.weight"],
+    )
 
 
 def test_stopped_and_resumed_run_is_bitwise_identical(one_process, reference_ckpt, tmp_path):
@@ -107,25 +120,38 @@ def test_stopped_and_resumed_run_is_bitwise_identical(one_process, reference_ckp
     a, b = weights(one_process), weights(out)
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:3]
-    losses = lambda f: [m["loss"] for m in map(json.loads, (f / "metrics.jsonl").read_text().splitlines()) if m["kind"] == "train"]  # noqa: E731
-    assert losses(one_process) == losses(out)
+    assert train_losses(one_process) == train_losses(out)
 
 
 def test_two_processes_follow_the_same_curve(one_process, reference_ckpt, tmp_path):
-    """accelerate launch with 2 CPU processes x batch 1 sees the same global batches as 1 process x 2."""
+    """accelerate launch with 2 CPU processes x batch 1 sees the same global batches as 1 process x 2; stopped
+    after 3 steps and resumed with the shipped FSDP config (which accelerate runs as DDP on CPUs, and says so)."""
     out = tmp_path / "two"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [
+    adapt_args = ["-m", "mla_convert", "--quiet", "adapt", str(reference_ckpt), str(out), *TINY, "--batch-size", "1"]  # fmt: skip
+    first = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "-m", "mla_convert", "--quiet", "adapt", str(reference_ckpt), str(out), *TINY, "--batch-size", "1",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", *adapt_args, "--stop-after", "3",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(first, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and "continue with --resume" in proc.stdout, (
+        proc.stdout[-2000:] + proc.stderr[-4000:]
+    )
+    assert not out.exists() and (tmp_path / ".two.adapt" / "step-000003" / "random_states_1.pkl").is_file()
+    config = Path(__file__).resolve().parents[2] / "recipes" / "accelerate" / "fsdp.yaml"
+    resume = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
+        *adapt_args, "--resume",
+    ]  # fmt: skip
+    proc = subprocess.run(resume, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "accelerate builds on GPUs only" in proc.stderr
     report = json.loads((out / "adapt_report.json").read_text())
     assert report["processes"] == 2 and report["tokens_trained"] == 768
-    curve = lambda f: [m["loss"] for m in map(json.loads, (f / "metrics.jsonl").read_text().splitlines()) if m["kind"] == "train"]  # noqa: E731
-    one, two = curve(one_process), curve(out)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [m["step"] for m in rows if m["kind"] == "train"]
+    assert steps == [1, 2, 3, 4, 5, 6]  # each step once across the stop
+    one, two = train_losses(one_process), train_losses(out)
     assert len(one) == len(two) == 6
     # Same data and the same all-reduced gradient: the loss before and after the first update agrees to
     # float noise. Later steps drift (Adam's early sign-like updates amplify rounding differences of the
@@ -134,7 +160,9 @@ def test_two_processes_follow_the_same_curve(one_process, reference_ckpt, tmp_pa
     assert max(abs(x - y) / abs(x) for x, y in zip(one, two, strict=True)) < 0.1, (one, two)
     # Same ups and downs wherever the one-process curve moves by more than 1 % (a nearly flat step's sign is
     # rounding noise, far inside the 10 % the curves may differ by).
-    steps = [(a, b, c, d) for a, b, c, d in zip(one, one[1:], two, two[1:], strict=False) if abs(b - a) > 0.01 * a]
+    steps = [
+        (a, b, c, d) for a, b, c, d in zip(one, one[1:], two, two[1:], strict=False) if abs(b - a) > 0.01 * a
+    ]
     assert len(steps) >= 3 and all((b > a) == (d > c) for a, b, c, d in steps), (one, two)
 
 
@@ -189,7 +217,9 @@ def test_hidden_state_term_matches_layers_and_trains(reference_ckpt, eval_ids, t
         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"},
     )  # fmt: skip
     assert res.returncode == 0, res.stdout + res.stderr
-    rows = [json.loads(line) for line in (tmp_path / ".hidden.adapt" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in (tmp_path / ".hidden.adapt" / "metrics.jsonl").read_text().splitlines()
+    ]
     fp32 = json.loads((one_process / "metrics.jsonl").read_text().splitlines()[0])
     assert rows[0]["kind"] == fp32["kind"] == "eval" and rows[0]["perplexity"] == fp32["perplexity"]
     train = [r for r in rows if r["kind"] == "train"]
@@ -197,7 +227,9 @@ def test_hidden_state_term_matches_layers_and_trains(reference_ckpt, eval_ids, t
     assert all(abs(r["loss"] - (r["lm_rank0"] + 2 * r["hidden_rank0"])) < 1e-4 for r in train)
 
 
-def test_attention_transfer_is_zero_at_full_rank_and_trains(smol, smol_model, smol_stats, eval_ids, reference_ckpt):
+def test_attention_transfer_is_zero_at_full_rank_and_trains(
+    smol, smol_model, smol_stats, eval_ids, reference_ckpt
+):
     """Attention transfer feeds each MLA block the source's layer inputs: an exact conversion scores 0."""
     from transformers import AutoModelForCausalLM
 
@@ -247,3 +279,54 @@ def test_attention_transfer_rules_live_in_the_options_schema():
     ok = AdaptOptions(objective="attention-transfer", trainable="attention")
     assert ok.describe() == "attention-transfer, attention"
     assert AdaptOptions(objective="lm", hidden_weight=5).describe() == "lm + 5 x hidden, attention"
+
+
+def test_chat_data_mixture_with_assistant_loss(reference_ckpt, tmp_path):
+    """--data with a chat file (assistant-only loss) mixed 1:1 with news: the manifest names both sources, the
+    loss mask and the schedule; the chat probe uses the held-out conversations and is in the report."""
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": c}) + "\n" for c in news_chats()))
+    out = tmp_path / "chat"
+    args = TINY[:-2]  # without --chat-prompts 0
+    res = adapt(
+        str(reference_ckpt), str(out), *args, "--batch-size", "2", "--chat-prompts", "2",
+        "--data", f"{chats},messages=messages,loss=assistant,weight=1", "--data", "news,weight=1",
+    )  # fmt: skip
+    assert res.exit_code == 0, res.stdout + res.stderr
+    assert "chat KL" in res.stdout
+    report = json.loads((out / "adapt_report.json").read_text())
+    probe = report["chat_probe"]
+    assert probe["source"] == "held-out conversations" and probe["count"] == 2
+    assert all(d.startswith("jsonl:chats.jsonl#") for d in probe["documents"])
+    assert report["before"]["chat_kl"] > 0 and report["after"]["chat_kl"] > 0
+    sources = report["data"]["sources"]
+    assert [s["spec"] for s in sources] == [
+        f"{chats},messages=messages,loss=assistant,weight=1",
+        "news,weight=1",
+    ]
+    assert [s["rows_scheduled"] for s in sources] == [6, 6]  # 6 steps x 2 rows, 1 : 1
+    assert sources[0]["loss_tokens"] < sources[0]["train_tokens"] and sources[1]["loss"] == "all"
+    data = json.loads((out / "mla_manifest.json").read_text())["adaptation"]["data"]
+    assert len(data["loss_mask_sha256"]) == len(data["schedule_sha256"]) == 64
+    val = {d["id"] for d in data["validation_documents"]}
+    assert val and all(i.startswith("jsonl:chats.jsonl#") for i in val)  # validation: the first source
+    assert not val & {d["id"] for d in data["train_documents"]}
+    assert "Chat: KL to the source" in (out / "README.md").read_text()
+
+
+def test_bad_data_is_one_line_before_the_model_loads(reference_ckpt, tmp_path):
+    res = adapt(str(reference_ckpt), str(tmp_path / "o"), "--data", "wikipedia,weight=0")
+    assert (
+        res.exit_code == 2
+        and "--data: --data 'wikipedia,weight=0': weight=0 is not a positive number" in res.stderr
+    )
+    res = adapt(str(reference_ckpt), str(tmp_path / "o"), "--data", "news", "--text", "shakespeare")
+    assert res.exit_code == 2 and "give --text or --data, not both" in res.stderr
+    small = tmp_path / "small.jsonl"
+    small.write_text(
+        "".join(json.dumps({"text": f"Row {i} of a small file with a few words."}) + "\n" for i in range(9))
+    )
+    res = adapt(str(reference_ckpt), str(tmp_path / "o"), "--data", str(small), "--batch-size", "64")
+    assert res.exit_code == 2, res.stdout + res.stderr
+    assert "one optimizer step needs 64 rows" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
