@@ -223,3 +223,30 @@ def test_chat_probe_is_zero_against_itself_and_measures_a_conversion(
     mla = AutoModelForCausalLM.from_pretrained(str(reference_ckpt), dtype=torch.float32)
     res = chat_divergence(mla, smol_model, probe)
     assert 0.01 < res["chat_kl"] < 5 and 0 < res["chat_top1"] <= 1
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "parquet", "csv", "arrow", "txt"])
+def test_every_format_through_data_specs(tmp_path: Path, fmt: str, wiki_splits) -> None:
+    """``--data PATH,field=body`` reads each listed format; rows are real Wikipedia paragraphs."""
+    import datasets
+
+    from mla_convert.text.specs import spec_documents
+
+    paragraphs = [p for d in wiki_splits["adaptation"][:3] for p in d.text.split("\n") if len(p) > 200][:6]
+    ds = datasets.Dataset.from_dict({"body": paragraphs, "n": list(range(len(paragraphs)))})
+    if fmt == "arrow":
+        path = tmp_path / "saved"
+        ds.save_to_disk(str(path))
+    elif fmt == "txt":
+        path = tmp_path / "texts"
+        path.mkdir()
+        for i, p in enumerate(paragraphs):
+            (path / f"p{i}.txt").write_text(p)
+    else:
+        path = tmp_path / f"rows.{fmt}"
+        {"jsonl": lambda: ds.to_json(str(path)), "json": lambda: path.write_text(json.dumps(ds.to_list())),
+         "parquet": lambda: ds.to_parquet(str(path)), "csv": lambda: ds.to_csv(str(path), index=False)}[fmt]()  # fmt: skip
+    spec = parse_data_spec(str(path) if fmt == "txt" else f"{path},field=body")
+    docs = spec_documents(spec)
+    assert sorted(d.text for d in docs) == sorted(p.strip() for p in paragraphs)
+    assert len({d.id for d in docs}) == len(paragraphs)
