@@ -37,6 +37,7 @@ class AdaptOptions(BaseModel):
         "corpus name, local .txt/.jsonl/.json/.parquet/.csv files or folders, saved datasets, or a hub dataset id; "
         "repeat for a mixture (weight= on each: its share of the rows); replaces --text; validation uses the first "
         "source's held-out documents",
+        json_schema_extra={"metavar": "SPEC"},
     )
     tokens: int = Field(100_000, gt=0, description="training token budget (all processes)")
     seq_len: int = Field(512, ge=8, description="tokens per training sequence and validation window")

@@ -56,11 +56,15 @@ def option_parameters(model: type[BaseModel], skip: tuple[str, ...] = ()) -> lis
         text = field.description or ""
         if choices and not all(c in text for c in choices):
             text += f" ({' | '.join(choices)})"
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        metavar = extra.get("metavar")
         params.append(
             inspect.Parameter(
                 name,
                 inspect.Parameter.KEYWORD_ONLY,
-                default=typer.Option(field.default, help=_sentence(text, choices)),
+                default=typer.Option(
+                    field.default, help=_sentence(text, choices), metavar=str(metavar) if metavar else None
+                ),
                 annotation=typ,
             )
         )
