@@ -64,8 +64,9 @@ def model_card(ckpt: Path, o: AdaptOptions, report: dict[str, Any]) -> str:
     b, a = report["before"], report["after"]
     return (
         f"# {ckpt.name} adapted ({o.describe()})\n\n"
-        f"MLA checkpoint from `mla-convert adapt`: {report['tokens_trained']} training tokens of {o.text} "
-        f"(adaptation split). Held-out perplexity ({a['eval_tokens']} tokens of the evaluation split): "
+        f"MLA checkpoint from `mla-convert adapt`: {report['tokens_trained']} training tokens of "
+        f"{' + '.join(o.data) if o.data else o.text} (adaptation splits). Held-out perplexity "
+        f"({a['eval_tokens']} tokens of the first source's evaluation split): "
         f"{b['perplexity']:.3f} before, {a['perplexity']:.3f} after; source {a['source_perplexity']:.3f}.\n\n"
         + (
             f"Chat: KL to the source {b['chat_kl']:.4f} -> {a['chat_kl']:.4f} nats/token, top-1 agreement "
