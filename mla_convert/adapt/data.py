@@ -239,7 +239,7 @@ def build_data(
         for s, k in zip(sources, counts, strict=True):
             s["rows_scheduled"] = k
             s["passes"] = round(k / s["train_rows"], 4)
-    validation = token_windows(tokenizer, val_docs, seq_len, eval_windows, bos=False)
+    validation = _windows(tokenizer, sources[0]["spec"], val_docs, seq_len, eval_windows)
     if validation.shape[0] < 1:
         raise TextError(
             f"the evaluation split of {sources[0]['spec']!r} is too short for one {seq_len}-token window"
@@ -247,7 +247,7 @@ def build_data(
     record = {
         "text": sources[0]["spec"] if len(sources) == 1 else [s["spec"] for s in sources],
         "split": "by document per source: train = adaptation role, validation = the first source's evaluation role",
-        "sources": [{k: v for k, v in s.items() if not k.endswith("_documents")} for s in sources],
+        "sources": sources,
         "train_documents": [d for s in sources for d in s["train_documents"]],
         "validation_documents": documents_record(val_docs),
         "held_out_documents": [d for s in sources for d in s["held_out_documents"]],
@@ -266,6 +266,18 @@ def build_data(
     return AdaptData(train, validation, record, None if full_mask else mask, schedule, chat_held_out)
 
 
+def _windows(tokenizer: Any, name: str, docs: list[Document], seq_len: int, count: int) -> torch.Tensor:
+    """``token_windows`` of an evaluation split, its too-short error naming the source and ``--seq-len``."""
+    try:
+        return token_windows(tokenizer, docs, seq_len, count, bos=False)
+    except TextError:
+        chars = sum(len(d.text) for d in docs)
+        raise TextError(
+            f"the evaluation split of {name!r} ({len(docs)} of its documents, {chars} characters) is too short for "
+            f"one {seq_len}-token validation window: give more text or a shorter --seq-len"
+        ) from None
+
+
 def validation_windows(tokenizer: Any, text: str, seq_len: int, eval_windows: int) -> torch.Tensor:
     """``[M, seq_len]`` windows of the evaluation split of ``text`` (a ``--text`` spec), as for validation.
 
@@ -273,7 +285,7 @@ def validation_windows(tokenizer: Any, text: str, seq_len: int, eval_windows: in
         TextError: the text cannot be read or its evaluation split is too short for one window.
     """
     docs = split_documents(load_documents(text))["evaluation"]
-    windows = token_windows(tokenizer, docs, seq_len, eval_windows, bos=False)
+    windows = _windows(tokenizer, text, docs, seq_len, eval_windows)
     if windows.shape[0] < 1:
         raise TextError(f"the evaluation split of {text!r} is too short for one {seq_len}-token window")
     return windows

@@ -33,8 +33,8 @@ class AdaptOptions(BaseModel):
     )
     data: list[str] | None = Field(
         None,
-        description="a training source SOURCE[,field=NAME][,messages=NAME][,weight=W][,loss=all|assistant]: a "
-        "corpus name, local .txt/.jsonl/.json/.parquet/.csv files or folders, saved datasets, or a hub dataset id; "
+        description="a training source: SOURCE [,field=NAME] [,messages=NAME] [,weight=W] [,loss=all|assistant] "
+        "(no spaces), SOURCE a corpus name, local .txt/.jsonl/.json/.parquet/.csv files or folders, saved datasets, or a hub dataset id; "
         "repeat for a mixture (weight= on each: its share of the rows); replaces --text; validation uses the first "
         "source's held-out documents",
         json_schema_extra={"metavar": "SPEC"},
@@ -91,9 +91,14 @@ class AdaptOptions(BaseModel):
 
     @model_validator(mode="after")
     def _data_specs(self) -> AdaptOptions:
-        from mla_convert.text.corpora import TextError
+        from mla_convert.text.corpora import TextError, parse_text_spec
         from mla_convert.text.specs import parse_data_spec
 
+        if self.also_eval:
+            try:
+                parse_text_spec(self.also_eval)
+            except TextError as exc:
+                raise ValueError(f"--also-eval: {exc}") from None
         if not self.data:
             self.data = None
             return self

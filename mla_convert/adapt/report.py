@@ -35,7 +35,7 @@ def adapt_report(
         world: processes; ``steps``: optimizer steps of the job.
         metrics: every logged row (``kind`` ``train`` or ``eval``); ``final``: the last evaluation.
         wall_s: seconds this invocation trained and evaluated; ``steps_here``: steps it ran.
-        data_record: the data manifest (its per-document lists are left out here).
+        data_record: the data manifest (its per-document lists, also those per source, are left out here).
         inventory: :func:`~mla_convert.adapt.objectives.select_trainable`'s (name lists left out).
         chat: what the chat probe measured on (:class:`~mla_convert.adapt.chat.ChatProbe` ``.record``); its
             ``chat_kl`` / ``chat_top1`` are in every evaluation. None: the tokenizer has no chat template.
@@ -53,7 +53,13 @@ def adapt_report(
         "evaluations": evals,
         "train_wall_s_this_invocation": wall_s,
         "tokens_per_s": steps_here * per_step / max(wall_s, 1e-9),
-        "data": {k: v for k, v in data_record.items() if not k.endswith("_documents")},
+        "data": {
+            **{k: v for k, v in data_record.items() if not k.endswith("_documents")},
+            "sources": [
+                {k: v for k, v in src.items() if not k.endswith("_documents")}
+                for src in data_record.get("sources", [])
+            ],
+        },
         "trainable": {k: v for k, v in inventory.items() if k not in ("trainable", "frozen")},
         "chat_probe": chat,
     }

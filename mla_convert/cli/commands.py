@@ -7,6 +7,7 @@ Progress bars appear only on a terminal and without ``--quiet``.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -492,6 +493,15 @@ def validate(
     console.print("validation passed: all rungs within tolerance", highlight=False, markup=False)
 
 
+def _given_on_command_line(name: str) -> bool:
+    """Whether the option ``name`` was typed (not its default)."""
+    from typer._click.core import ParameterSource
+    from typer._click.globals import get_current_context
+
+    ctx = get_current_context(silent=True)
+    return ctx is not None and ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE
+
+
 @app.command()
 @options_from(AdaptOptions)
 def adapt(
@@ -517,6 +527,10 @@ def adapt(
     """
     from mla_convert.adapt.options import AdaptError
 
+    if values.get("data") and _given_on_command_line(
+        "text"
+    ):  # --text wikipedia is the default: ask the parser
+        fail("give --text or --data, not both: --data replaces --text (list every source with --data)")
     options = build_options(AdaptOptions, values)  # every flag, before anything heavy is imported
     if stop_after is not None and stop_after < 1:
         fail("--stop-after must be at least 1")
@@ -540,9 +554,9 @@ def adapt(
         except AdaptError as exc:
             fail(str(exc))
     if report is None:
-        console.print(
-            f"stopped after {stop_after} steps; continue with --resume", highlight=False, markup=False
-        )
+        if os.environ.get("RANK", "0") == "0":  # one line for a multi-process run
+            steps = "1 step" if stop_after == 1 else f"{stop_after} steps"
+            console.print(f"stopped after {steps}; continue with --resume", highlight=False, markup=False)
         return
     if "before" not in report:  # a non-main process of a multi-process run: the main one reports
         return

@@ -60,11 +60,15 @@ def load_table(path: Path) -> Any:
     if path.stat().st_size == 0:
         raise TextError(f"{path}: file is empty")
     builder = TABLE_SUFFIXES[path.suffix.lower()]
+    level = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own error line would precede ours
     try:
         return datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as exc:  # datasets raises builder-specific errors for malformed input
         detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise TextError(f"{path}: cannot be read as {path.suffix.lower()[1:]} ({detail})") from None
+    finally:
+        datasets.logging.set_verbosity(level)
 
 
 def table_documents(
@@ -113,9 +117,21 @@ def hub_documents(
         TextError: the dataset cannot be loaded (no network, unknown id, no ``train`` split), or as
             :func:`table_documents`.
     """
+    import os
+    import socket
+
     import datasets
 
     datasets.disable_progress_bars()
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    if not offline:  # fail in seconds, not after the hub client's retries, when there is no network
+        try:
+            socket.create_connection(("huggingface.co", 443), timeout=5).close()
+        except OSError as exc:
+            raise TextError(
+                f"dataset {dataset_id!r} needs the Hugging Face hub, which cannot be reached ({exc.strerror or exc}); "
+                "save it as .jsonl/.parquet or with Dataset.save_to_disk and pass the path"
+            ) from None
     try:
         table = datasets.load_dataset(dataset_id, split="train")
     except Exception as exc:  # offline, unknown id, gated, no train split: one line whatever the cause

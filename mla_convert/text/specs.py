@@ -28,6 +28,8 @@ from mla_convert.text.corpora import BUNDLED_CORPORA, Document, TextError
 __all__ = ["DataSpec", "parse_data_spec", "spec_documents"]
 
 _KEYS = ("field", "messages", "weight", "loss")
+#: Suffixes that make a missing ``a/b.x`` a local path rather than a hub dataset id.
+_FILE_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet", ".csv", ".arrow", ".gz", ".zst")
 #: ``owner/name`` of a Hugging Face dataset (tried only when no such local path exists).
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -45,11 +47,18 @@ class DataSpec(BaseModel):
 
     @property
     def kind(self) -> Literal["bundled", "local", "hub"]:
-        """``bundled`` corpus name, ``local`` paths, or a ``hub`` dataset id (no such local path)."""
+        """``bundled`` corpus name, ``local`` paths, or a ``hub`` dataset id: ``owner/name`` where neither the
+        path nor its first folder exists and the name has no text or data-file suffix (``data/x.jsonl`` is a
+        missing local file, not a dataset)."""
         if self.source.strip().lower() in BUNDLED_CORPORA:
             return "bundled"
-        first = self.source.split(",")[0].strip()
-        if _HUB_ID.match(self.source) and not Path(first).expanduser().exists():
+        path = Path(self.source.strip()).expanduser()
+        if (
+            _HUB_ID.match(self.source.strip())
+            and not path.exists()
+            and not path.parent.exists()
+            and path.suffix.lower() not in _FILE_SUFFIXES
+        ):
             return "hub"
         return "local"
 
@@ -117,6 +126,12 @@ def parse_data_spec(spec: str) -> DataSpec:
         )
     if "field" in values and "messages" in values:
         raise TextError(f"--data {spec!r}: give field= (plain text) or messages= (chat), not both")
+    if ("field" in values or "messages" in values) and ",".join(
+        source_parts
+    ).strip().lower() in BUNDLED_CORPORA:
+        raise TextError(
+            f"--data {spec!r}: {source_parts[0]} is plain text; field=/messages= apply to data files"
+        )
     parsed = DataSpec(
         source=",".join(source_parts),
         field=values.get("field", "text"),

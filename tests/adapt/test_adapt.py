@@ -321,8 +321,11 @@ def test_bad_data_is_one_line_before_the_model_loads(reference_ckpt, tmp_path):
         res.exit_code == 2
         and "error: --data 'wikipedia,weight=0': weight=0 is not a positive number" in res.stderr
     )
-    res = adapt(str(reference_ckpt), str(tmp_path / "o"), "--data", "news", "--text", "shakespeare")
-    assert res.exit_code == 2 and "give --text or --data, not both" in res.stderr
+    for text in ("shakespeare", "wikipedia"):  # the default typed explicitly is refused too
+        res = adapt(str(reference_ckpt), str(tmp_path / "o"), "--data", "news", "--text", text)
+        assert res.exit_code == 2 and "give --text or --data, not both" in res.stderr, res.stderr
+    res = adapt(str(reference_ckpt), str(tmp_path / "o"), "--also-eval", "data/nope.txt")
+    assert res.exit_code == 2 and "--also-eval: unknown text source 'data/nope.txt'" in res.stderr
     small = tmp_path / "small.jsonl"
     small.write_text(
         "".join(json.dumps({"text": f"Row {i} of a small file with a few words."}) + "\n" for i in range(9))

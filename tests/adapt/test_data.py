@@ -46,6 +46,8 @@ def test_spec_syntax(tmp_path: Path) -> None:
         "a.jsonl,field=t,messages=m": "not both",
         "weight=2": "names no source",
         str(tmp_path / "missing.jsonl"): "missing.jsonl: no such file or folder",
+        "data/nope.jsonl": "data/nope.jsonl: no such file or folder",  # a missing relative file, not a hub id
+        "wikipedia,field=body": "wikipedia is plain text; field=/messages= apply to data files",
     }
     for text, message in bad.items():
         with pytest.raises(TextError, match=message):
