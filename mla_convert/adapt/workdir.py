@@ -11,6 +11,7 @@ The folder is removed once OUT is written.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -115,7 +116,15 @@ def save_step(accelerator: Accelerator, work: Path, step: int, tokens: int) -> N
     """Checkpoint after optimizer step ``step`` (``tokens`` trained so far) as ``step-NNNNNN``, on every
     process; the main process then drops all but the two newest checkpoints."""
     tmp = work / f".tmp-step-{step:06d}"
-    accelerator.save_state(str(tmp))
+    # accelerate warns that it dropped the tied lm_head copy of the embeddings; loading re-ties it (resume is
+    # tested bitwise), so the warning only alarms
+    quiet = logging.getLogger("accelerate.utils.other")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        accelerator.save_state(str(tmp))
+    finally:
+        quiet.setLevel(level)
     accelerator.wait_for_everyone()  # every process has written its part (RNG states, FSDP shards)
     if accelerator.is_main_process:
         (tmp / STATE).write_text(json.dumps({"step": step, "tokens": tokens}))
