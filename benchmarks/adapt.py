@@ -126,9 +126,10 @@ def table() -> str:
     marks = (0, 100_000, 500_000, 1_000_000)
     rows = [
         "| cache | objective | trainable | lr | wiki before | @100k | @500k | @1M | news before | @100k | @500k | @1M "
-        "| tokens/s | trained |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| chat KL before -> latest | tokens/s | trained |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    curves = []
     src = None
     for name in run_names():
         o, m = load_run(name)
@@ -147,10 +148,21 @@ def table() -> str:
                 cells.append(f"{e[key]:.2f} (x{e[key] / e[ref]:.2f})" if e and e.get(key) else "–")
         rate = train[-1]["tokens_per_s"] if train else 0
         cache = SETTINGS[name]["cache"]
+        chat = "–"
+        if evals[0].get("chat_kl") is not None:
+            chat = f"{evals[0]['chat_kl']:.3f} -> {evals[-1]['chat_kl']:.3f} ({evals[-1]['tokens']:,})"
         rows.append(
             f"| {cache} ({cache / 384:.2%}) | {o['objective']} | {o['trainable']} | {o['lr']:g} | "
             + " | ".join(cells)
-            + f" | {rate:.0f} | {train[-1]['tokens'] if train else 0:,} |"
+            + f" | {chat} | {rate:.0f} | {train[-1]['tokens'] if train else 0:,} |"
+        )
+        curves.append(
+            f"- `{name}`: wiki "
+            + " -> ".join(f"{e['perplexity']:.2f} ({e['tokens'] // 1000}k)" for e in evals)
+            + "; news "
+            + " -> ".join(f"{e['other_perplexity']:.2f}" for e in evals if e.get("other_perplexity"))
+            + "; KL to the source "
+            + " -> ".join(f"{e['kl']:.3f}" for e in evals)
         )
     cpu = "unknown CPU"
     info = Path("/proc/cpuinfo")
@@ -173,7 +185,18 @@ def table() -> str:
         "of that schedule. '@100k' is the first evaluation at >= 98 % of 100k tokens (step 48 = 98,304). "
         "'–' = not reached. tokens/s is the last invocation's average (includes evaluations and any other load)."
     )
-    return head + "\n\n" + "\n".join(rows) + "\n"
+    head += (
+        " Chat KL: KL(source || MLA) in nats per token on the source's greedy 32-token answers to 8 chat prompts "
+        "(news-evaluation articles behind a summarize instruction; `--chat-prompts`)."
+    )
+    return (
+        head
+        + "\n\n"
+        + "\n".join(rows)
+        + "\n\nEvery evaluation (tokens trained):\n\n"
+        + "\n".join(curves)
+        + "\n"
+    )
 
 
 def main() -> None:
