@@ -2,7 +2,8 @@
 
 ``s_q`` new query tokens per request (one for decoding; several for speculative verification or chunked
 prefill, causal inside the block). The query rows of a request, ``m = i * H + h`` for query token ``i`` and
-head ``h``, are tiled ``BLOCK_M = 16`` at a time (``tl.dot`` needs 16 rows). Program ``(row block, split, b)``
+head ``h``, are tiled ``BLOCK_M = 16`` at a time (``tl.dot`` needs 16 rows; the Triton interpreter takes a whole
+request's rows per program, :func:`default_block_m`). Program ``(row block, split, b)``
 walks its share of request ``b``'s rows in tiles of ``BLOCK_N``; each tile of ``[c_kv | k_rope]`` rows is loaded
 once for the row block and serves both the scores (``q_abs . c_kv + q_rope . k_rope``) and the value
 accumulation (``p @ c_kv``), with an online softmax in float32. The row block is the fastest grid axis, so the
@@ -40,6 +41,8 @@ from .reference import check_decode_inputs, check_decode_values
 
 MERGE_WARPS = 4
 BLOCK_M = 16  # query rows (query token x head) per program: tl.dot needs >= 16 rows
+#: query rows per program in the Triton interpreter (see :func:`default_block_m`)
+INTERPRETER_MAX_BLOCK_M = 1024
 MIN_BLOCK_N = 16  # tl.dot needs >= 16 columns in fp16/bf16 when compiled for sm_80/sm_90
 MAX_SPLITS = 32
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -213,6 +216,21 @@ def multiprocessor_count(device: torch.device) -> int:
     return 1
 
 
+def default_block_m(rows: int, backend: str) -> int:
+    """Query rows per program for ``rows`` (``s_q x H``) query rows of a request.
+
+    :data:`BLOCK_M` (16) where the kernel is compiled: ``tl.dot``'s minimum, and the ``[BLOCK_M, d_c]`` float32
+    accumulator stays in registers. In the Triton interpreter (``backend == "triton-interpreter"``), which runs
+    the programs of a grid one after another in Python at a fixed cost each, every row of the request up to
+    :data:`INTERPRETER_MAX_BLOCK_M` (a power of two): a 61-token prefill of 9 heads is one program instead of
+    35. Each query row's arithmetic is the same either way: a wider row block reads, for its earlier rows, tiles
+    past their causal limit, which are fully masked and add exact zeros (``alpha = 1``, ``p = 0``).
+    """
+    if backend != "triton-interpreter":
+        return BLOCK_M
+    return max(BLOCK_M, min(INTERPRETER_MAX_BLOCK_M, triton.next_power_of_2(max(rows, 1))))
+
+
 def default_block_n(d_c: int) -> int:
     """Cache rows per tile: 64, or 32 when ``d_c > 256`` (the ``[BLOCK_M, d_c]`` accumulator and the tile must
     fit the registers)."""
@@ -312,6 +330,7 @@ def latent_decode(
     block_n: int | None = None,
     max_seq_len: int | None = None,
     fp8: Fp8Layout | None = None,
+    block_m: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``s_q`` new query tokens per request over a paged ``[c_kv | k_rope]`` cache.
 
@@ -338,6 +357,8 @@ def latent_decode(
         fp8: the layout of an FP8 cache: ``kv_cache`` is then uint8 ``[num_pages, page_size, >= row_bytes]``
             rows ``[E4M3 c_kv | float32 scales | bfloat16 k_rope]`` (:mod:`mla_convert.kernels.fp8`), dequantized
             in registers to the queries' dtype.
+        block_m: query rows per program, a power of two ``>= 16`` (default :func:`default_block_m`: 16 on a
+            GPU, a whole request's rows in the interpreter).
 
     Returns:
         ``latent_out`` shaped like ``q_abs`` in its dtype and natural-log ``lse`` (``[B, H]`` / ``[B, s_q, H]``)
@@ -385,6 +406,8 @@ def latent_decode(
     block_n = block_n or default_block_n(d_c)
     if block_n < MIN_BLOCK_N or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= {MIN_BLOCK_N} (tl.dot's minimum); got {block_n}")
+    if block_m is not None and (block_m < BLOCK_M or block_m & (block_m - 1)):
+        raise ValueError(f"block_m must be a power of two >= {BLOCK_M} (tl.dot's minimum); got {block_m}")
     if num_splits is not None and not 1 <= num_splits <= 1024:
         raise ValueError(f"num_splits must lie in 1..1024; got {num_splits}")
     on_host = block_table.device.type == "cpu"
@@ -395,6 +418,7 @@ def latent_decode(
     r4 = q_rope if q_rope.dim() == 4 else q_rope.unsqueeze(1)
     b, s_q, h, _ = q4.shape
     rows = s_q * h
+    block_m = block_m or default_block_m(rows, backend)
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max()) if on_host and b else block_table.shape[1] * kv_cache.shape[1]
     key = launch_key(q_abs.dtype, d_c, d_r, block_n, fp8.group if fp8 is not None else 0)
@@ -409,7 +433,7 @@ def latent_decode(
     lse = torch.empty(b, s_q, h, dtype=torch.float32, device=device)
     if b and h:
         r_arg = r4 if d_r else q4  # never read without rope
-        row_blocks = triton.cdiv(rows, BLOCK_M)
+        row_blocks = triton.cdiv(rows, block_m)
         _split_kernel[(row_blocks, num_splits, b)](
             q4, r_arg, kv_cache, block_table, seq_lens, head_to_rope,
             part_out, part_lse,
@@ -419,7 +443,7 @@ def latent_decode(
             part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
             h, s_q, d_c, max(d_r, 1), kv_cache.shape[1], num_splits,
             fp8.rope_offset if fp8 else d_c, fp8.scale_offset if fp8 else d_c,
-            BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_DC=key.block_dc, BLOCK_R=key.block_r,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DC=key.block_dc, BLOCK_R=key.block_r,
             HAS_ROPE=key.has_rope, IEEE=q_abs.dtype == torch.float32, FP8_GROUP=key.fp8_group,
             num_warps=key.num_warps,
         )  # fmt: skip
@@ -428,7 +452,7 @@ def latent_decode(
             part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(2), lse.stride(0),
             rows, d_c, num_splits,
-            BLOCK_M=BLOCK_M, BLOCK_DC=key.block_dc, num_warps=MERGE_WARPS,
+            BLOCK_M=block_m, BLOCK_DC=key.block_dc, num_warps=MERGE_WARPS,
         )  # fmt: skip
     if q_abs.dim() == 3:
         return out[:, 0], lse[:, 0]

@@ -44,7 +44,7 @@ import pytest
 import torch
 
 import mla_convert  # noqa: F401  (sets TRITON_INTERPRET=1 before triton is imported, on CPU)
-from mla_convert.kernels import latent_decode_reference, load_kernel
+from mla_convert.kernels import kernel_backend, latent_decode_reference, load_kernel
 
 K = load_kernel()
 
@@ -187,10 +187,19 @@ def test_single_request_lengths(page_size, length):
     ids=["H1", "H9-R3", "H16-R2", "H20-R4", "H33-R3"],
 )
 def test_head_counts_not_dividing_head_block(heads, rope_heads):
-    """BLOCK_M = 16 query rows (heads here) per program: H = 1, 9 (partial block), 16, 20 and 33 (2-3 blocks, last
-    partial), each rope head shared by H / R query heads (``h // (H / R)``)."""
+    """BLOCK_M = 16 query rows (heads here) per program, as compiled for a GPU: H = 1, 9 (partial block), 16, 20
+    and 33 (2-3 blocks, last partial), each rope head shared by H / R query heads (``h // (H / R)``); and the
+    interpreter's default of one program per request's rows, which must give the same rows to float rounding."""
     assert K.BLOCK_M == 16
-    check(make_case([37, 0, 100], 16, heads, d_c=64, rope_heads=rope_heads, d_r=8, seed=heads))
+    case = make_case([37, 0, 100], 16, heads, d_c=64, rope_heads=rope_heads, d_r=8, seed=heads)
+    out16, lse16 = check(case, block_m=16)
+    assert K.default_block_m(heads, "triton-cuda") == 16
+    assert K.default_block_m(heads, kernel_backend()) == max(16, 1 << (heads - 1).bit_length())
+    out, lse = check(case)
+    assert torch.equal(lse.isinf(), lse16.isinf())  # the empty request on both
+    seen = case.seq_lens > 0
+    assert (out - out16).abs().max() <= 1e-6 * out16.abs().max()
+    assert (lse[seen] - lse16[seen]).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize(
@@ -529,9 +538,10 @@ def sq_errors(case: Case, out: torch.Tensor, lse: torch.Tensor) -> tuple[float, 
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_multi_token_queries_are_causal(s_q, num_splits):
     """``s_q > 1`` (speculative verification, chunked prefill): query ``i`` sees rows ``<= n - s_q + i``; mixed
-    lengths (one page, several pages, exactly s_q, empty) and splits that cut through the query block."""
+    lengths (one page, several pages, exactly s_q, empty) and splits that cut through the query block; row
+    blocks of 16 as on a GPU."""
     case = make_sq_case([s_q, 40, 0, 17 + s_q], s_q, seed=s_q)
-    out, lse = K.latent_decode(*case.args(), num_splits=num_splits)
+    out, lse = K.latent_decode(*case.args(), num_splits=num_splits, block_m=16)
     rel, lse_rel = sq_errors(case, out, lse)
     assert rel < FP32_TOL and lse_rel < FP32_TOL
     # causality is real: the first query token of a request does not see the block's later rows
@@ -553,9 +563,26 @@ def test_multi_token_queries_float16():
 def test_multi_token_rows_span_head_blocks():
     """s_q x H rows tile 16 at a time: with H = 9 a row block holds two query tokens and several rope heads."""
     case = make_sq_case([12, 30], 3, heads=9, d_c=40, rope_heads=3, d_r=8, seed=5)
-    out, lse = K.latent_decode(*case.args(), num_splits=2)
+    out, lse = K.latent_decode(*case.args(), num_splits=2, block_m=16)
     rel, lse_rel = sq_errors(case, out, lse)
     assert rel < FP32_TOL and lse_rel < FP32_TOL
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_interpreter_row_block_covers_a_prefill(num_splits):
+    """A 61-token chunk of 9 heads (549 query rows) is one program per split in the interpreter (block 1024)
+    and 35 at BLOCK_M = 16; both agree with the float64 reference, causal inside the chunk, whatever the
+    splits."""
+    case = make_sq_case([200, 61], 61, heads=9, d_c=64, rope_heads=3, d_r=8, seed=61)
+    assert K.default_block_m(61 * 9, "triton-interpreter") == 1024
+    out16, lse16 = K.latent_decode(*case.args(), num_splits=num_splits, block_m=16)
+    out, lse = K.latent_decode(*case.args(), num_splits=num_splits, block_m=1024)
+    for o, ls in ((out16, lse16), (out, lse)):
+        rel, lse_rel = sq_errors(case, o, ls)
+        assert rel < FP32_TOL and lse_rel < FP32_TOL
+    assert (out - out16).abs().max() <= 1e-6 * out16.abs().max()
+    with pytest.raises(ValueError, match="block_m must be a power of two >= 16"):
+        K.latent_decode(*case.args(), block_m=24)
 
 
 def test_seq_lens_below_s_q_refused():
