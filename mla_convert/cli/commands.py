@@ -742,28 +742,43 @@ def init_recipe_cmd(
     Example: mla-convert init-recipe smollm2-135m-quickstart && mla-convert run smollm2-135m-quickstart.yaml --dry-run
     """
     from mla_convert.artifacts.output import atomic_write_text
-    from mla_convert.recipes.catalog import bundled_description, bundled_names, bundled_path
+    from mla_convert.recipes.catalog import (
+        accelerate_configs,
+        bundled_description,
+        bundled_names,
+        bundled_path,
+    )
 
     names = bundled_names()
+    launch = accelerate_configs()
     if name is None:
         for n in names:
             plain(f"{n:<26} {bundled_description(n)}")
+        for n in launch:
+            plain(f"{n:<26} accelerate launch configuration for multi-GPU adapt (docs/adapt.md)")
         return
-    src = bundled_path(name)
+    src = bundled_path(name) or launch.get(name.removesuffix(".yaml"))
     if src is None:
         hint = ""
         if name.endswith((".yaml", ".yml")) or "/" in name:  # a destination given as the first argument
             example = "smollm2-135m-quickstart" if "smollm2-135m-quickstart" in names else names[0]
             hint = f"; NAME comes first, then DEST: mla-convert init-recipe {example} {name}"
-        fail(f"no bundled recipe {name!r}; bundled: {', '.join(names)}{hint}")
+        fail(f"no bundled recipe {name!r}; bundled: {', '.join([*names, *launch])}{hint}")
     assert src is not None
-    target = dest if dest is not None else Path(f"{src.stem}.yaml")
+    stem = next((n for n, p in launch.items() if p == src), src.stem)
+    target = dest if dest is not None else Path(f"{stem}.yaml")
     if target.is_dir():
-        target = target / f"{src.stem}.yaml"
+        target = target / f"{stem}.yaml"
     if target.exists() and not overwrite:
         fail(f"{target} exists; pass --overwrite to replace it")
     atomic_write_text(target, src.read_text())
-    plain(f"wrote {target}; edit it, then: mla-convert run {target} --dry-run")
+    if stem in launch:
+        plain(
+            f"wrote {target}; then: accelerate launch --config_file {target} --num_processes N "
+            "-m mla_convert adapt CKPT OUT ..."
+        )
+    else:
+        plain(f"wrote {target}; edit it, then: mla-convert run {target} --dry-run")
 
 
 def main() -> None:

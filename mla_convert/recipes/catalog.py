@@ -1,5 +1,7 @@
 """The bundled recipes: the repository's top-level ``recipes/*.yaml``, installed as the package
-``mla_convert.recipes.bundled`` (``mla-convert init-recipe`` copies one; ``run NAME`` runs one by name)."""
+``mla_convert.recipes.bundled`` (``mla-convert init-recipe`` copies one; ``run NAME`` runs one by name), and the
+``accelerate`` launch configurations of ``recipes/accelerate/`` (``init-recipe accelerate-fsdp`` copies one; they
+are not recipes and ``run`` does not take them)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,12 @@ def bundled_path(name: str) -> Path | None:
     stem = name[:-5] if name.endswith(".yaml") else name
     p = BUNDLED_DIR / f"{stem}.yaml"
     return p if stem and "/" not in stem and p.is_file() else None
+
+
+def accelerate_configs() -> dict[str, Path]:
+    """``{"accelerate-NAME": path}`` of the bundled ``accelerate`` configurations (``recipes/accelerate/NAME.yaml``,
+    e.g. ``accelerate-fsdp``), for ``accelerate launch --config_file``."""
+    return {f"accelerate-{p.stem}": p for p in sorted((BUNDLED_DIR / "accelerate").glob("*.yaml"))}
 
 
 def bundled_description(name: str) -> str:

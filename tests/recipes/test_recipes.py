@@ -335,7 +335,12 @@ def test_init_recipe_copies_and_refuses_overwrite(tmp_path, monkeypatch):
     assert r.exit_code == 2 and "NAME comes first, then DEST" in r.stderr
     assert not (tmp_path / "mine.yaml").exists()
     r = run("init-recipe")
-    assert r.exit_code == 0 and all(n in r.stdout for n in bundled_names())
+    assert r.exit_code == 0 and all(n in r.stdout for n in [*bundled_names(), "accelerate-fsdp"])
+    # the FSDP launch configuration ships with the package too (an installed wheel has no recipes/ folder)
+    r = run("init-recipe", "accelerate-fsdp", tmp_path)
+    fsdp = (BUNDLED_DIR / "accelerate" / "fsdp.yaml").read_text()
+    assert r.exit_code == 0 and (tmp_path / "accelerate-fsdp.yaml").read_text() == fsdp
+    assert "accelerate launch --config_file" in r.stdout and "accelerate-fsdp" not in bundled_names()
 
 
 # ------------------------------------------------------------------------------------- stage skipping
