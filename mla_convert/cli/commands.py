@@ -342,7 +342,8 @@ def eval_cmd(
         )
     console.print(msg, highlight=False, markup=False)
     if not sys.stdout.isatty():
-        console.print(json.dumps(res.as_dict()), highlight=False)
+        record = {**res.as_dict(), "text": text, "cut_by_position": cut}
+        console.print(json.dumps(record), highlight=False)
 
 
 @app.command()

@@ -253,6 +253,8 @@ def test_eval_on_one_long_file_says_it_was_cut_by_position(
     )
     assert res.exit_code == 0, res.stdout + res.stderr
     assert "cut by position: book (characters 0-" in res.stdout
+    record = json.loads(res.stdout.strip().splitlines()[-1])  # the JSON line says it too
+    assert record["text"] == str(book) and [c.split(" (")[0] for c in record["cut_by_position"]] == ["book"]
     (tmp_path / "tiny.txt").write_text("two words")
     res = CliRunner().invoke(app, ["eval", str(converted["bfloat16"]), "--text", str(tmp_path / "tiny.txt")])
     assert res.exit_code == 2 and "too short to cut into" in res.stderr
