@@ -3,7 +3,7 @@
 
     python benchmarks/adapt.py                       # run every setting (hours on a 2-core CPU), print the table
     python benchmarks/adapt.py --list                # the settings
-    python benchmarks/adapt.py --only c72-mix-all    # one setting (comma-separated for several)
+    python benchmarks/adapt.py --only c72-mix-all    # one setting (comma-separated for several; lr / data variants too)
     python benchmarks/adapt.py --until 100000        # the 100k screen: stop each run (resumably) there
     python benchmarks/adapt.py --collect             # only tabulate what benchmarks/runs/ holds (also partial runs)
     python benchmarks/adapt.py --collect --readme    # ... and write the table into README.md
@@ -37,16 +37,25 @@ FACTOR = {
     120: ["--cache-budget", "120", "--rope-pairs", "24"],
     72: ["--cache-budget", "72", "--rope-pairs", "16"],
 }
-DATA = ["--data", "wikipedia", "--data", "shakespeare"]
+#: the training mixtures: the two corpora by size (~1.3M tokens; Shakespeare is about half of every batch), or
+#: Wikipedia weighted 2 : 1 (its 379k adaptation tokens then repeat within 1M: about 1.8 passes)
+MIXTURES = {
+    "wiki+shakespeare": ["--data", "wikipedia", "--data", "shakespeare"],
+    "wiki x2 + shakespeare": ["--data", "wikipedia,weight=2", "--data", "shakespeare,weight=1"],
+}
 TARGETS = {120: (1.35, 1.20), 72: (1.8, 1.5)}  # x source perplexity after 500k / 1M tokens
 # objective x trainable set at lr 3e-4 with bf16 autocast (2x faster than fp32 here; lr from the 40k-token
 # probes of the pre-fix benchmark, benchmarks/results/adapt_pre_fix.md), per cache size.
 SETTINGS = {
-    f"c{c}-{o}-{t}": {"cache": c, "objective": o, "trainable": t, "lr": 3e-4}
+    f"c{c}-{o}-{t}": {"cache": c, "objective": o, "trainable": t, "lr": 3e-4, "data": "wiki+shakespeare"}
     for c in (120, 72)
     for o in ("mix", "distill", "lm")
     for t in ("all", "attention")
 }
+# at 72, lr 3e-4 with all parameters spiked (grad norm 181 at the end of warmup): a lower lr, and more Wikipedia
+for _c in (120, 72):
+    SETTINGS[f"c{_c}-mix-all-lr1e-4"] = {**SETTINGS[f"c{_c}-mix-all"], "lr": 1e-4}
+    SETTINGS[f"c{_c}-mix-all-wiki2"] = {**SETTINGS[f"c{_c}-mix-all"], "data": "wiki x2 + shakespeare"}
 
 
 def cli(*args: str) -> None:
@@ -68,12 +77,12 @@ def run_setting(name: str, setting: dict, tokens: int, seq_len: int, batch: int,
     base = ensure_base(setting["cache"])
     steps_100k = max(1, 100_000 // (seq_len * batch))
     args = [
-        "adapt", str(base), str(out), *DATA, "--tokens", str(tokens), "--seq-len", str(seq_len),
+        "adapt", str(base), str(out), *MIXTURES[setting["data"]], "--tokens", str(tokens), "--seq-len", str(seq_len),
         "--batch-size", str(batch), "--eval-every", str(steps_100k), "--eval-windows", "8",
         "--also-eval", "news", "--checkpoint-every", "10", "--mixed-precision", "bf16",
     ]  # fmt: skip
     for key, value in setting.items():
-        if key != "cache":
+        if key not in ("cache", "data"):
             args += ["--" + key.replace("_", "-"), str(value)]
     work = RUNS / f".{name}.adapt"
     done = 0
@@ -125,9 +134,9 @@ def run_names() -> list[str]:
 def table() -> str:
     marks = (0, 100_000, 500_000, 1_000_000)
     rows = [
-        "| cache | objective | trainable | lr | wiki before | @100k | @500k | @1M | news before | @100k | @500k | @1M "
-        "| chat KL before -> latest | tokens/s | trained |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| cache | objective | trainable | lr | data | wiki before | @100k | @500k | @1M | news before | @100k | @500k "
+        "| @1M | chat KL before -> latest | tokens/s | trained |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     curves = []
     src = None
@@ -153,6 +162,7 @@ def table() -> str:
             chat = f"{evals[0]['chat_kl']:.3f} -> {evals[-1]['chat_kl']:.3f} ({evals[-1]['tokens']:,})"
         rows.append(
             f"| {cache} ({cache / 384:.2%}) | {o['objective']} | {o['trainable']} | {o['lr']:g} | "
+            f"{SETTINGS[name]['data']} | "
             + " | ".join(cells)
             + f" | {chat} | {rate:.0f} | {train[-1]['tokens'] if train else 0:,} |"
         )
@@ -179,8 +189,9 @@ def table() -> str:
     head += (
         f"Targets (x source): 120 <= {TARGETS[120][0]} after 500k, <= {TARGETS[120][1]} after 1M; 72 <= "
         f"{TARGETS[72][0]} / <= {TARGETS[72][1]}. Machine: {cpu} (2 cores), torch {torch.__version__}, Python "
-        f"{platform.python_version()}. Trained on the adaptation splits of Wikipedia and Shakespeare (`--data wikipedia "
-        "--data shakespeare`; news is never trained on), 4 x 512-token sequences per step (2048 tokens), AdamW, "
+        f"{platform.python_version()}. Trained on the adaptation splits of Wikipedia and Shakespeare (data "
+        "`wiki+shakespeare`: `--data wikipedia --data shakespeare`, by size; `wiki x2 + shakespeare`: weights 2 : 1; "
+        "news is never trained on), 4 x 512-token sequences per step (2048 tokens), AdamW, "
         "bf16 autocast, 5 % warmup then cosine to 0.1x over a 1M-token schedule, so @100k and @500k are points "
         "of that schedule. '@100k' is the first evaluation at >= 98 % of 100k tokens (step 48 = 98,304). "
         "'–' = not reached. tokens/s is the last invocation's average (includes evaluations and any other load)."
