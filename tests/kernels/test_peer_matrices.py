@@ -130,6 +130,9 @@ class Paged:
         )
 
     def run(self, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel with the row blocks of 16 it is compiled with on a GPU (the interpreter's default takes
+        a request's rows in one program; the peers' head counts are about blocks of 16)."""
+        kw.setdefault("block_m", K.BLOCK_M)
         return K.latent_decode(*self.args(), fp8=self.fp8, **kw)
 
     def reference(self) -> tuple[torch.Tensor, torch.Tensor]:
