@@ -719,6 +719,8 @@ def run_recipe_cmd(
         except AdaptError as exc:
             fail(str(exc))
     summary = ", ".join(f"{k} {v}" for k, v in result.stages.items())
+    for line in result.quality:  # what each stage measured (its report says on what)
+        plain(line)
     vres = result.validation
     if vres is not None and not STATE["quiet"]:
         for rung in vres.rungs:
@@ -734,7 +736,8 @@ def run_recipe_cmd(
 def init_recipe_cmd(
     name: str = typer.Argument(None, help="A bundled recipe; omit it to list them."),
     dest: Path = typer.Argument(
-        None, help="Where to write it (default ./NAME.yaml; a folder gets NAME.yaml)."
+        None,
+        help="Where to write it (default ./NAME.yaml; a folder, or a new path without .yaml/.yml, gets NAME.yaml).",
     ),
     overwrite: bool = typer.Option(False, help="Replace an existing DEST."),
 ) -> None:
@@ -768,7 +771,7 @@ def init_recipe_cmd(
     assert src is not None
     stem = next((n for n, p in launch.items() if p == src), src.stem)
     target = dest if dest is not None else Path(f"{stem}.yaml")
-    if target.is_dir():
+    if target.is_dir() or (not target.exists() and target.suffix.lower() not in (".yaml", ".yml")):
         target = target / f"{stem}.yaml"
     if target.exists() and not overwrite:
         fail(f"{target} exists; pass --overwrite to replace it")

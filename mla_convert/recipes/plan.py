@@ -145,7 +145,7 @@ def make_plan(recipe: Recipe) -> list[Stage]:
     target = astage.folder if astage.action != "off" else fstage.folder
     v = recipe.validation
     vstage = (
-        Stage("validate", "run", target, f"5-rung ladder on the last stage's output, {v.backend} backend")
+        Stage("validate", "run", target, f"6-rung ladder on the last stage's output, {v.backend} backend")
         if v.enabled
         else Stage("validate", "off", target, "validate.enabled is false")
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,47 @@ class RunResult:
     stages: dict[str, str]
     target: Path
     validation: Any = None
+    #: one line per stage that measured quality (:func:`factor_line`, :func:`adapt_line`)
+    quality: list[str] = field(default_factory=list)
+
+
+def factor_line(folder: Path) -> str | None:
+    """``factor: perplexity P (source S, xR) on N held-out tokens of TEXT; cache V values/token/layer (F of the
+    source)`` from a factor stage's ``report.json``; None when it has none (e.g. an older folder)."""
+    report = read_json(folder / "report.json") or {}
+    model = report.get("model") or {}
+    ev, cache = model.get("eval") or {}, model.get("cache") or {}
+    if not ev.get("perplexity"):
+        return None
+    line = f"factor: perplexity {ev['perplexity']:.3f}"
+    if ev.get("reference_perplexity"):
+        ref = ev["reference_perplexity"]
+        line += f" (source {ref:.3f}, x{ev['perplexity'] / ref:.2f})"
+    line += (
+        f" on {ev.get('tokens', 0)} held-out tokens of {(report.get('text') or {}).get('name', 'the text')}"
+    )
+    values = (cache.get("converted") or {}).get("values_per_token_per_layer")
+    if values and cache.get("ratio"):
+        line += f"; cache {values:g} values/token/layer ({cache['ratio']:.2%} of the source)"
+    return line
+
+
+def adapt_line(report: dict[str, Any]) -> str | None:
+    """``adapt: perplexity B -> A (source S, xR) on N held-out tokens; KL ...; chat KL ...; T tokens trained``
+    from ``run_adapt``'s report (None without before/after evaluations)."""
+    b, a = report.get("before"), report.get("after")
+    if not b or not a:
+        return None
+    ref = a["source_perplexity"]
+    line = (
+        f"adapt: perplexity {b['perplexity']:.3f} -> {a['perplexity']:.3f} (source {ref:.3f}, "
+        f"x{a['perplexity'] / ref:.2f}) on {a['eval_tokens']} held-out tokens; KL {b['kl']:.4f} -> {a['kl']:.4f}"
+    )
+    if a.get("other_perplexity"):
+        line += f"; {a['other_text']} {b['other_perplexity']:.3f} -> {a['other_perplexity']:.3f}"
+    if a.get("chat_kl") is not None and b.get("chat_kl") is not None:
+        line += f"; chat KL {b['chat_kl']:.4f} -> {a['chat_kl']:.4f}"
+    return line + f"; {report.get('tokens_trained', 0):,} tokens trained"
 
 
 def run_recipe(
@@ -80,12 +121,13 @@ def run_recipe(
         say(f"factor: skipped, {fstage.why}")
         done["factor"] = "skipped"
     target = fstage.folder
+    quality = [line for line in [factor_line(fstage.folder)] if line]
 
     astage = adapt_stage(recipe, cid)
     if astage.action == "run":
         assert recipe.adapt is not None
         say(f"adapt: running ({astage.why})")
-        adapt_mod.run_adapt(
+        report = adapt_mod.run_adapt(
             fstage.folder, astage.folder, recipe.adapt, overwrite=overwrite, progress=adapt_progress
         )
         done["adapt"] = "ran"
@@ -94,10 +136,14 @@ def run_recipe(
         say(f"adapt: skipped, {astage.why}")
         done["adapt"] = "skipped"
         target = astage.folder
+        report = read_json(astage.folder / "adapt_report.json")
     else:
         done["adapt"] = "off"
+        report = None
+    line = adapt_line(report) if report else None
+    quality += [line] if line else []
 
-    result = RunResult(done, target)
+    result = RunResult(done, target, quality=quality)
     v, f = recipe.validation, recipe.factor
     if not v.enabled:
         done["validate"] = "off"
@@ -125,7 +171,9 @@ def run_recipe(
     return result
 
 
-def _export(recipe: Any, target: Path, done: dict[str, str], overwrite: bool, say: Callable[[str], None]) -> None:
+def _export(
+    recipe: Any, target: Path, done: dict[str, str], overwrite: bool, say: Callable[[str], None]
+) -> None:
     """The export stage: ``<output>/export`` from the last checkpoint, unless up to date or off."""
     from mla_convert.export.write import export_checkpoint
 
@@ -139,7 +187,11 @@ def _export(recipe: Any, target: Path, done: dict[str, str], overwrite: bool, sa
         return
     say(f"export: running ({stage.why})")
     export_checkpoint(
-        target, stage.folder, recipe.export.format, overwrite=overwrite or stage.replaces, note=say,
+        target,
+        stage.folder,
+        recipe.export.format,
+        overwrite=overwrite or stage.replaces,
+        note=say,
         dtype=recipe.export.dtype,
     )
     done["export"] = "ran"

@@ -65,8 +65,13 @@ def load_table(path: Path) -> Any:
     try:
         return datasets.load_dataset(builder, data_files=str(path), split="train")
     except Exception as exc:  # datasets raises builder-specific errors for malformed input
-        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise TextError(f"{path}: cannot be read as {path.suffix.lower()[1:]} ({detail})") from None
+        # datasets wraps the parser's error in "An error occurred while generating the dataset": show the parser's
+        root: BaseException = exc.__cause__ or exc.__context__ or exc
+        detail = str(root).splitlines()[0] if str(root) else type(root).__name__
+        raise TextError(
+            f"{path}: cannot be read as {path.suffix.lower()[1:]} ({detail}); fix the file or give it the suffix of "
+            "its format"
+        ) from None
     finally:
         datasets.logging.set_verbosity(level)
 

@@ -341,9 +341,27 @@ def test_init_recipe_copies_and_refuses_overwrite(tmp_path, monkeypatch):
     fsdp = (BUNDLED_DIR / "accelerate" / "fsdp.yaml").read_text()
     assert r.exit_code == 0 and (tmp_path / "accelerate-fsdp.yaml").read_text() == fsdp
     assert "accelerate launch --config_file" in r.stdout and "accelerate-fsdp" not in bundled_names()
+    r = run("init-recipe", "accelerate-fsdp", tmp_path / "new")  # a new path without .yaml is a folder
+    assert r.exit_code == 0 and (tmp_path / "new" / "accelerate-fsdp.yaml").read_text() == fsdp
 
 
 # ------------------------------------------------------------------------------------- stage skipping
+#: the measured parts of a factor report.json and an adapt report (values of the quick-start run)
+FACTOR_REPORT = {
+    "model": {
+        "eval": {"perplexity": 31.032, "reference_perplexity": 14.229, "tokens": 4088},
+        "cache": {"converted": {"values_per_token_per_layer": 120.0}, "ratio": 0.3125},
+    },
+    "text": {"name": "wikipedia"},
+}
+_EVAL = {"source_perplexity": 14.229, "eval_tokens": 4088, "other_text": "news"}
+ADAPT_REPORT = {
+    "before": {**_EVAL, "perplexity": 31.032, "kl": 0.8034, "other_perplexity": 70.38, "chat_kl": 1.458},
+    "after": {**_EVAL, "perplexity": 21.636, "kl": 0.5087, "other_perplexity": 50.28, "chat_kl": 1.049},
+    "tokens_trained": 100352,
+}
+
+
 class Fakes:
     """Stand-ins for the three stages that write what the skip logic reads, and count their calls."""
 
@@ -362,12 +380,13 @@ class Fakes:
         out = check_output(out, overwrite, src.path)
         with atomic_folder(out) as tmp:
             (tmp / "config.json").write_text(json.dumps({"model_type": "mla"}))
+            (tmp / "report.json").write_text(json.dumps(FACTOR_REPORT))
             manifest = {
                 "source": {"origin": src.origin, "family": src.family.name},
                 "options": options.model_dump(),
                 "ranks": [7],
             }
-            write_manifest(tmp, manifest, ["config.json"])
+            write_manifest(tmp, manifest, ["config.json", "report.json"])
         return {}
 
     def run_adapt(self, ckpt: Path, out: Path, options: Any, overwrite: bool = False, **kw: Any) -> dict:
@@ -377,7 +396,7 @@ class Fakes:
         self.calls.append("adapt")
         check_output(out, overwrite, ckpt)
         parent = json.loads((ckpt / "mla_manifest.json").read_text())
-        report = {"options": options.model_dump()}
+        report = {"options": options.model_dump(), **ADAPT_REPORT}
         with atomic_folder(out) as tmp:
             (tmp / "adapt_report.json").write_text(json.dumps(report))
             manifest = {
@@ -427,6 +446,13 @@ def test_run_skips_stages_whose_outputs_match(tmp_path, fakes):
     assert r.exit_code == 0, r.stderr
     assert fakes.calls == ["factor", "adapt", "validate:adapt"]
     assert "recipe test: factor ran, adapt ran, validate passed" in r.stdout
+    # what each stage measured, from its own report, before the last line
+    assert (
+        "factor: perplexity 31.032 (source 14.229, x2.18) on 4088 held-out tokens of wikipedia; "
+        "cache 120 values/token/layer (31.25% of the source)\n"
+        "adapt: perplexity 31.032 -> 21.636 (source 14.229, x1.52) on 4088 held-out tokens; KL 0.8034 -> 0.5087; "
+        "news 70.380 -> 50.280; chat KL 1.4580 -> 1.0490; 100,352 tokens trained\n"
+    ) in r.stdout
     saved = (out / RESOLVED_NAME).read_text()
     assert saved.startswith("# resolved by mla-convert") and saved.rstrip() in r.stdout
     assert load_recipe(out / RESOLVED_NAME).recipe.dump() == load_recipe(p).recipe.dump()
@@ -451,6 +477,7 @@ def test_run_skips_stages_whose_outputs_match(tmp_path, fakes):
     assert fakes.calls == ["validate:adapt"]
     assert "  factor    skip  " in r.stdout and "  adapt     skip  " in r.stdout
     assert "recipe test: factor skipped, adapt skipped, validate passed" in r.stdout
+    assert "factor: perplexity 31.032" in r.stdout and "adapt: perplexity 31.032 -> 21.636" in r.stdout
 
     # an adapt option changes: only adapt re-runs, and replacing its folder needs --overwrite
     fakes.calls.clear()
