@@ -109,8 +109,10 @@ def test_context_growth_never_adds_a_variant(monkeypatch: pytest.MonkeyPatch) ->
                     torch.full((batch,), max(length, s_q), dtype=torch.int32),
                     (torch.arange(h) // 5).int(),
                 )  # fmt: skip
-                for num_splits in (None, 1, 7):
-                    K.latent_decode(*args, softmax_scale=0.1, num_splits=num_splits, max_seq_len=length)
+                for num_splits in (None, 1, 7):  # the GPU's row blocks (the interpreter compiles nothing)
+                    K.latent_decode(
+                        *args, softmax_scale=0.1, num_splits=num_splits, max_seq_len=length, block_m=K.BLOCK_M
+                    )
     assert len(seen["split"]) == 1 and len(seen["merge"]) == 1, seen
     # and Triton's integer specialisation is off for the arguments that change per step
     src = Path(K.__file__).read_text()

@@ -651,9 +651,12 @@ def test_host_side_reads_no_device_value(monkeypatch):
         torch.empty(t.shape, dtype=t.dtype, device="meta")
         for t in make_case([5, 40], 16, heads=20, d_c=32).args()[:6]
     ]
-    out, lse = K.latent_decode(*meta, softmax_scale=0.1, max_seq_len=40)
+    out, lse = K.latent_decode(*meta, softmax_scale=0.1, max_seq_len=40, block_m=K.BLOCK_M)  # as on a GPU
     assert out.device.type == "meta" and out.shape == (2, 20, 32) and lse.shape == (2, 20)
     assert launches[0][1:] == (1, 2) and launches[0][0] == 2 and launches[1] == (2, 2)  # 2 row blocks
+    launches.clear()
+    K.latent_decode(*meta, softmax_scale=0.1, max_seq_len=40)  # the interpreter's default: one row block
+    assert launches[0][0] == -(-20 // K.default_block_m(20, kernel_backend()))
 
 
 def test_large_score_scale_lse_relative():
