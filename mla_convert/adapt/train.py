@@ -234,7 +234,7 @@ def _evaluate(job: _Job, step: int) -> dict[str, Any]:
     """Evaluate in float32 on the main process (on every process under FSDP, whose forward gathers the
     shards; only the main one logs) after ``step`` optimizer steps and log the row; every process waits.
     Returns the row (empty on other processes)."""
-    from mla_convert.validate.metrics import evaluate
+    from mla_convert.metrics import evaluate
 
     res: dict[str, Any] = {}
     if job.main or job.sharded:

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from mla_convert.convert.options import ConvertOptions
     from mla_convert.convert.stream import Streamed
     from mla_convert.sources.checkpoint import SourceModel
-    from mla_convert.validate.metrics import EvalResult
+    from mla_convert.metrics import EvalResult
 
 __all__ = [
     "ADDENDA",

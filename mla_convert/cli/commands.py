@@ -320,7 +320,7 @@ def eval_cmd(
     from mla_convert.sources.checkpoint import load_source_model, open_source
     from mla_convert.text.corpora import load_documents
     from mla_convert.text.windows import split_documents, token_windows
-    from mla_convert.validate.metrics import evaluate
+    from mla_convert.metrics import evaluate
 
     with user_errors():
         docs = split_documents(load_documents(text))["evaluation"]  # bad text answers before the model loads

@@ -31,7 +31,7 @@ mapped file. Then, per phase:
   MLA layer running the held-out streams (plain and refit variants) in chunks.
 * ``eval pass`` (pass 3): one MLA layer in float32 with its pages and one chunk.
 * ``score``: the LM head's mapped pages in its stored dtype, then per vocabulary chunk (``C`` = 8192 rows) the
-  float32 rows and the float64 ``[T, C]`` temporaries of :func:`~mla_convert.validate.metrics.head_scores`.
+  float32 rows and the float64 ``[T, C]`` temporaries of :func:`~mla_convert.metrics.head_scores`.
 * ``write``: one output shard (``--max-shard-size``, or the whole output when smaller; at least the largest
   tensor) and the tensor being read.
 * ``sample`` (only when ``4 x params <= 2 GiB``, :data:`~mla_convert.convert.job.SAMPLE_MAX_BYTES`): the
@@ -351,7 +351,7 @@ def factor_phases(options: ConvertOptions, src: Any, max_shard_size: str | int |
     """
     from mla_convert.artifacts.shards import DEFAULT_MAX_SHARD_SIZE
     from mla_convert.convert.job import SAMPLE_MAX_BYTES
-    from mla_convert.validate.metrics import head_scores
+    from mla_convert.metrics import head_scores
 
     s = factor_shape(options, src)
     shard_max = parse_size(max_shard_size if max_shard_size is not None else DEFAULT_MAX_SHARD_SIZE)

@@ -56,7 +56,7 @@ from mla_convert.convert.workdir import load_torch, mark_done, save_torch
 from mla_convert.mla.configuration import MLAConfig
 from mla_convert.mla.modeling import latent_cache_bytes
 from mla_convert.sources.checkpoint import SourceModel
-from mla_convert.validate.metrics import EvalResult, head_scores
+from mla_convert.metrics import EvalResult, head_scores
 
 ProgressFn = Callable[[str, int, int], None]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -70,7 +70,7 @@ def sizes(options: ConvertOptions, src: SourceModel) -> Sizes:
 
 
 def eval_logits(window: int, src: SourceModel) -> float:
-    """Bytes of :func:`~mla_convert.validate.metrics.evaluate`'s logits for one window against a reference."""
+    """Bytes of :func:`~mla_convert.metrics.evaluate`'s logits for one window against a reference."""
     return float(EVAL_LOGIT_BYTES * window * int(src.config.vocab_size))
 
 

@@ -522,7 +522,7 @@ def rung_source(
 ) -> Rung:
     """Rung 4: converted vs source on held-out ``windows [N, T]``; the scale contract; the figures
     ``recorded`` at conversion (``perplexity``, ``kl``) reproduced when given."""
-    from mla_convert.validate.metrics import evaluate
+    from mla_convert.metrics import evaluate
 
     rung = Rung.of(SOURCE, data)
     _check_scale(rung, model.config.softmax_scale, source_scale, "source's")
@@ -566,7 +566,7 @@ def rung_ledger(
     model: MLAForCausalLM, cache: PagedLatentCache, source_model: Any, probe: torch.Tensor
 ) -> Rung:
     """Rung 5: measured paged-cache bytes vs the formula vs the source's KV cache measured on ``probe [1, T]``."""
-    from mla_convert.validate.metrics import measure_cache
+    from mla_convert.metrics import measure_cache
 
     led = cache.ledger()
     rung = Rung.of(

@@ -25,7 +25,7 @@ from mla_convert.convert.options import ConvertOptions
 from mla_convert.convert.workdir import ResumeError, work_dir
 from mla_convert.mla.checkpoint import load_checkpoint
 from mla_convert.sources.checkpoint import load_source_model, open_source
-from mla_convert.validate.metrics import evaluate
+from mla_convert.metrics import evaluate
 
 SMALL = {"window": 32, "calib_windows": 4, "eval_windows": 2, "text": "news"}
 LOSSY = {**SMALL, "rope_pairs": 4, "cache_budget": 28.0}
