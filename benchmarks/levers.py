@@ -38,12 +38,12 @@ from mla_convert.convert.calibration import LayerStats, collect_stats
 from mla_convert.convert.job import HELD_OUT_WINDOWS
 from mla_convert.convert.options import ConvertOptions
 from mla_convert.convert.rope import RopePlan
+from mla_convert.metrics import evaluate
 from mla_convert.mla.algebra import causal_mask
 from mla_convert.mla.modeling import MLAForCausalLM
 from mla_convert.sources.checkpoint import SourceModel, load_source_model, open_source
 from mla_convert.text.corpora import load_documents
 from mla_convert.text.windows import split_documents, token_windows
-from mla_convert.metrics import evaluate
 
 CALIB, DEV, EXTRA = 16, 8, 48  # windows: calibration | refit check | dev | extra calibration (calib-64 row)
 

@@ -27,10 +27,10 @@ from mla_convert.convert.build import build_mla
 from mla_convert.convert.calibration import collect_stats
 from mla_convert.convert.job import HELD_OUT_WINDOWS
 from mla_convert.convert.options import ConvertOptions
+from mla_convert.metrics import evaluate
 from mla_convert.sources.checkpoint import load_source_model, open_source
 from mla_convert.text.corpora import load_documents
 from mla_convert.text.windows import split_documents, token_windows
-from mla_convert.metrics import evaluate
 
 DEV_WINDOWS = 8
 SPLITS = Path(__file__).resolve().parents[1] / "mla_convert" / "measured_splits.json"

@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     from mla_convert.convert.build import Conversion
     from mla_convert.convert.options import ConvertOptions
     from mla_convert.convert.stream import Streamed
-    from mla_convert.sources.checkpoint import SourceModel
     from mla_convert.metrics import EvalResult
+    from mla_convert.sources.checkpoint import SourceModel
 
 __all__ = [
     "ADDENDA",

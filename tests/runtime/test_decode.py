@@ -7,9 +7,9 @@ import torch
 
 from mla_convert.convert.build import build_mla
 from mla_convert.convert.options import ConvertOptions
+from mla_convert.metrics import measure_cache
 from mla_convert.mla.modeling import latent_cache_bytes
 from mla_convert.runtime.decode import greedy, greedy_recompute
-from mla_convert.metrics import measure_cache
 
 
 @pytest.fixture(scope="module")
