@@ -317,10 +317,10 @@ def eval_cmd(
             locate_source(against)
     from transformers import AutoTokenizer
 
+    from mla_convert.metrics import evaluate
     from mla_convert.sources.checkpoint import load_source_model, open_source
     from mla_convert.text.corpora import load_documents
     from mla_convert.text.windows import split_documents, token_windows
-    from mla_convert.metrics import evaluate
 
     with user_errors():
         docs = split_documents(load_documents(text))["evaluation"]  # bad text answers before the model loads
@@ -398,6 +398,7 @@ def generate(
     from transformers import AutoTokenizer
 
     from mla_convert.convert.stream import resolve_device
+    from mla_convert.mla.checkpoint import cast_parameters
     from mla_convert.runtime.decode import generate as paged_generate
     from mla_convert.runtime.decode import greedy
 
@@ -425,7 +426,7 @@ def generate(
             )
         # an export runs stock for --backend absorbed; read back as MLA for the paged/triton backends
         model = _load_mla(ckpt, require_mla=kind != "deepseek_v3" or backend != "absorbed")
-        model = model.to(device=where, dtype=getattr(torch, want))
+        model = cast_parameters(model, getattr(torch, want), where)  # buffers (RoPE frequencies) stay float32
         ids = ids.to(where)
         if kind == "deepseek_v3" and backend == "absorbed":
             out = greedy(model, ids, max_new_tokens)

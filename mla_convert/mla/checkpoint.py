@@ -120,9 +120,7 @@ def load_checkpoint(ckpt: Path, require_mla: bool = True, dtype: Any = None) -> 
     if require_mla and config.get("model_type") == "deepseek_v3":
         from mla_convert.export.reimport import load_export_as_mla
 
-        return (
-            load_export_as_mla(ckpt) if dtype in (None, torch.float32) else load_export_as_mla(ckpt).to(dtype)
-        )
+        return cast_parameters(load_export_as_mla(ckpt), dtype)
     register()  # model_type "mla" (the CLI starts without transformers)
     try:
         return AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=dtype or torch.float32).eval()
@@ -130,3 +128,17 @@ def load_checkpoint(ckpt: Path, require_mla: bool = True, dtype: Any = None) -> 
         raise CheckpointError(
             f"{ckpt} cannot be loaded as a checkpoint: {str(exc).splitlines()[0]}"
         ) from None
+
+
+def cast_parameters(model: Any, dtype: Any = None, device: Any = None) -> Any:
+    """``model`` (changed in place and returned) moved to ``device`` with its floating *parameters* cast to the
+    torch ``dtype``; buffers keep their dtype: the float32 ``rope_inv_freq`` of our models and the ``inv_freq``
+    of stock rotary embeddings (DeepSeek-V3 exports). ``model.to(dtype)`` would round those frequencies to the
+    model dtype (~2^-9 in bfloat16), an angle error that grows with position. ``None`` leaves either as is."""
+    if device is not None:
+        model.to(device)
+    if dtype is not None:
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+    return model
