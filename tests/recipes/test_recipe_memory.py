@@ -33,8 +33,8 @@ from mla_convert.convert.estimate import (
     factor_disk,
     factor_lines,
     factor_shape,
-    factor_time,
 )
+from mla_convert.convert.estimate_time import factor_time
 from mla_convert.convert.options import ConvertOptions
 from mla_convert.recipes.memory import factor_phases, peak
 from mla_convert.sources.checkpoint import open_source

@@ -1,0 +1,147 @@
+"""How long ``mla-convert factor`` will take on the reference machine, before it runs, from the config, the
+tensor headers and the options (no weight is read): the time half of :mod:`mla_convert.convert.estimate`.
+
+:func:`factor_time`: FLOPs of each stage divided by throughputs measured on the reference machine
+(:data:`FP32_GFLOPS` and the constants after it); an estimate for that machine, not a promise. Sizes come from
+:func:`~mla_convert.convert.estimate.factor_shape`, the files written and read back from
+:func:`~mla_convert.convert.estimate.factor_disk`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mla_convert.convert.estimate import factor_disk, factor_shape
+from mla_convert.convert.options import ConvertOptions
+
+# ---- throughput of the reference machine (the 2-core CPU the README's timings come from) ----
+# Measured with torch 2.13 CPU while other jobs loaded the machine (load average ~4 on 2 cores), one thread:
+#: float32 matmul GFLOP/s of one thread (2048 x 2048 ``a @ b``; 74 with two threads under the same load).
+FP32_GFLOPS = 60.0
+#: float64 matmul GFLOP/s of one thread (same measurement; 28.5 with two threads under load).
+FP64_GFLOPS = 30.0
+#: Seconds per ``n³`` of ``torch.linalg.eigh`` (float64, one thread): 0.062 s at n = 576 (3.2e-10), 3.3 s at
+#: n = 2048 (3.8e-10).
+EIGH_S_PER_N3 = 3.8e-10
+#: Seconds per ``m² n`` of ``torch.linalg.svd(full_matrices=False)`` of an ``m x n`` float64 matrix (m <= n),
+#: one thread: 0.049 s at 336 x 576 (7.6e-10), 19.8 s at 2000 x 4096 (1.2e-9).
+SVD_S_PER_M2N = 1.2e-9
+#: The same for ``torch.linalg.svdvals``: 0.025 s at 336 x 576 (3.9e-10), 10.0 s at 2000 x 4096 (6.1e-10).
+SVDVALS_S_PER_M2N = 6.1e-10
+# Fitted to the bundled model's streamed conversion with two threads (``mla-convert factor smollm2-135m OUT
+# --dtype bfloat16``, 133 s wall: setup 5 s, source forward 34 s, plan 4.6 s, factor 2.6 s, pass-1 files 2.3 s,
+# assemble + refit 29 s, held-out forward 23 s, evaluation forward 16 s, score 7 s, finish 4 s) with the FLOP
+# counts of :func:`factor_time`:
+#: Fraction of the one-thread float64 predictions above that two threads took (plan 4.6 s of 7.2 s predicted,
+#: factor 2.6 s of 5.0 s).
+FLOAT64_TWO_THREADS = 0.6
+#: Effective GFLOP/s of the source layers' forward (3.58 TFLOP in 26 s besides the float64 statistics).
+SOURCE_FORWARD_GFLOPS = 137.0
+#: Effective GFLOP/s of the MLA layers' forward, absorbed path (1.80 TFLOP in 23 s, 1.21 in 16 s).
+CONVERTED_FORWARD_GFLOPS = 76.0
+#: Effective GFLOP/s of assemble + refit (1.62 TFLOP in 29 s; 19 s in a less loaded run).
+REFIT_GFLOPS = 56.0
+#: Effective GFLOP/s of the LM-head scoring (0.46 TFLOP of the evaluation windows in 7 s).
+SCORE_GFLOPS = 66.0
+#: Bytes written per second to the work folder and the output (1.7 GB of pass-1 files in 2.3 s).
+IO_BYTES_PER_S = 0.73e9
+#: Seconds besides the layers: imports, source checks, text and embedding (5 s), shards, sample, report (4 s).
+SETUP_S = 9.0
+
+
+@dataclass(frozen=True)
+class TimeEstimate:
+    """Seconds per stage on the reference machine (:data:`FP32_GFLOPS` and the fitted stage throughputs)."""
+
+    stages: dict[str, float]
+
+    @property
+    def total(self) -> float:
+        """Seconds of all stages."""
+        return sum(self.stages.values())
+
+
+def factor_time(options: ConvertOptions, src: Any) -> TimeEstimate:
+    """Seconds of each stage of a conversion on the reference machine: FLOPs / measured throughput.
+
+    Forward passes: ``2 x parameters`` per token and layer, plus ``4 T H h`` for the source attention's scores
+    and values (the masked full ``T x T``), or ``2 T H (2 d_c + d_R)`` on the MLA absorbed path. Statistics,
+    plan, factorization and refit: their float64 matrix products at :data:`FP64_GFLOPS`, eigendecompositions and
+    SVDs by the measured ``c n³`` constants. I/O: the work folder's files written and read back, and the output.
+    """
+    s = factor_shape(options, src)
+    d, h, g, hd, t, n_l = s.hidden, s.heads, s.kv_heads, s.head_dim, s.window, s.layers
+    tok = s.tokens
+    r, d_n, d_c, d_r = s.rows, s.d_nope, s.latent, s.d_rope
+    giga = 1e9
+    f64 = FLOAT64_TWO_THREADS / (FP64_GFLOPS * giga)  # seconds per float64 FLOP of a matrix product
+
+    def f_src(ctx: int) -> float:
+        return 2.0 * s.layer_params + 4.0 * ctx * h * hd
+
+    conv_layer = s.layer_params - s.attn_params + s.conv_attn_params
+    absorbed = 2.0 * h * d_n * d_c + 2.0 * h * d_c * hd  # absorb the queries, expand the values
+
+    def f_conv(ctx: int, attention_only: bool = False) -> float:
+        params = s.conv_attn_params if attention_only else conv_layer
+        return 2.0 * params + absorbed + 2.0 * ctx * h * (2 * d_c + d_r)
+
+    windows = tok["calib"] + tok["held"] + tok["eval"]
+    fwd_src = n_l * (windows * f_src(t) + tok["probe"] * f_src(tok["probe"]))
+    stats64 = n_l * tok["calib"] * (2.0 * d * d + 2.0 * d * (h + g) * hd)
+    hq, gk = h * hd, g * hd
+    plan64 = 2.0 * hq * d * d + 2.0 * hq * hq * d + 2.0 * gk * d * d + 2.0 * gk * gk * d
+    plan_la = 0.0
+    if s.objective != "weight":
+        plan64 += 4.0 * d**3
+        plan_la += EIGH_S_PER_N3 * d**3
+    if s.objective == "output":
+        plan64 += h * (2.0 * d_n * d * d + 2.0 * d_n * d_n * d + 2.0 * hd * hd * d) + 4.0 * r**3
+        plan_la += EIGH_S_PER_N3 * r**3
+    weighted = 2.0 * r * r * d + 2.0 * r * d * d  # L W R
+    plan64 += weighted
+    m_, n_ = min(r, d), max(r, d)
+    if s.budget:
+        plan64 += weighted
+        plan_la += SVDVALS_S_PER_M2N * m_ * m_ * n_
+    factor64 = 4 * weighted + (2.0 / 3.0) * r**3  # L W R, spectrum, the two error traces; solve(L, U)
+    factor_la = (SVD_S_PER_M2N + SVDVALS_S_PER_M2N) * m_ * m_ * n_
+    nt = tok["calib"] if s.refit else 0
+    refit_fwd = n_l * nt * f_conv(t, attention_only=True)
+    refit64 = n_l * (2.0 * nt * hq * hq + 4.0 * nt * hq * d + (2.0 / 3.0 + 2.0) * hq**3) if s.refit else 0.0
+    assemble64 = n_l * 2.0 * h * (d_n + d_r) * hd * d
+    variants = 2 if s.refit else 1
+    held_fwd = n_l * (
+        variants * tok["held"] * (f_conv(t) + f_conv(t, attention_only=True))
+        + tok["probe"] * f_conv(tok["probe"])
+    )
+    eval_fwd = n_l * tok["eval"] * f_conv(t)
+    scored = (t - 1) * (2 * s.evaluation + (2 * s.held if s.refit else 0))
+    score = 2.0 * s.vocab * d * scored
+    disk = factor_disk(options, src)
+    # every file once, and the stream state after every layer of each pass (pass 1's streams, then the later ones)
+    state1 = next(b for what, b in disk.items if what == "stream state")
+    state2 = 4.0 * d * (2 * tok["eval"] + tok["held"] * (2 if s.refit else 1) + tok["probe"])
+    io = sum(b for what, b in disk.items if what != "stream state") + n_l * (state1 + 2 * state2)
+    stages = {
+        "setup and finish": SETUP_S,
+        "source forward": fwd_src / (SOURCE_FORWARD_GFLOPS * giga) + stats64 * f64,
+        "plan": n_l * (plan64 * f64 + plan_la * FLOAT64_TWO_THREADS),
+        "factor": n_l * (factor64 * f64 + factor_la * FLOAT64_TWO_THREADS),
+        "assemble + refit": (refit_fwd + refit64 + assemble64) / (REFIT_GFLOPS * giga),
+        "held-out forward": held_fwd / (CONVERTED_FORWARD_GFLOPS * giga),
+        "eval forward": eval_fwd / (CONVERTED_FORWARD_GFLOPS * giga),
+        "score": score / (SCORE_GFLOPS * giga),  # decide_refit's held-out windows too
+        "files": io / IO_BYTES_PER_S,
+    }
+    return TimeEstimate(stages)
+
+
+def fmt_seconds(seconds: float) -> str:
+    """``"45 s"``, ``"12 min"`` or ``"3.1 h"``."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
