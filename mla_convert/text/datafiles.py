@@ -3,8 +3,10 @@
 Tables are read with Hugging Face ``datasets`` (``load_dataset`` with its packaged ``json``/``parquet``/``csv``
 builders on local files, ``load_from_disk`` for a folder written by ``Dataset.save_to_disk``; nothing is
 fetched). One row is one document: the text of a column (``text`` by default), or a chat ``messages`` column
-(a list of ``{"role", "content"}``) rendered with the tokenizer's chat template. Document ids are
-``<kind>:<file name>#<row>``, so a manifest names every row it used.
+(a list of ``{"role", "content"}``) rendered with the tokenizer's chat template. A table without the text
+column whose ``messages`` column holds such conversations is chat data (the convention of TRL and of the
+chat-template docs) and is read as ``messages=messages``. Document ids are ``<kind>:<file name>#<row>``, so a
+manifest names every row it used.
 """
 
 from __future__ import annotations
@@ -16,11 +18,18 @@ from mla_convert.text.corpora import Document, TextError
 
 #: File suffix -> the ``datasets`` packaged builder that reads it.
 TABLE_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+#: The conversation column read as chat data when the text column is missing (TRL's ``messages``).
+CHAT_COLUMN = "messages"
+#: Rows sampled to tell whether a column holds conversations.
+_SAMPLE_ROWS = 8
 
 __all__ = [
+    "CHAT_COLUMN",
     "TABLE_SUFFIXES",
     "assistant_spans",
+    "conversation_columns",
     "hub_documents",
+    "is_conversation",
     "is_table",
     "load_table",
     "rows_documents",
@@ -89,8 +98,9 @@ def table_documents(
         path: a data file of :data:`TABLE_SUFFIXES` or a saved ``datasets`` folder.
         field: the column of plain text (used when ``messages`` is None).
         messages: a column of chat conversations (lists of ``{"role": str, "content": str}``), rendered with
-            ``tokenizer.apply_chat_template(..., tokenize=False)``.
-        tokenizer: needed for ``messages``.
+            ``tokenizer.apply_chat_template(..., tokenize=False)``. None with no ``field`` column: the
+            :data:`CHAT_COLUMN` column when it holds conversations (chat data, as TRL reads it).
+        tokenizer: needed for conversations.
         assistant: record the character spans of the assistant turns (``Document.loss_spans``) for a loss on
             assistant tokens only (:func:`assistant_spans`).
 
@@ -98,7 +108,8 @@ def table_documents(
         Documents ``<kind>:<file name>#<row>`` in row order; rows whose text is empty are skipped.
 
     Raises:
-        TextError: unreadable table, a missing column, a column that does not hold strings (or conversations),
+        TextError: unreadable table, a missing column (the line names a column of conversations where there is
+            one, as ``messages=NAME``), a column that does not hold strings (or conversations),
             ``messages`` without a tokenizer that has a chat template, a template that fails on a row (or, with
             ``assistant``, does not render a conversation by appending turns), or no non-empty row.
     """
@@ -160,17 +171,33 @@ def rows_documents(
     assistant: bool,
 ) -> list[Document]:
     """Documents ``<prefix>#<row>`` from a loaded ``datasets.Dataset`` (see :func:`table_documents`);
-    ``where`` names the table in errors."""
-    column = messages or field
-    if column not in table.column_names:
-        raise TextError(
-            f"{where}: no column {column!r} (columns: {', '.join(table.column_names)}); "
-            + (
-                "name the conversation column with messages=NAME"
-                if messages
+    ``where`` names the table in errors. Without ``messages`` and without the ``field`` column, a
+    :data:`CHAT_COLUMN` column of conversations is read as chat data."""
+    columns = ", ".join(table.column_names)
+    if messages is None and field not in table.column_names:
+        chats = conversation_columns(table)
+        if CHAT_COLUMN not in chats:
+            hint = (
+                f"column {chats[0]!r} holds conversations: name it with messages={chats[0]}"
+                if chats
                 else "name the text column with field=NAME"
             )
+            raise TextError(f"{where}: no column {field!r} (columns: {columns}); {hint}")
+        if tokenizer is None:
+            raise TextError(
+                f"{where}: no column {field!r}; its {CHAT_COLUMN!r} column holds chat conversations, which need the "
+                "model's chat template (adapt --data renders them): give a file with a text column here"
+            )
+        messages = CHAT_COLUMN  # chat data (TRL's convention): as if messages=messages were given
+    column = messages or field
+    if column not in table.column_names:
+        chats = conversation_columns(table)
+        hint = (
+            f"column {chats[0]!r} holds conversations: name it with messages={chats[0]}"
+            if chats
+            else "name the conversation column with messages=NAME, or drop messages= for a text column"
         )
+        raise TextError(f"{where}: no column {column!r} (columns: {columns}); {hint}")
     if messages and (tokenizer is None or not getattr(tokenizer, "chat_template", None)):
         raise TextError(
             f"{where}: chat messages need a tokenizer with a chat template; this model's tokenizer has none"
@@ -184,6 +211,11 @@ def rows_documents(
                 spans = assistant_spans(where, i, value, tokenizer, text)
         elif value is None:
             continue
+        elif is_conversation(value):
+            raise TextError(
+                f"{where}: column {column!r} holds chat conversations (row {i}), not text; "
+                f"name it with messages={column}"
+            )
         elif not isinstance(value, str):
             raise TextError(
                 f"{where}: column {column!r} holds {type(value).__name__} (row {i}), not text; "
@@ -205,6 +237,27 @@ def rows_documents(
     if not docs:
         raise TextError(f"{where}: column {column!r} has no non-empty row")
     return docs
+
+
+def is_conversation(value: Any) -> bool:
+    """Whether ``value`` is one conversation: a non-empty list of ``{"role", "content", ...}`` dicts."""
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+    )
+
+
+def conversation_columns(table: Any) -> list[str]:
+    """The columns of a ``datasets.Dataset`` whose values in the first rows (up to 8 non-empty ones) are all
+    conversations (:func:`is_conversation`), in column order."""
+    sample = table[: min(len(table), _SAMPLE_ROWS)]
+    found = []
+    for name in table.column_names:
+        values = [v for v in sample[name] if v is not None]
+        if values and all(is_conversation(v) for v in values):
+            found.append(name)
+    return found
 
 
 def assistant_spans(

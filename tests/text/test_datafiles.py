@@ -94,3 +94,48 @@ def test_chat_messages_render_with_the_models_template(tmp_path: Path, smol_toke
     path.write_text(json.dumps({"conversation": "not a list"}) + "\n")
     with pytest.raises(TextError, match=r"row 0 is not a list of \{'role', 'content'\} messages"):
         table_documents(path, messages="conversation", tokenizer=smol_tokenizer)
+
+
+def test_a_messages_column_is_chat_data(tmp_path: Path, smol_tokenizer) -> None:
+    """A table whose only column is ``messages`` (role/content lists, TRL's convention) is read as
+    ``messages=messages``; where a hint is given, it names the conversation column as ``messages=NAME``."""
+    from mla_convert.text.specs import parse_data_spec, spec_documents
+
+    chats = [
+        [{"role": "user", "content": "What is MLA?"}, {"role": "assistant", "content": "A latent KV cache."}],
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
+    ]
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    rendered = [smol_tokenizer.apply_chat_template(c, tokenize=False).strip() for c in chats]
+    docs = spec_documents(parse_data_spec(str(path)), smol_tokenizer)  # adapt --data chats.jsonl
+    assert [d.text for d in docs] == rendered
+    assert [d.id for d in docs] == ["jsonl:chats.jsonl#0", "jsonl:chats.jsonl#1"]
+    explicit = table_documents(path, messages="messages", tokenizer=smol_tokenizer)
+    assert [(d.id, d.sha256) for d in docs] == [(d.id, d.sha256) for d in explicit]
+    # without a template at hand (factor --text): one line saying what the column is, not "field=NAME"
+    with pytest.raises(TextError, match="its 'messages' column holds chat conversations") as err:
+        load_documents(str(path))
+    assert "field=NAME" not in str(err.value)
+    # a conversation column of another name: the hint is messages=NAME with that name
+    other = tmp_path / "conv.jsonl"
+    other.write_text("".join(json.dumps({"conversation": c, "n": i}) + "\n" for i, c in enumerate(chats)))
+    with pytest.raises(
+        TextError,
+        match=r"no column 'text' \(columns: conversation, n\); column 'conversation' holds conversations: "
+        r"name it with messages=conversation$",
+    ):
+        table_documents(other, tokenizer=smol_tokenizer)
+    with pytest.raises(
+        TextError, match="column 'conversation' holds conversations: name it with messages=conversation"
+    ):
+        table_documents(other, messages="chat", tokenizer=smol_tokenizer)
+    with pytest.raises(TextError, match=r"column 'conversation' holds chat conversations \(row 0\), not text; name it "
+                       r"with messages=conversation$"):  # fmt: skip
+        table_documents(other, field="conversation", tokenizer=smol_tokenizer)
+    # a text column wins over the messages column (field= defaults to text)
+    both = tmp_path / "both.jsonl"
+    both.write_text(
+        "".join(json.dumps({"text": f"row {i}", "messages": c}) + "\n" for i, c in enumerate(chats))
+    )
+    assert [d.text for d in table_documents(both, tokenizer=smol_tokenizer)] == ["row 0", "row 1"]
