@@ -19,22 +19,28 @@ its ratios to the source and to the naive MLA path, and the bytes the cache tens
 Every step feeds the next real token (teacher forcing), so all paths see the same sequence, and the
 last column checks the paths' logits against the absorbed path's at the same steps.
 
-GPU part (``torch.cuda.is_available()`` only): the bundled kernel (``latent_decode``, bfloat16) at
-B x context 1x32k, 16x4k, 64x4k, H = 9 and 128, d_c = 512 and 96: kernel time, achieved bandwidth
-(bytes it must read / time) against the device's copy bandwidth, and PyTorch SDPA on the expanded
-cache of the same shape (SmolLM2-135M's 3 KV heads x 64 for H = 9; 128 heads x 128 for H = 128).
+GPU part (``torch.cuda.is_available()`` only): the bundled kernel (``latent_decode``) with bfloat16 queries over
+bfloat16 and FP8 rows at B x context 1x32k, 16x4k, 64x4k, H = 9 and 128, d_c = 512 and 96, timed through CUDA-graph
+replays (cold: the L2 flushed before each replay, CUDA events around it; hot: ``do_bench_cudagraph``, calls back
+to back): achieved bandwidth (bytes it must read / time) against the measured device-to-device copy bandwidth,
+FLOP/s against a measured bfloat16 matmul (H = 128 is compute-bound at both widths), the roofline fraction, the
+error against the float64 oracle, and PyTorch SDPA on the expanded cache of the same shape (SmolLM2-135M's 3 KV
+heads x 64 for H = 9; 128 heads x 128 for H = 128).
 
     .venv/bin/mla-convert --quiet factor smollm2-135m /tmp/bench-mla      # once, ~90 s
     .venv/bin/python benchmarks/decode.py --checkpoint /tmp/bench-mla [--readme]
-    .venv/bin/python benchmarks/decode.py --gpu                            # the GPU part alone
+    .venv/bin/python benchmarks/decode.py --gpu [--json rows.json]         # the GPU part alone
 
 Without ``--checkpoint`` (or with a path that does not exist yet) the script makes the default conversion
-first. Prints Markdown tables and writes them to ``benchmarks/results/decode.md``.
+first. Prints Markdown tables and writes them to ``benchmarks/results/decode.md`` (``--gpu``:
+``benchmarks/results/decode_gpu.md``, so a GPU run never replaces the CPU table). ``scripts/gpu_check.sh`` runs
+``--gpu`` as one part of the first GPU run.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -279,94 +285,229 @@ def cpu_bench(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
 
 
 # ----------------------------------------------------------------------------------------- GPU part
-def gpu_bench(args: argparse.Namespace) -> list[str]:
-    """Kernel time and bandwidth of ``latent_decode`` vs the copy bandwidth and SDPA (CUDA only)."""
-    import torch.nn.functional as F
-    from triton.testing import do_bench
+#: (batch, context) x H shapes of the GPU part; d_c + d_R pairs: DeepSeek-V3's and SmolLM2's 120-value budget
+GPU_SHAPES = ((1, 32768), (16, 4096), (64, 4096))
+GPU_HEADS = (9, 128)
+GPU_WIDTHS = ((512, 64), (96, 24))
+GPU_PAGE = 64
+L2_FLUSH_BYTES = 256 * MIB  # larger than any GPU's L2 (an H200 has 60 MB)
 
+
+def kernel_bytes(b: int, ctx: int, h: int, d_c: int, d_r: int, row_bytes: int) -> int:
+    """Bytes one decode call must move: the cached rows it reads (``row_bytes`` of payload each, no padding),
+    the bfloat16 queries, the bfloat16 output, the float32 lse and the int32 block table and lengths."""
+    pages = -(-ctx // GPU_PAGE)
+    return b * ctx * row_bytes + b * h * (d_c + d_r) * 2 + b * h * d_c * 2 + b * h * 4 + b * (pages + 1) * 4
+
+
+def kernel_flops(b: int, ctx: int, h: int, d_c: int, d_r: int) -> int:
+    """Useful floating-point operations of one decode call: ``2 (d_c + d_R)`` per score and ``2 d_c`` per value
+    product, for every head and cached row (padding rows of a 16-row block are not counted)."""
+    return 2 * b * ctx * h * (2 * d_c + d_r)
+
+
+def write_json(path: Path, record: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def gpu_bench(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
+    """``latent_decode`` (bfloat16 and FP8 rows) timed through CUDA-graph replays, against the device's measured
+    copy bandwidth and bfloat16 matmul rate and PyTorch SDPA on the expanded cache (CUDA only).
+
+    Returns:
+        the Markdown lines and a record: ``device`` (name, SMs, memory), ``copy_gbps`` (read + write bytes of a
+        1 GiB device-to-device copy per second / 1e9), ``matmul_tflops`` (8192^3 bfloat16), and ``rows``: one
+        dict per kernel cell (shape, row format, bytes, times in microseconds cold and back to back, GB/s,
+        TFLOP/s, % of copy bandwidth, of the matmul rate and of the roofline, the bound, the error against the
+        float64 oracle, SDPA's time).
+    """
+    import torch.nn.functional as F
+    from triton.testing import do_bench_cudagraph
+
+    from mla_convert.kernels import fp8 as F8
     from mla_convert.kernels import latent_decode_reference, load_kernel
 
     kernel = load_kernel()
     dev = torch.device("cuda")
     dt = torch.bfloat16
-    elem = 2
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=dev)
+    reps = args.gpu_reps
 
-    def bench(fn: Any) -> float:
-        """Median seconds of ``fn`` with the L2 cache flushed before each call (triton's do_bench)."""
-        return do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
+    def capture(fn: Any) -> torch.cuda.CUDAGraph:
+        """``fn`` run twice on a side stream (compile, warm), then captured as one CUDA graph."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        torch.cuda.synchronize()
+        return graph
 
+    def cold(graph: torch.cuda.CUDAGraph) -> float:
+        """Median seconds of one replay of ``graph``, the L2 flushed before each (CUDA events around it)."""
+        marks = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)
+        ]
+        for start, end in marks:
+            flush.zero_()
+            start.record()
+            graph.replay()
+            end.record()
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in marks) / 1e3
+
+    def hot(fn: Any) -> float:
+        """Median seconds of one call, calls back to back in one graph (``do_bench_cudagraph``; L2 warm)."""
+        return float(do_bench_cudagraph(fn, rep=20, return_mode="median")) / 1e3
+
+    def time_sdpa(b: int, h: int, kv_heads: int, hd: int, ctx: int) -> tuple[float, str]:
+        """Seconds of PyTorch SDPA for one query token over ``ctx`` expanded K/V rows (as :func:`cold`), or
+        NaN and why it could not run."""
+        try:
+            q = torch.randn(b, h, 1, hd, device=dev, dtype=dt)
+            k = torch.randn(b, kv_heads, ctx, hd, device=dev, dtype=dt)
+            v = torch.randn_like(k)
+            sdpa = partial(F.scaled_dot_product_attention, q, k, v, enable_gqa=kv_heads != h)
+            return cold(capture(sdpa)), ""
+        except torch.cuda.OutOfMemoryError:
+            return float("nan"), "OOM"
+        except RuntimeError as exc:  # e.g. a backend that cannot be captured
+            return float("nan"), f"error: {str(exc).splitlines()[0][:80]}"
+
+    props = torch.cuda.get_device_properties(dev)
     src = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    copy_s = bench(partial(torch.Tensor.copy_, torch.empty_like(src), src))
+    dst = torch.empty_like(src)
+    copy_s = cold(capture(partial(dst.copy_, src)))
     copy_bw = 2 * src.numel() / copy_s  # read + write bytes per second
-    del src
+    del src, dst
+    a = torch.randn(8192, 8192, device=dev, dtype=dt)
+    mm_s = hot(partial(torch.mm, a, a))
+    peak_flops = 2 * 8192**3 / mm_s
+    del a
     torch.cuda.empty_cache()
+    ridge = peak_flops / copy_bw  # FLOP per byte where the two limits meet
+    record: dict[str, Any] = {
+        "device": {
+            "name": torch.cuda.get_device_name(dev),
+            "capability": ".".join(map(str, torch.cuda.get_device_capability(dev))),
+            "multiprocessors": props.multi_processor_count,
+            "memory_gib": props.total_memory / 2**30,
+        },
+        "torch": torch.__version__,
+        "copy_gbps": copy_bw / 1e9,
+        "matmul_tflops": peak_flops / 1e12,
+        "ridge_flop_per_byte": ridge,
+        "rows": [],
+    }
+    fp8_ok = torch.cuda.get_device_capability(dev) >= (8, 9)
     lines = [
-        f"GPU: {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, bfloat16. Device copy bandwidth "
-        f"(1 GiB device-to-device copy, read + write bytes / time): {copy_bw / 1e9:.0f} GB/s. Kernel bytes = "
-        "cache rows read (B x context x (d_c + d_R)) + queries + outputs + block table; SDPA bytes = K and V "
-        "read + query + output. Times: median over calls with the L2 cache flushed before each "
-        "(`triton.testing.do_bench`). d_R = 64 with d_c = 512 (DeepSeek-V3's shape) and 24 with d_c = 96 "
-        "(96 + 24 = SmolLM2's 120-value budget); one shared rope head; page size 64.",
+        f"GPU: {record['device']['name']} ({props.multi_processor_count} SMs), torch {torch.__version__}, bfloat16 "
+        f"queries. Measured here: device copy bandwidth {copy_bw / 1e9:.0f} GB/s (1 GiB device-to-device copy, "
+        f"read + write bytes / time, L2 flushed) and bfloat16 matmul {peak_flops / 1e12:.0f} TFLOP/s (8192^3, "
+        f"`do_bench_cudagraph`); ridge {ridge:.0f} FLOP/byte. Kernel bytes = cached rows read (bfloat16: "
+        "2 (d_c + d_R) bytes a row; FP8: E4M3 latent + float32 scales + bfloat16 rope, `mla_kernels/fp8.py`) + "
+        "queries + output + lse + block table; FLOPs = 2 (2 d_c + d_R) per head and cached row. *cold us*: median "
+        f"of {reps} CUDA-graph replays of one call with the L2 flushed before each (CUDA events around each "
+        "replay); GB/s, TFLOP/s and the percentages use it. *hot us*: calls back to back in one graph "
+        "(`triton.testing.do_bench_cudagraph`, L2 warm: a cache smaller than the L2 stays in it). *% roofline*: "
+        "max(bytes / copy BW, FLOPs / matmul rate) / time; *bound*: the larger of the two. d_R = 64 with "
+        "d_c = 512 (DeepSeek-V3's shape) and 24 with d_c = 96 (SmolLM2's 120-value budget); one shared rope head; "
+        f"page size {GPU_PAGE}. SDPA: PyTorch's on the expanded bfloat16 K/V of the same context (SmolLM2's "
+        "3 KV heads x 64 for H = 9, 128 x 128 for H = 128), timed the same way.",
         "",
-        "| B x context | H | d_c + d_R | kernel us | kernel GB/s | % of copy BW | max err vs fp64 "
-        "| SDPA K/V heads x dim | SDPA us | SDPA GB/s | kernel x SDPA time |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+        "| B x context | H | d_c + d_R | rows | splits | MB moved | cold us | hot us | GB/s | % copy BW | TFLOP/s "
+        "| % matmul | bound | % roofline | max err vs fp64 | x bf16 time | SDPA us | kernel x SDPA time |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
-    page = 64
-    for b, ctx in ((1, 32768), (16, 4096), (64, 4096)):
-        for h in (9, 128):
+    for b, ctx in GPU_SHAPES:
+        for h in GPU_HEADS:
             kv_heads, hd = (3, 64) if h == 9 else (128, 128)
-            sdpa_cell = "n/a"
-            try:
-                sdpa = partial(
-                    F.scaled_dot_product_attention,
-                    torch.randn(b, h, 1, hd, device=dev, dtype=dt),
-                    torch.randn(b, kv_heads, ctx, hd, device=dev, dtype=dt),
-                    torch.randn(b, kv_heads, ctx, hd, device=dev, dtype=dt),
-                    enable_gqa=kv_heads != h,
-                )
-                sdpa_s = bench(sdpa)
-                sdpa_bytes = (2 * b * kv_heads * ctx * hd + 2 * b * h * hd) * elem
-                sdpa_cell = f"{kv_heads} x {hd} | {1e6 * sdpa_s:.1f} | {sdpa_bytes / sdpa_s / 1e9:.0f}"
-                del sdpa
-            except torch.cuda.OutOfMemoryError:
-                sdpa_s = float("nan")
-                sdpa_cell = f"{kv_heads} x {hd} | OOM | OOM"
+            sdpa_s, sdpa_note = time_sdpa(b, h, kv_heads, hd, ctx)
             torch.cuda.empty_cache()
-            for d_c, d_r in ((512, 64), (96, 24)):
-                per_request = -(-ctx // page)
+            for d_c, d_r in GPU_WIDTHS:
+                per_request = -(-ctx // GPU_PAGE)
                 stride = -(-(d_c + d_r) // 16) * 16  # the paged cache's padded row stride
-                cache = torch.randn(b * per_request, page, stride, device=dev, dtype=dt)[..., : d_c + d_r]
+                rows16 = torch.randn(b * per_request, GPU_PAGE, stride, device=dev, dtype=dt)[
+                    ..., : d_c + d_r
+                ]
                 table = torch.arange(b * per_request, device=dev, dtype=torch.int32).view(b, per_request)
                 lens = torch.full((b,), ctx, device=dev, dtype=torch.int32)
                 q_abs = torch.randn(b, h, d_c, device=dev, dtype=dt)
                 q_rope = torch.randn(b, h, d_r, device=dev, dtype=dt)
                 heads = torch.zeros(h, device=dev, dtype=torch.int32)
                 scale = (d_c + d_r) ** -0.5
-
-                call = partial(
-                    kernel.latent_decode, q_abs, q_rope, cache, table, lens, heads, softmax_scale=scale
-                )
-                out, _ = call()
-                n = min(b, 2)  # the float64 oracle on the first requests
-                ref, _ = latent_decode_reference(
-                    q_abs[:n], q_rope[:n], cache, table[:n], lens[:n], heads, scale
-                )
-                err = float((out[:n].double() - ref).abs().max())
-                k_s = bench(call)
-                k_bytes = (
-                    (b * ctx * (d_c + d_r) + b * h * (d_c + d_r) + b * h * d_c) * elem
-                    + b * h * 4
-                    + table.numel() * 4
-                )
-                lines.append(
-                    f"| {b} x {ctx:,} | {h} | {d_c} + {d_r} | {1e6 * k_s:.1f} | {k_bytes / k_s / 1e9:.0f} "
-                    f"| {100 * k_bytes / k_s / copy_bw:.0f} % | {err:.1e} | {sdpa_cell} | {k_s / sdpa_s:.2f} |"
-                )
-                print(lines[-1], flush=True)
-                del call, cache, table, q_abs, q_rope, out, ref
+                bf16_s = float("nan")
+                formats: list[tuple[str, torch.Tensor, Any, int]] = [("bf16", rows16, None, 2 * (d_c + d_r))]
+                if fp8_ok:
+                    lay = F8.layout(d_c, d_r)
+                    formats.append(("fp8", F8.quantize_rows(rows16, lay), lay, lay.row_bytes))
+                for fmt, cache, lay, row_bytes in formats:
+                    call = partial(
+                        kernel.latent_decode,
+                        q_abs,
+                        q_rope,
+                        cache,
+                        table,
+                        lens,
+                        heads,
+                        softmax_scale=scale,
+                        fp8=lay,
+                    )
+                    splits = kernel.default_num_splits(
+                        b, h, per_request * GPU_PAGE, d_c, cache.shape[2] * cache.element_size(),
+                        kernel.multiprocessor_count(dev), kernel.default_block_n(d_c),
+                    )  # fmt: skip
+                    out, _ = call()
+                    n = min(b, 2)  # the float64 oracle on the first requests
+                    ref, _ = latent_decode_reference(
+                        q_abs[:n], q_rope[:n], cache, table[:n], lens[:n], heads, scale, fp8=lay
+                    )
+                    err = float((out[:n].double() - ref).abs().max())
+                    k_s = cold(capture(call))
+                    h_s = hot(call)
+                    if fmt == "bf16":
+                        bf16_s = k_s
+                    by = kernel_bytes(b, ctx, h, d_c, d_r, row_bytes)
+                    fl = kernel_flops(b, ctx, h, d_c, d_r)
+                    floor = max(by / copy_bw, fl / peak_flops)
+                    row = {
+                        "batch": b, "context": ctx, "heads": h, "d_c": d_c, "d_r": d_r, "rows": fmt,
+                        "num_splits": splits, "bytes": by, "flops": fl,
+                        "cold_us": 1e6 * k_s, "hot_us": 1e6 * h_s,
+                        "gbps": by / k_s / 1e9, "pct_copy_bw": 100 * by / k_s / copy_bw,
+                        "tflops": fl / k_s / 1e12, "pct_matmul": 100 * fl / k_s / peak_flops,
+                        "bound": "compute" if fl / by > ridge else "memory",
+                        "pct_roofline": 100 * floor / k_s, "max_err_vs_fp64": err,
+                        "x_bf16_time": k_s / bf16_s,
+                        "sdpa_kv": f"{kv_heads} x {hd}", "sdpa_us": 1e6 * sdpa_s if not sdpa_note else None,
+                        "sdpa_note": sdpa_note or None, "x_sdpa_time": k_s / sdpa_s if not sdpa_note else None,
+                    }  # fmt: skip
+                    record["rows"].append(row)
+                    if (
+                        args.json
+                    ):  # after every row, so a run stopped at its time limit keeps what it measured
+                        write_json(args.json, record)
+                    sdpa_cell = sdpa_note or f"{1e6 * sdpa_s:.1f} | {k_s / sdpa_s:.2f}"
+                    lines.append(
+                        f"| {b} x {ctx:,} | {h} | {d_c} + {d_r} | {fmt} | {splits} | {by / 1e6:.1f} "
+                        f"| {row['cold_us']:.1f} | {row['hot_us']:.1f} | {row['gbps']:.0f} | {row['pct_copy_bw']:.0f} % "
+                        f"| {row['tflops']:.1f} | {row['pct_matmul']:.0f} % | {row['bound']} "
+                        f"| {row['pct_roofline']:.0f} % | {err:.1e} | {row['x_bf16_time']:.2f} | {sdpa_cell} |"
+                    )
+                    print(lines[-1], flush=True)
+                    del call, out, ref
+                del rows16, formats, cache, table, q_abs, q_rope
                 torch.cuda.empty_cache()
-    return lines
+    if not fp8_ok:
+        lines += ["", f"FP8 rows left out: {record['device']['name']} is below sm_89 (no E4M3)."]
+    return lines, record
 
 
 # ----------------------------------------------------------------------------------------- output
@@ -407,13 +548,23 @@ def main() -> None:
     ap.add_argument(
         "--readme", action="store_true", help="also replace the block between the README's markers"
     )
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "decode.md")
+    ap.add_argument(
+        "--gpu-reps", type=int, default=30, help="CUDA-graph replays per cold (L2-flushed) GPU timing"
+    )
+    ap.add_argument(
+        "--out",
+        type=Path,
+        help="Markdown output (default benchmarks/results/decode.md; with --gpu, decode_gpu.md beside it)",
+    )
+    ap.add_argument("--json", type=Path, help="also write the GPU part's record (one dict per row) here")
     args = ap.parse_args()
     if args.gpu and not torch.cuda.is_available():
         print(
             "no CUDA device: the GPU benchmark needs one (torch.cuda.is_available() is False); nothing written"
         )
         return
+    results = Path(__file__).parent / "results"
+    args.out = args.out or results / ("decode_gpu.md" if args.gpu else "decode.md")
     args.no_cpu = args.no_cpu or args.gpu
     torch.set_num_threads(max(1, args.threads))
     torch.manual_seed(0)
@@ -439,7 +590,10 @@ def main() -> None:
         print(verdict)
     sections.append("")
     if torch.cuda.is_available():
-        sections += ["**GPU**, latent decode kernel vs SDPA:", "", *gpu_bench(args)]
+        gpu_lines, record = gpu_bench(args)
+        sections += ["**GPU**, latent decode kernel (bfloat16 and FP8 rows) vs SDPA:", "", *gpu_lines]
+        if args.json:
+            write_json(args.json, record)
     else:
         sections.append("GPU part: no GPU: skipped (no CUDA device on this machine).")
         print("no GPU: skipped")
