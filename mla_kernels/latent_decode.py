@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -348,7 +349,8 @@ def latent_decode(
         block_table: ``[B, max_pages]`` int32 page ids of each request, in token order.
         seq_lens: ``[B]`` int32 cached rows per request including the ``s_q`` new ones (0 gives zeros and
             ``lse = -inf``; otherwise ``>= s_q``). Query token ``i`` sees rows ``j <= seq_lens[b] - s_q + i``.
-        head_to_rope: ``[H]`` int32 rope head of each query head (``h // (H / R)`` for converted models).
+        head_to_rope: ``[H]`` int32 rope head of each query head (``h // (H / R)`` for converted models); any
+            view or integer dtype (copied to contiguous int32 first where it is not: :func:`plan_launch`).
         softmax_scale: the source model's attention scale; required, never derived from widths.
         num_splits: programs per request along the cached rows (default :func:`default_num_splits`).
         block_n: rows per tile, ``>= 16`` (default :func:`default_block_n`).
@@ -366,30 +368,19 @@ def latent_decode(
 
     Raises:
         ValueError: inconsistent shapes/dtypes/devices (:func:`check_decode_inputs`), out-of-range values on
-            CPU tensors (:func:`check_decode_values`), a non-contiguous last dimension, ``block_n < 16``, CPU
-            tensors on a host where Triton runs natively, or bfloat16 in the Triton interpreter.
+            CPU tensors (:func:`check_decode_values`), a non-contiguous last dimension or misaligned FP8 rows
+            (the strides each input needs: :func:`plan_launch`), ``block_n < 16``, CPU tensors on a host where
+            Triton runs natively, or bfloat16 in the Triton interpreter.
     """
     from . import kernel_backend
 
-    d_c, d_r, _ = check_decode_inputs(
-        q_abs, q_rope, kv_cache, block_table, seq_lens, head_to_rope, softmax_scale, fp8
-    )
+    check_decode_inputs(q_abs, q_rope, kv_cache, block_table, seq_lens, head_to_rope, softmax_scale, fp8)
     device = q_abs.device
     backend = kernel_backend()
     if device.type == "cpu" and backend == "triton-cuda":
         raise ValueError(
             "the decode kernel runs natively on this CUDA host but its inputs are on the CPU; put the model "
             "and its paged cache on the GPU (--device cuda)"
-        )
-    if fp8 is None and kv_cache.dtype not in DTYPES:
-        raise ValueError(
-            f"kv_cache dtype {kv_cache.dtype} is not supported (float32, float16, bfloat16; uint8 FP8 rows with fp8=)"
-        )
-    want = q_abs.dtype if fp8 is not None else kv_cache.dtype
-    if q_abs.dtype not in DTYPES or q_abs.dtype != want or q_rope.dtype != want:
-        raise ValueError(
-            f"q_abs ({q_abs.dtype}), q_rope ({q_rope.dtype}) and kv_cache ({kv_cache.dtype}) must share a dtype "
-            "(the queries of an FP8 cache: float32, float16 or bfloat16)"
         )
     if fp8 is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         raise ValueError(
@@ -401,8 +392,101 @@ def latent_decode(
             "bfloat16 cannot run in the Triton interpreter (it reads bfloat16 as 16-bit integers); use a "
             "float32 or float16 cache on the CPU (--dtype float32), or a CUDA GPU"
         )
+    if block_table.device.type == "cpu":
+        check_decode_values(q_abs, q_rope, kv_cache, block_table, seq_lens, head_to_rope, fp8)
+    plan = plan_launch(
+        q_abs, q_rope, kv_cache, block_table, seq_lens, head_to_rope, softmax_scale,
+        num_splits, block_n, max_seq_len, fp8, block_m, backend, multiprocessor_count(device),
+    )  # fmt: skip
+    if plan.split_grid[0] and plan.split_grid[2]:
+        _split_kernel[plan.split_grid](*plan.split_args, **plan.split_kwargs)
+        _merge_kernel[plan.merge_grid](*plan.merge_args, **plan.merge_kwargs)
+    if q_abs.dim() == 3:
+        return plan.out[:, 0], plan.lse[:, 0]
+    return plan.out, plan.lse
+
+
+@dataclass
+class Launch:
+    """The two kernel launches of one :func:`latent_decode` call, planned on the host (:func:`plan_launch`).
+
+    Attributes:
+        split_grid, merge_grid: ``(row blocks, splits, B)`` and ``(row blocks, B)``; split_args/merge_args and
+            split_kwargs/merge_kwargs: the launch arguments (``kernel[grid](*args, **kwargs)``), whose
+            specialisation key (:func:`mla_convert.kernels.variants.launch_specialization`) names the compiled
+            variant; out: ``[B, s_q, H, d_c]`` and lse: ``[B, s_q, H]``, the outputs the launches fill; key: the
+            :class:`LaunchKey`.
+    """
+
+    split_grid: tuple[int, int, int]
+    split_args: tuple[Any, ...]
+    split_kwargs: dict[str, Any]
+    merge_grid: tuple[int, int]
+    merge_args: tuple[Any, ...]
+    merge_kwargs: dict[str, Any]
+    out: torch.Tensor
+    lse: torch.Tensor
+    key: LaunchKey
+
+
+def plan_launch(
+    q_abs: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    head_to_rope: torch.Tensor,
+    softmax_scale: float,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    max_seq_len: int | None = None,
+    fp8: Fp8Layout | None = None,
+    block_m: int | None = None,
+    backend: str = "triton-cuda",
+    sm_count: int = 1,
+) -> Launch:
+    """The launches :func:`latent_decode` makes for these inputs (same arguments; ``backend`` and ``sm_count`` as
+    :func:`default_block_m` and :func:`default_num_splits` take them), without running them or reading a device
+    value: :mod:`mla_convert.kernels.compile_check` plans the product's launches on CPU tensors this way.
+
+    Strides the kernels assume: the last dimension of ``q_abs``, ``q_rope`` and ``kv_cache`` is contiguous
+    (refused otherwise: copying the cache would cost its size); their other strides are passed, so any view
+    (strided, expanded with stride 0) is read as it is. ``head_to_rope``, ``block_table`` and ``seq_lens`` are
+    read with unit strides: one that is not contiguous, or a ``head_to_rope`` that is not int32, is copied first
+    (``[H]``, ``[B, max_pages]`` and ``[B]`` integers: a few hundred bytes per call; inside a CUDA graph the copy is
+    captured with the step). FP8 rows are read as float32 scales and bfloat16 rope values at byte offsets, so
+    their page and row strides and the storage's address must be multiples of 4 bytes.
+
+    Raises:
+        ValueError: as :func:`latent_decode` (dtypes, a non-contiguous last dimension, misaligned FP8 rows,
+            ``block_n``, ``block_m`` or ``num_splits`` out of range).
+    """
+    d_c, d_r, _ = check_decode_inputs(
+        q_abs, q_rope, kv_cache, block_table, seq_lens, head_to_rope, softmax_scale, fp8
+    )
+    device = q_abs.device
+    if fp8 is None and kv_cache.dtype not in DTYPES:
+        raise ValueError(
+            f"kv_cache dtype {kv_cache.dtype} is not supported (float32, float16, bfloat16; uint8 FP8 rows with fp8=)"
+        )
+    want = q_abs.dtype if fp8 is not None else kv_cache.dtype
+    if q_abs.dtype not in DTYPES or q_abs.dtype != want or q_rope.dtype != want:
+        raise ValueError(
+            f"q_abs ({q_abs.dtype}), q_rope ({q_rope.dtype}) and kv_cache ({kv_cache.dtype}) must share a dtype "
+            "(the queries of an FP8 cache: float32, float16 or bfloat16)"
+        )
     if kv_cache.stride(2) != 1 or q_abs.stride(-1) != 1 or (d_r and q_rope.stride(-1) != 1):
-        raise ValueError("kv_cache, q_abs and q_rope need a contiguous last dimension")
+        raise ValueError(
+            "kv_cache, q_abs and q_rope need a contiguous last dimension (stride 1); got strides "
+            f"{kv_cache.stride()}, {q_abs.stride()}, {q_rope.stride()}: pass .contiguous() queries, or cache "
+            "rows whose values are adjacent"
+        )
+    if fp8 is not None and (kv_cache.stride(0) % 4 or kv_cache.stride(1) % 4 or kv_cache.data_ptr() % 4):
+        raise ValueError(
+            f"FP8 rows are read as float32 scales at byte offsets: the page and row strides "
+            f"({kv_cache.stride(0)}, {kv_cache.stride(1)} bytes) and the storage address must be multiples of 4 "
+            "(use PagedLatentCache's rows, padded to 16 bytes)"
+        )
     block_n = block_n or default_block_n(d_c)
     if block_n < MIN_BLOCK_N or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= {MIN_BLOCK_N} (tl.dot's minimum); got {block_n}")
@@ -410,50 +494,51 @@ def latent_decode(
         raise ValueError(f"block_m must be a power of two >= {BLOCK_M} (tl.dot's minimum); got {block_m}")
     if num_splits is not None and not 1 <= num_splits <= 1024:
         raise ValueError(f"num_splits must lie in 1..1024; got {num_splits}")
-    on_host = block_table.device.type == "cpu"
-    if on_host:
-        check_decode_values(q_abs, q_rope, kv_cache, block_table, seq_lens, head_to_rope, fp8)
-    block_table, seq_lens = block_table.contiguous(), seq_lens.contiguous()  # the kernels assume unit strides
+    # the kernels read these with unit strides (a strided view would read other entries, an expanded one past
+    # its storage): contiguous int32 copies where they are not (no copy, and no kernel, where they are)
+    block_table, seq_lens = block_table.contiguous(), seq_lens.contiguous()
+    head_to_rope = head_to_rope.to(torch.int32).contiguous()
     q4 = q_abs if q_abs.dim() == 4 else q_abs.unsqueeze(1)
     r4 = q_rope if q_rope.dim() == 4 else q_rope.unsqueeze(1)
     b, s_q, h, _ = q4.shape
     rows = s_q * h
     block_m = block_m or default_block_m(rows, backend)
     if max_seq_len is None:
+        on_host = block_table.device.type == "cpu"
         max_seq_len = int(seq_lens.max()) if on_host and b else block_table.shape[1] * kv_cache.shape[1]
     key = launch_key(q_abs.dtype, d_c, d_r, block_n, fp8.group if fp8 is not None else 0)
     if num_splits is None:
         row_bytes = kv_cache.shape[2] * kv_cache.element_size()
-        num_splits = default_num_splits(
-            b, rows, max_seq_len, d_c, row_bytes, multiprocessor_count(device), block_n
-        )
+        num_splits = default_num_splits(b, rows, max_seq_len, d_c, row_bytes, sm_count, block_n)
     part_out = torch.empty(b, rows, num_splits, d_c, dtype=torch.float32, device=device)
     part_lse = torch.empty(b, rows, num_splits, dtype=torch.float32, device=device)
     out = torch.empty(b, s_q, h, d_c, dtype=q_abs.dtype, device=device)
     lse = torch.empty(b, s_q, h, dtype=torch.float32, device=device)
-    if b and h:
-        r_arg = r4 if d_r else q4  # never read without rope
-        row_blocks = triton.cdiv(rows, block_m)
-        _split_kernel[(row_blocks, num_splits, b)](
-            q4, r_arg, kv_cache, block_table, seq_lens, head_to_rope,
-            part_out, part_lse,
-            float(softmax_scale),
-            q4.stride(0), q4.stride(1), q4.stride(2), r_arg.stride(0), r_arg.stride(1), r_arg.stride(2),
-            kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
-            part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-            h, s_q, d_c, max(d_r, 1), kv_cache.shape[1], num_splits,
-            fp8.rope_offset if fp8 else d_c, fp8.scale_offset if fp8 else d_c,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DC=key.block_dc, BLOCK_R=key.block_r,
-            HAS_ROPE=key.has_rope, IEEE=q_abs.dtype == torch.float32, FP8_GROUP=key.fp8_group,
-            num_warps=key.num_warps,
-        )  # fmt: skip
-        _merge_kernel[(row_blocks, b)](
-            part_out, part_lse, out, lse,
-            part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-            out.stride(0), out.stride(2), lse.stride(0),
-            rows, d_c, num_splits,
-            BLOCK_M=block_m, BLOCK_DC=key.block_dc, num_warps=MERGE_WARPS,
-        )  # fmt: skip
-    if q_abs.dim() == 3:
-        return out[:, 0], lse[:, 0]
-    return out, lse
+    r_arg = r4 if d_r else q4  # never read without rope
+    row_blocks = triton.cdiv(rows, block_m)
+    split_args = (
+        q4, r_arg, kv_cache, block_table, seq_lens, head_to_rope,
+        part_out, part_lse,
+        float(softmax_scale),
+        q4.stride(0), q4.stride(1), q4.stride(2), r_arg.stride(0), r_arg.stride(1), r_arg.stride(2),
+        kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        h, s_q, d_c, max(d_r, 1), kv_cache.shape[1], num_splits,
+        fp8.rope_offset if fp8 else d_c, fp8.scale_offset if fp8 else d_c,
+    )  # fmt: skip
+    split_kwargs = dict(
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DC=key.block_dc, BLOCK_R=key.block_r,
+        HAS_ROPE=key.has_rope, IEEE=q_abs.dtype == torch.float32, FP8_GROUP=key.fp8_group,
+        num_warps=key.num_warps,
+    )  # fmt: skip
+    merge_args = (
+        part_out, part_lse, out, lse,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(2), lse.stride(0),
+        rows, d_c, num_splits,
+    )  # fmt: skip
+    merge_kwargs = dict(BLOCK_M=block_m, BLOCK_DC=key.block_dc, num_warps=MERGE_WARPS)
+    return Launch(
+        (row_blocks if h else 0, num_splits, b), split_args, split_kwargs,
+        (row_blocks if h else 0, b), merge_args, merge_kwargs, out, lse, key,
+    )  # fmt: skip
