@@ -164,21 +164,56 @@ def test_in_dtype_round_trips_the_weights(converted: dict[str, Path]) -> None:
 
 
 @pytest.mark.parametrize("backend", ["absorbed", "triton", "paged"])
-def test_generate_loads_bf16(converted: dict[str, Path], backend: str) -> None:
-    res = CliRunner().invoke(
-        app,
-        [
-            "generate",
-            str(converted["bfloat16"]),
-            "The capital",
-            "--max-new-tokens",
-            "3",
-            "--backend",
-            backend,
-        ],
-    )
+def test_generate_loads_bf16(
+    converted: dict[str, Path], backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``generate --dtype bfloat16`` on the bfloat16 checkpoint generates with a bfloat16 model (float32 RoPE
+    frequencies, exactly config.json's), prints the prompt and the tokens it chose, and each chosen token is the
+    argmax (within bfloat16 rounding) of a full recomputation by the same model; the float32 model's logits differ."""
+    if backend == "triton" and not torch.cuda.is_available():
+        pytest.skip(
+            "the Triton interpreter reads bfloat16 as integers: refused on the CPU (see the refusals below)"
+        )
+    from mla_convert.runtime import decode
+
+    seen: list[tuple[Any, torch.Tensor]] = []
+
+    def spy(real: Any) -> Any:
+        def run(model: Any, *args: Any, **kwargs: Any) -> Any:
+            out = real(model, *args, **kwargs)
+            seen.append((model, out if isinstance(out, torch.Tensor) else out.tokens))
+            return out
+
+        return run
+
+    monkeypatch.setattr(decode, "greedy", spy(decode.greedy))
+    monkeypatch.setattr(decode, "generate", spy(decode.generate))
+    ckpt = converted["bfloat16"]
+    args = ["generate", str(ckpt), "The capital", "--max-new-tokens", "3", "--backend", backend]
+    res = CliRunner().invoke(app, [*args, "--dtype", "bfloat16"])
     assert res.exit_code == 0, res.stdout + res.stderr
-    assert res.stdout.startswith("The capital")
+    assert "in bfloat16" in res.stderr
+    ((model, tokens),) = seen
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    config = json.loads((ckpt / "config.json").read_text())
+    for i, layer in enumerate(model.model.layers):
+        inv = layer.self_attn.rope_inv_freq
+        assert inv.dtype == torch.float32
+        assert torch.equal(inv.cpu(), torch.tensor(config["rope_inv_freq"][i], dtype=torch.float32))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ckpt))
+    prompt = tok("The capital", return_tensors="pt").input_ids.shape[1]
+    assert tokens.shape == (1, prompt + 3)
+    assert res.stdout.rstrip("\n") == tok.decode(tokens[0].cpu(), skip_special_tokens=True)
+    with torch.no_grad():
+        full = model(input_ids=tokens, use_cache=False).logits[0, prompt - 1 : -1].float()  # [3, vocab]
+        ref = load_checkpoint(ckpt)(input_ids=tokens.cpu(), use_cache=False).logits[0, prompt - 1 : -1]
+    chosen = full.gather(-1, tokens[0, prompt:, None]).squeeze(-1)
+    scale = full.abs().max()
+    assert torch.all(full.max(-1).values - chosen <= 2**-7 * scale), (full.max(-1).values - chosen, scale)
+    drift = float((full.cpu() - ref).abs().max() / ref.abs().max())
+    assert 0 < drift < TOLERANCES["bfloat16"].logits  # computed in bfloat16, and close to float32
 
 
 def test_eval_loads_bf16(converted: dict[str, Path], tiny_src: Path) -> None:
