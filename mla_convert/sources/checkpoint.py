@@ -294,7 +294,7 @@ def _open_gguf(gguf: Path, digest: str | None = None) -> tuple[Path, Any, dict[s
     metadata = gguf_source.read_metadata(gguf)
     architecture = gguf_source.check_architecture(gguf, metadata)
     header = gguf_source.read_header(gguf)
-    folder = gguf_source.cached_folder(gguf, digest or sha256_file(gguf), architecture, _cache_root())
+    folder = gguf_source.cached_folder(gguf, digest or sha256_file(gguf), architecture, _cache_root(), header)
     return folder, header, metadata
 
 
@@ -415,7 +415,9 @@ def open_source(spec: str | Path) -> SourceModel:
 
     Raises:
         SourceError: unknown path, unsupported architecture (QK-norm, sliding window, dynamic RoPE,
-            unknown family), missing/mis-shaped tensors, truncated or corrupt safetensors or GGUF files.
+            unknown family), a config or GGUF key or tensor that changes the function but is not converted
+            (:func:`~mla_convert.sources.integrity.check_function_keys`, :mod:`~mla_convert.sources.gguf_checks`),
+            missing/mis-shaped tensors, truncated or corrupt safetensors or GGUF files.
     """
     origin = str(spec)
     kind, located = locate_source(spec)
@@ -440,6 +442,7 @@ def open_source(spec: str | Path) -> SourceModel:
     family = families()[model_type]
     config = AutoConfig.from_pretrained(str(path), trust_remote_code=False)
     _check_attention(config, family, config_path)
+    integrity.check_function_keys(config_path, config)
     reader: TensorReader
     if gguf is not None:
         reader = gguf_source.GGUFTensors(gguf, header, path, config, metadata)

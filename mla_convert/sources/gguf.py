@@ -5,13 +5,16 @@ A ``.gguf`` SOURCE is opened in three steps, cheapest first:
 1. :func:`read_metadata` parses the metadata with transformers' GGUF reader (``struct`` over a memory
    map; vocabulary and merge tables are walked, not decoded: milliseconds for any file size), and
    :func:`check_architecture` refuses a ``general.architecture`` outside the supported families before
-   anything heavy happens.
+   anything heavy happens, and :func:`~mla_convert.sources.gguf_checks.check_metadata` any key that would
+   change the function without being carried over.
 2. :func:`read_header` reads the tensor table and refuses a truncated file (a tensor that ends past the
-   end of the file).
+   end of the file); :func:`~mla_convert.sources.gguf_checks.check_tensor_names` refuses a tensor with no
+   place in the family's model.
 3. :func:`cached_folder` builds, once per file (keyed by its sha256), a small folder holding only what
-   transformers derives from the metadata: ``config.json``, ``generation_config.json``, the tokenizer
-   files, and :data:`ORIGIN_FILE` (the file name, sha256, architecture and the GGUF -> Hugging Face
-   tensor-name map). No weights.
+   transformers derives from the metadata, with what it leaves out (RoPE scaling of ``rope.scaling.*`` or
+   ``rope_freqs.weight``, llama attention biases: :func:`~mla_convert.sources.gguf_checks.config_overrides`)
+   filled in: ``config.json``, ``generation_config.json``, the tokenizer files, and :data:`ORIGIN_FILE` (the
+   file name, sha256, architecture and the GGUF -> Hugging Face tensor-name map). No weights.
 
 :class:`GGUFTensors` then reads one tensor at a time from the memory-mapped file: the gguf package's
 ``dequantize`` (the same call transformers' GGUF loader makes), then the architecture's
@@ -30,6 +33,7 @@ import numpy as np
 import torch
 
 from mla_convert.artifacts.output import atomic_folder
+from mla_convert.sources import gguf_checks
 from mla_convert.sources.families import REFUSED, families
 from mla_convert.sources.locate import SourceError
 
@@ -41,8 +45,9 @@ if TYPE_CHECKING:
 ORIGIN_FILE = "gguf_origin.json"
 #: Cache sub-folder of the per-file folders (``models/`` held the float32 safetensors copies of before).
 CACHE_SUBDIR = "gguf"
-#: Layout version of :data:`ORIGIN_FILE`; a folder of another version is rebuilt.
-ORIGIN_VERSION = 1
+#: Layout version of :data:`ORIGIN_FILE`; a folder of another version is rebuilt (2: the config carries the
+#: RoPE scaling and biases of :func:`~mla_convert.sources.gguf_checks.config_overrides`).
+ORIGIN_VERSION = 2
 
 #: GGUF ``general.architecture`` -> transformers ``model_type`` where the two differ.
 GGUF_MODEL_TYPES = {
@@ -95,14 +100,16 @@ def supported_families() -> str:
 
 
 def check_architecture(path: Path, metadata: dict[str, Any]) -> str:
-    """Refuse a GGUF whose ``general.architecture`` is outside the supported families.
+    """Refuse a GGUF whose ``general.architecture`` is outside the supported families, or whose metadata
+    changes the function in a way mla-convert would not carry over
+    (:func:`~mla_convert.sources.gguf_checks.check_metadata`).
 
     Returns:
         The GGUF architecture name (``"llama"``, ``"qwen2"``...).
 
     Raises:
         SourceError: one line naming the architecture, the reason when it is a known refusal, and the
-            supported families.
+            supported families; or naming the metadata key refused.
     """
     arch = str(metadata.get("general.architecture", ""))
     model_type = GGUF_MODEL_TYPES.get(arch, arch)
@@ -115,6 +122,7 @@ def check_architecture(path: Path, metadata: dict[str, Any]) -> str:
         raise SourceError(
             f"unsupported GGUF architecture {arch!r} in {path}; supported: {supported_families()}"
         )
+    gguf_checks.check_metadata(path, metadata, arch)
     return arch
 
 
@@ -123,8 +131,9 @@ def read_header(path: Path) -> GgufHeader:
     against the file size.
 
     Raises:
-        SourceError: the header cannot be parsed, holds a tensor type transformers cannot size, or a
-            tensor ends past the end of the file (a truncated download).
+        SourceError: the header cannot be parsed, holds a tensor type transformers cannot size, a
+            tensor ends past the end of the file (a truncated download), or a tensor has no place in a model
+            of the file's architecture (:func:`~mla_convert.sources.gguf_checks.check_tensor_names`).
     """
     from transformers.integrations.gguf.reader import GgufHeader
 
@@ -140,6 +149,8 @@ def read_header(path: Path) -> GgufHeader:
                 f"{path} is truncated or corrupt (tensor {info.name!r} ends at byte {end}, the file has "
                 f"{size} bytes); re-download or re-export it"
             )
+    arch = str(read_metadata(path).get("general.architecture", ""))
+    gguf_checks.check_tensor_names(path, header, arch)
     return header
 
 
@@ -237,29 +248,50 @@ def _folder_is_current(target: Path, digest: str) -> bool:
     )
 
 
-def cached_folder(gguf: Path, digest: str, architecture: str, cache_root: Path) -> Path:
+def cached_folder(
+    gguf: Path, digest: str, architecture: str, cache_root: Path, header: GgufHeader | None = None
+) -> Path:
     """The folder of config, generation config and tokenizer files of ``gguf`` (no weights), built once.
 
     ``cache_root/gguf/<stem>-<sha256[:16]>``, built in a temporary sibling and renamed into place
     (:func:`~mla_convert.artifacts.output.atomic_folder`). ``config.json`` is transformers' reading of
-    the GGUF metadata (``AutoConfig.from_pretrained(dir, gguf_file=name)``) with ``architectures`` and
-    ``dtype: float32`` (the dtype tensors are dequantized to) filled in; the tokenizer is
+    the GGUF metadata (``AutoConfig.from_pretrained(dir, gguf_file=name)``) with ``architectures``,
+    ``dtype: float32`` (the dtype tensors are dequantized to) and what transformers leaves out
+    (:func:`~mla_convert.sources.gguf_checks.config_overrides`) filled in; the tokenizer is
     ``AutoTokenizer.from_pretrained(dir, gguf_file=name).save_pretrained``.
 
+    Args:
+        header: the file's tensor table (:func:`read_header`), read here when not given.
+
     Raises:
-        SourceError: transformers cannot derive a config or tokenizer from the metadata.
+        SourceError: transformers cannot derive a config or tokenizer from the metadata; the RoPE scaling
+            cannot be reproduced; a tensor of the file has no Hugging Face name in the model.
     """
     target = cache_root / CACHE_SUBDIR / f"{gguf.stem}-{digest[:16]}"
     if _folder_is_current(target, digest):
         return target
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+    header = header or read_header(gguf)
     try:
         config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as exc:  # noqa: BLE001 - any reader failure is one user-facing line
+        raise SourceError(f"cannot read GGUF file {gguf}: {_first_line(exc)}") from exc
+    metadata = read_metadata(gguf)
+    for key, value in gguf_checks.config_overrides(gguf, metadata, header, architecture, config).items():
+        setattr(config, key, value)
+    try:
         names = hf_names(config, architecture)
     except Exception as exc:  # noqa: BLE001 - any reader failure is one user-facing line
         raise SourceError(f"cannot read GGUF file {gguf}: {_first_line(exc)}") from exc
+    for info in header.tensors:
+        if info.name not in names and info.name != gguf_checks.ROPE_FREQS:
+            raise SourceError(
+                f"GGUF file {gguf}: tensor {info.name!r} has no counterpart in the transformers "
+                f"{config.model_type} model (mla-convert would drop it and change the function); convert the "
+                "original Hugging Face checkpoint instead"
+            )
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.architectures = [c for c in [_causal_lm_class(config.model_type)] if c] or None
@@ -316,9 +348,15 @@ class GGUFTensors:
         self.architecture = str(origin["architecture"])
         self.label = file_type_label(metadata, header)
         self._infos = {info.name: info for info in header.tensors}
-        #: HF name -> GGUF name, in file order; tensors with no HF name (e.g. ``rope_freqs``) are left out.
+        #: HF name -> GGUF name, in file order; ``rope_freqs`` (in the config's RoPE scaling) is left out.
         self._gguf = {gguf_to_hf[info.name]: info.name for info in header.tensors if info.name in gguf_to_hf}
         self.unmapped = [info.name for info in header.tensors if info.name not in gguf_to_hf]
+        for name in self.unmapped:
+            if name != gguf_checks.ROPE_FREQS:
+                raise SourceError(
+                    f"GGUF file {file}: tensor {name!r} is not in the cached name map of {folder}; delete that "
+                    "folder and open the file again"
+                )
         self._lazy = load_gguf_state_dict(header)  # memmap views, untouched until read
         self._processor = _processor(self.architecture, config)
 

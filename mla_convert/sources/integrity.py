@@ -1,7 +1,8 @@
 """Checks of an opened source that need more than its config and tensor headers, run before any work.
 
 :func:`~mla_convert.sources.checkpoint.open_source` checks the layout (family, attention, tensor names and
-shapes, shard files). :func:`preflight` adds what a conversion would otherwise trip over later, after
+shapes, shard files) and, with :func:`check_function_keys`, that ``config.json`` states nothing that changes the
+function without being converted (soft-capping, logit/embedding scales, QK-norm, MLP biases, unread RoPE keys). :func:`preflight` adds what a conversion would otherwise trip over later, after
 minutes of work or with a traceback: a missing or unreadable tokenizer, a generation config that does not
 parse, a shard index that does not match the shard files, and NaN/Inf in the attention weights, which
 the conversion factors first. Every problem is one :class:`~mla_convert.sources.locate.SourceError` line
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mla_convert.sources.carry import GENERATION_CONFIG, has_tokenizer
 from mla_convert.sources.locate import SourceError
@@ -56,6 +57,116 @@ def check_config_fields(config_path: Path) -> None:
             )
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise SourceError(f"{config_path}: {name} is {value!r}; it must be a positive integer")
+
+
+#: ``rope_parameters`` keys transformers reads, per RoPE type (its ``_validate_*_rope_parameters``); any other key
+#: is ignored by transformers and so by the conversion.
+ROPE_KEYS: dict[str, frozenset[str]] = {
+    "default": frozenset({"rope_type", "type", "rope_theta", "partial_rotary_factor"}),
+    "linear": frozenset({"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor"}),
+    "llama3": frozenset(
+        {
+            "rope_type",
+            "type",
+            "rope_theta",
+            "partial_rotary_factor",
+            "factor",
+            "low_freq_factor",
+            "high_freq_factor",
+            "original_max_position_embeddings",
+        }
+    ),
+    "yarn": frozenset(
+        {
+            "rope_type",
+            "type",
+            "rope_theta",
+            "partial_rotary_factor",
+            "factor",
+            "original_max_position_embeddings",
+            "attention_factor",
+            "beta_fast",
+            "beta_slow",
+            "mscale",
+            "mscale_all_dim",
+            "truncate",
+        }
+    ),
+}
+
+#: config.json keys that change a model's function where its architecture has them, with the values that leave
+#: a Llama/Mistral/Qwen2 unchanged and what another value means. transformers' Llama, Mistral and Qwen2 ignore
+#: them (or, ``mlp_bias``, honour it where mla-convert does not copy the biases), so a checkpoint stating one
+#: would convert into a model that does not do what the key says.
+FUNCTION_KEYS: dict[str, tuple[tuple[object, ...], str]] = {
+    "attn_logit_softcapping": ((None, 0, 0.0), "attention logit soft-capping"),
+    "final_logit_softcapping": ((None, 0, 0.0), "final logit soft-capping"),
+    "logit_scale": ((None, 1, 1.0), "scaled output logits"),
+    "logits_scaling": ((None, 1, 1.0), "scaled output logits"),
+    "embedding_multiplier": ((None, 1, 1.0), "scaled input embeddings"),
+    "residual_multiplier": ((None, 1, 1.0), "scaled residual branches"),
+    "attention_multiplier": ((None,), "an attention scale other than 1/sqrt(head_dim)"),
+    "query_pre_attn_scalar": ((None,), "an attention scale other than 1/sqrt(head_dim)"),
+    "use_qk_norm": ((None, False), "QK-norm"),
+    "qk_layernorm": ((None, False), "QK-norm"),
+    "use_parallel_residual": ((None, False), "parallel attention and MLP residuals"),
+    "parallel_attn": ((None, False), "parallel attention and MLP residuals"),
+    "clip_qkv": ((None,), "clipped q/k/v activations"),
+    "partial_rotary_factor": ((None, 1, 1.0), "partial rotary embedding"),
+    "rotary_pct": ((None, 1, 1.0), "partial rotary embedding"),
+    "alibi": ((None, False), "ALiBi position biases"),
+    "num_local_experts": ((None, 0, 1), "a mixture of experts"),
+    "num_experts": ((None, 0, 1), "a mixture of experts"),
+    "mlp_bias": ((None, False), "MLP biases, which mla-convert does not carry over"),
+}
+
+
+def check_function_keys(config_path: Path, config: Any) -> None:
+    """``config.json`` states nothing that changes the function without being converted: no key of
+    :data:`FUNCTION_KEYS` with another value, no ``rope_parameters`` key transformers does not read for the
+    RoPE type (:data:`ROPE_KEYS`) and no partial rotary factor, no ``sliding_window`` on a Llama (which has none).
+
+    Args:
+        config_path: the ``config.json`` (for messages, and the raw keys transformers drops).
+        config: transformers' config of the folder.
+
+    Raises:
+        SourceError: one line naming the key, its value, what it means and how to go on.
+    """
+    raw = json.loads(config_path.read_text())
+    for key, (neutral, what) in FUNCTION_KEYS.items():
+        value = raw.get(key, getattr(config, key, None))
+        if value not in neutral:
+            raise SourceError(
+                f"{config_path}: {key} = {value!r} means {what}, which mla-convert does not convert; only "
+                f"checkpoints without it convert exactly ({key} = {neutral[-1]!r} or absent)"
+            )
+    if raw.get("model_type") == "llama" and raw.get("sliding_window") is not None:
+        window, context = raw["sliding_window"], raw.get("max_position_embeddings")
+        if context is None or int(window) < int(context):
+            raise SourceError(
+                f"{config_path}: sliding_window = {window} on a Llama (which transformers runs with full "
+                "attention); remove the key if it is stray, or convert a full-attention checkpoint"
+            )
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    rtype = str(params.get("rope_type", params.get("type", "default")))
+    known = ROPE_KEYS.get(rtype)
+    if known is None:
+        return  # checkpoint._check_attention refuses the type
+    unknown = sorted(set(params) - known)
+    if unknown:
+        key = unknown[0]
+        raise SourceError(
+            f"{config_path}: rope_parameters key {key!r} = {params[key]!r} is not read for rope_type {rtype!r} "
+            f"(reads: {', '.join(sorted(known - {'type'}))}); remove it if it is stray, or convert a checkpoint "
+            "whose RoPE transformers implements"
+        )
+    factor = params.get("partial_rotary_factor")
+    if factor is not None and float(factor) != 1.0:
+        raise SourceError(
+            f"{config_path}: rope_parameters partial_rotary_factor = {factor} (partial rotary embedding) is not "
+            "supported; only checkpoints rotating every head dimension convert"
+        )
 
 
 def check_tokenizer(folder: Path) -> None:
