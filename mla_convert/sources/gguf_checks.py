@@ -89,6 +89,8 @@ NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "rope.scaling.attn_factor": ((1.0,), "a RoPE attention factor"),
     "rope.scaling.yarn_log_multiplier": ((0.0,), "a YaRN log multiplier (DeepSeek-style mscale)"),
 }
+#: Keys under ``{arch}.`` llama.cpp requires and transformers would otherwise fill with its own defaults.
+REQUIRED = ("attention.layer_norm_rms_epsilon", "attention.head_count", "embedding_length", "block_count")
 #: Architectures whose llama.cpp graph reads ``rope_freqs.weight`` (Qwen2's does not load it).
 ROPE_FREQS_ARCHS = frozenset({"llama", "mistral"})
 #: The tensor llama.cpp stores per-pair RoPE frequency divisors in.
@@ -134,7 +136,8 @@ def check_metadata(path: Path, metadata: dict[str, Any], arch: str) -> None:
         arch: its ``general.architecture`` (checked supported already).
 
     Raises:
-        SourceError: an adapter or split file, an unknown key under ``{arch}.``, a key of :data:`NEUTRAL` with
+        SourceError: an adapter or split file, a key of :data:`REQUIRED` missing, an unknown key under ``{arch}.``,
+            a key of :data:`NEUTRAL` with
             another value, a rotary or key/value width unequal to the head width, or a RoPE scaling type other
             than none/linear/yarn.
     """
@@ -179,6 +182,12 @@ def check_metadata(path: Path, metadata: dict[str, Any], arch: str) -> None:
             f"{_where(path)}: metadata key {key} = {_short(value)} is not one mla-convert reads, and it may change "
             f"the model's function; {_HOW}"
         )
+    for name in REQUIRED:
+        if _key(arch, name) not in metadata:
+            raise SourceError(
+                f"{_where(path)} has no {arch}.{name} (llama.cpp requires it; transformers would guess a "
+                "default); re-export the file with llama.cpp's convert_hf_to_gguf.py"
+            )
     width = head_width(arch, metadata)
     for name in ("rope.dimension_count", "attention.key_length", "attention.value_length"):
         value = metadata.get(_key(arch, name))

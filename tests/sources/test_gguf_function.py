@@ -97,10 +97,11 @@ def write_gguf(
     tensors: dict[str, np.ndarray] | None = None,
     name: str = "tiny",
     drop: tuple[str, ...] = (),
+    skip_keys: tuple[str, ...] = (),
 ) -> Path:
     """``model`` as llama.cpp writes it: arch ``llama`` (Llama, Mistral) or ``qwen2``, its metadata keys, a
     byte-level BPE vocabulary of ``vocab_size`` tokens, the q/k rows permuted for ``llama``, then ``keys``
-    (full names, added as is) and ``tensors``; tensors named in ``drop`` are left out."""
+    (full names, added as is) and ``tensors``; tensors named in ``drop`` and keys in ``skip_keys`` are left out."""
     c = model.config
     arch = "qwen2" if c.model_type == "qwen2" else "llama"
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -113,7 +114,8 @@ def write_gguf(
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if "llama.attention.layer_norm_rms_epsilon" not in skip_keys:
+        w.add_layer_norm_rms_eps(c.rms_norm_eps)
     if arch == "llama":
         w.add_vocab_size(c.vocab_size)
         w.add_rope_dimension_count(head_dim)
@@ -336,6 +338,14 @@ def test_function_keys_refused(tmp_path: Path, private_cache: Path, key: str, va
     file = write_gguf(model, tmp_path / "bad.gguf", keys={key: value})
     message = _refused(file, private_cache)
     assert key in message and said in message, message
+
+
+def test_missing_norm_epsilon_refused(tmp_path: Path, private_cache: Path) -> None:
+    """Without the key transformers would use LlamaConfig's 1e-6 where the model was trained with another."""
+    model = _model("llama", rms_norm_eps=1e-5)
+    file = write_gguf(model, tmp_path / "no-eps.gguf", skip_keys=("llama.attention.layer_norm_rms_epsilon",))
+    message = _refused(file, private_cache)
+    assert "has no llama.attention.layer_norm_rms_epsilon" in message
 
 
 def test_partial_rotary_refused(tmp_path: Path, private_cache: Path) -> None:
