@@ -7,25 +7,31 @@ RoPE table), so corrupted frequencies cannot hide behind the code that wrote the
 
 The model comes loaded in float32 (a float16/bfloat16 checkpoint upcast exactly). Rungs 2 and 3 take the
 checkpoint's dtype and, when it is not float32, add the same checks run in that dtype
-(:func:`in_dtype`, :data:`~mla_convert.validate.spec.TOLERANCES`); rung 5 measures the cache rung 3 returns.
+(:func:`~.measure.in_dtype`, :data:`~mla_convert.validate.spec.TOLERANCES`); rung 5 measures the cache rung 3
+returns. What every rung uses (timing, the error measure, dtypes, the kernel's device) is :mod:`.measure`.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import re
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mla_convert.mla import algebra
-from mla_convert.runtime.decode import generate
 from mla_convert.runtime.paged_cache import PagedLatentCache
+from mla_convert.validate.measure import (
+    DTYPES,
+    capture_attention_inputs,
+    decode_on_kernel_device,
+    in_dtype,
+    kernel_device,
+    kernel_unsupported,
+    rel_err,
+    timed,
+)
 from mla_convert.validate.result import Rung, ValidationError
 from mla_convert.validate.spec import (
     DECODE,
@@ -48,111 +54,6 @@ from mla_convert.validate.spec import (
 
 if TYPE_CHECKING:  # importing the model class imports transformers' Llama code, which imports Triton
     from mla_convert.mla.modeling import MLAForCausalLM
-
-P = ParamSpec("P")
-R = TypeVar("R")
-
-
-def timed(fn: Callable[P, R]) -> Callable[P, R]:
-    """Run a rung under ``torch.no_grad`` and set its ``seconds`` (wall time; the rung is the result or the
-    first item of a tuple result)."""
-
-    @functools.wraps(fn)
-    def run(*args: P.args, **kwargs: P.kwargs) -> R:
-        start = time.perf_counter()
-        with torch.no_grad():
-            out = fn(*args, **kwargs)
-        rung = out[0] if isinstance(out, tuple) else out
-        assert isinstance(rung, Rung)
-        rung.seconds = round(time.perf_counter() - start, 2)
-        return out
-
-    return run
-
-
-#: torch dtypes by name (the names :func:`~mla_convert.mla.checkpoint.checkpoint_dtype` returns).
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def kernel_unsupported(dtype: str) -> str | None:
-    """Why the Triton kernel cannot run ``dtype`` on this machine (the interpreter has no bfloat16: it runs but
-    returns garbage), or None when it can."""
-    from mla_convert.kernels import kernel_backend
-
-    if dtype == "bfloat16" and kernel_backend() == "triton-interpreter":
-        return "the Triton interpreter (no GPU) does not support bfloat16"
-    return None
-
-
-@contextmanager
-def in_dtype(model: torch.nn.Module, dtype: str) -> Iterator[None]:
-    """Run ``model`` (loaded in float32 from a checkpoint stored in ``dtype``) with its parameters in ``dtype``,
-    as ``from_pretrained(..., dtype=dtype)`` loads them; buffers (the float32 ``rope_inv_freq``) stay as they
-    are. The weights go back to float32 on exit, exactly (they were ``dtype`` values). Memory: the weights
-    are replaced one by one, so no second copy of the model is held."""
-    target = DTYPES[dtype]
-    if target == torch.float32:
-        yield
-        return
-    for param in model.parameters():
-        param.data = param.data.to(target)
-    try:
-        yield
-    finally:
-        for param in model.parameters():
-            param.data = param.data.to(torch.float32)
-
-
-def decode_on_kernel_device(
-    model: MLAForCausalLM, prompt: torch.Tensor, new_tokens: int, backend: str, page_size: int
-) -> Any:
-    """:func:`~mla_convert.runtime.decode.generate` on the device the kernel runs on (a CUDA GPU where Triton
-    runs natively: the native kernel takes no CPU tensors), the model moved there for the call and back after;
-    the result's tokens, step logits and cache come back on the CPU, where the rung's checks run."""
-    from mla_convert.kernels import kernel_backend
-
-    if backend != "triton" or kernel_backend() != "triton-cuda":
-        return generate(model, prompt, new_tokens, backend=backend, page_size=page_size, shuffle_pages=True)
-    torch.nn.Module.to(model, torch.device("cuda"))
-    try:
-        res = generate(
-            model, prompt.to("cuda"), new_tokens, backend=backend, page_size=page_size, shuffle_pages=True
-        )
-    finally:
-        torch.nn.Module.to(model, torch.device("cpu"))
-    res.tokens, res.step_logits = res.tokens.cpu(), res.step_logits.cpu()
-    res.cache.to("cpu")
-    return res
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``max|a - b| / max|b|`` in float64 (0 when both are empty)."""
-    if b.numel() == 0:
-        return 0.0
-    a, b = a.double(), b.double()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-
-
-def capture_attention_inputs(
-    model: MLAForCausalLM, ids: torch.Tensor
-) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Run ``model`` on ``ids [B, T]`` without a cache and capture every layer's attention input
-    ``x [B, T, hidden]``.
-
-    Returns:
-        The per-layer inputs (in layer order) and the logits ``[B, T, vocab]``.
-    """
-    seen: list[torch.Tensor] = []
-    handles = [
-        layer.self_attn.register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach()))
-        for layer in model.model.layers
-    ]
-    try:
-        logits = model(input_ids=ids, use_cache=False).logits
-    finally:
-        for handle in handles:
-            handle.remove()
-    return seen, logits
 
 
 def source_pair_frequencies(config: Any, source_inv_freq: torch.Tensor | None) -> torch.Tensor:
@@ -227,9 +128,9 @@ def _kernel_errors(
     seq_lens, head_to_rope)``, the floating inputs rounded to ``dtype`` for both: the worst ``latent_out``
     rel. error, ``lse`` abs. error, and 1 split vs 4 splits rel. difference (the split-KV merge is exact; the
     default split count depends on the device, 1 on the CPU)."""
-    from mla_convert.kernels import kernel_backend, latent_decode_reference
+    from mla_convert.kernels import latent_decode_reference
 
-    device = torch.device("cuda" if kernel_backend() == "triton-cuda" else "cpu")  # the kernel's device
+    device = kernel_device()
     worst_out = worst_lse = worst_splits = 0.0
     for layer_args, scale in zip(layers, scales, strict=True):
         q_abs, q_rope, pages, *rest = layer_args
