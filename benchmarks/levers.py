@@ -33,8 +33,8 @@ from readme import replace_block
 from transformers import AutoTokenizer
 
 from mla_convert.convert.assemble import pad_plan
-from mla_convert.convert.build import build_mla
-from mla_convert.convert.calibration import LayerStats, collect_stats
+from mla_convert.convert.build import convert_windows
+from mla_convert.convert.calibration import LayerStats
 from mla_convert.convert.job import HELD_OUT_WINDOWS
 from mla_convert.convert.options import ConvertOptions
 from mla_convert.convert.rope import RopePlan
@@ -142,8 +142,9 @@ def main() -> None:
     w = token_windows(tok, splits["calibration"], 512, CALIB + HELD_OUT_WINDOWS + DEV + EXTRA, bos=False)
     n = CALIB + HELD_OUT_WINDOWS
     calib, held, dev = w[:CALIB], w[CALIB:n], w[n : n + DEV]
-    stats, _ = collect_stats(model, src, calib, keep_calibration=True)
-    more: list[LayerStats] = []  # 64 calibration windows, made on first use
+    # the source's calibration statistics with its layer inputs/outputs (the sequential and query refits)
+    stats = convert_windows(src, ConvertOptions(dtype="float32", kv_lora_rank=8, cache_budget=None, refit_o_proj="teacher"),
+                            calib, keep_stats=True).stats  # fmt: skip
     base = evaluate(model, dev).perplexity
     rows: dict[str, tuple[dict, Callable | None]] = {
         "none": ({"refit_o_proj": "none"}, None),
@@ -176,15 +177,10 @@ def main() -> None:
             opts = dict(cache_budget=budget, rope_pairs=pairs)
             if kw.pop("uniform", False):
                 opts = dict(cache_budget=None, kv_lora_rank=budget - 2 * pairs, rope_pairs=pairs)
-            use = stats
-            if kw.pop("calib64", False):
-                if not more:
-                    more.extend(
-                        collect_stats(model, src, torch.cat([calib, w[n + DEV :]]), keep_calibration=True)[0]
-                    )
-                use = more
+            use = torch.cat([calib, w[n + DEV :]]) if kw.pop("calib64", False) else calib
             t0 = time.perf_counter()
-            mla, cfg, _, plans = build_mla(src, model, use, ConvertOptions(**opts, **kw), check_ids=held)
+            conv = convert_windows(src, ConvertOptions(dtype="float32", **opts, **kw), use, held)
+            mla, cfg, plans = conv.model, conv.config, conv.plans
             note = ""
             if post is not None:
                 res = post(mla, plans)

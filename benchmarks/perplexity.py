@@ -23,8 +23,7 @@ import torch
 from readme import replace_block
 from transformers import AutoTokenizer
 
-from mla_convert.convert.build import build_mla
-from mla_convert.convert.calibration import collect_stats
+from mla_convert.convert.build import convert_windows
 from mla_convert.convert.job import HELD_OUT_WINDOWS
 from mla_convert.convert.options import ConvertOptions
 from mla_convert.metrics import evaluate
@@ -256,15 +255,15 @@ def main() -> None:
         "news@512": token_windows(tok, news, 512, args.news_windows, bos=False),
     }
     t0 = time.perf_counter()
-    stats, _ = collect_stats(model, src, calib, keep_calibration=True)
+    tokens = int(calib.numel())
     base = {ctx: evaluate(model, ids).perplexity for ctx, ids in evals.items()}
     described = ", ".join(
         f"{base[k]:.2f} on {k} ({ids.shape[0]} windows, {ids.numel():,} tokens)" for k, ids in evals.items()
     )
     print(
-        f"calibration: {stats[0].tokens} tokens in {time.perf_counter() - t0:.0f} s; source perplexity {described}"
+        f"calibration: {tokens} tokens; source scored in {time.perf_counter() - t0:.0f} s; source perplexity {described}"
     )
-    lines = header(described, stats[0].tokens, dev.shape[0], held.shape[0])
+    lines = header(described, tokens, dev.shape[0], held.shape[0])
     for size in [int(x) for x in args.sizes.split(",")]:
         label = SIZES[size]
         rows = full_grid(size, args.refit) if args.full else {**ANCHORS, **ours(size)}
@@ -272,10 +271,10 @@ def main() -> None:
             if kw["rope_mode"] == "shared" and 2 * kw["rope_pairs"] >= size:
                 kw = {**kw, "rope_pairs": {72: 16, 48: 8}.get(size, kw["rope_pairs"])}
                 name = name.replace("r=32", f"r={kw['rope_pairs']}")
-            opts = ConvertOptions(cache_budget=size, **kw)
+            opts = ConvertOptions(cache_budget=size, dtype="float32", **kw)
             t = time.perf_counter()
             try:
-                mla = build_mla(src, model, stats, opts, check_ids=held)[0]
+                mla = convert_windows(src, opts, calib, held).model
             except ValueError as exc:
                 print(f"skip {name} @ {size}: {exc}")
                 continue

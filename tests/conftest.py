@@ -57,10 +57,19 @@ def eval_ids(smol_tokenizer, wiki_splits) -> torch.Tensor:
 
 
 @pytest.fixture(scope="session")
-def smol_stats(smol, smol_model, calib_windows):
-    from mla_convert.convert.calibration import collect_stats
+def smol_windows(calib_windows) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(calibration [2, 128], held-out [1, 128])`` real windows for in-memory conversions of SmolLM2
+    (:func:`tiny.convert`, the passes ``factor`` runs)."""
+    return calib_windows[:2], calib_windows[2:]
 
-    return collect_stats(smol_model, smol, calib_windows[:2], calib_windows[2:], keep_calibration=True)
+
+@pytest.fixture(scope="session")
+def smol_default(smol, smol_windows):
+    """The default conversion of SmolLM2 (float32 weights) on :func:`smol_windows`, with its calibration
+    statistics (``keep_stats``): one :class:`~mla_convert.convert.build.Conversion` shared by the session."""
+    from tiny import convert
+
+    return convert(smol, *smol_windows, keep_stats=True)
 
 
 @pytest.fixture(scope="session")
@@ -96,7 +105,7 @@ def run_reference(out: Path) -> dict:
 
     from mla_convert.cli.commands import app
 
-    res = CliRunner().invoke(app, ["--quiet", "factor", "smollm2-135m", str(out)])
+    res = CliRunner().invoke(app, ["--quiet", "factor", "smollm2-135m", str(out), "--device", "cpu"])  # GPU hosts too
     assert res.exit_code == 0, res.output + str(res.exception)
     return json.loads((out / "mla_manifest.json").read_text())
 

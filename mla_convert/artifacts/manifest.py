@@ -32,7 +32,6 @@ from mla_convert.errors import UserError
 
 if TYPE_CHECKING:
     from mla_convert.adapt.options import AdaptOptions
-    from mla_convert.convert.build import Conversion
     from mla_convert.convert.options import ConvertOptions
     from mla_convert.convert.stream import Streamed
     from mla_convert.metrics import EvalResult
@@ -87,7 +86,7 @@ def origin_name(origin: str) -> str:
 def conversion_manifest(
     src: SourceModel,
     options: ConvertOptions,
-    conv: Conversion | Streamed,
+    conv: Streamed,
     ev: EvalResult,
     text_name: str,
     documents: Mapping[str, list[dict[str, Any]]],

@@ -1,4 +1,5 @@
-"""Calibration statistics of a source model on real text, one pass, hooks on every attention input.
+"""Calibration statistics of a source layer's attention input on real text (accumulated by the streamed
+conversion, :mod:`mla_convert.convert.stream`, as the windows pass through each source layer).
 
 For each layer ``l`` the attention input ``x`` (the output of ``input_layernorm``, ``[tokens, hidden]``)
 gives everything the conversion needs, since queries, keys and values are linear in ``x``:
@@ -14,16 +15,9 @@ measure each converted layer's attention error on tokens the statistics never sa
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
 import torch
-
-from mla_convert.sources.checkpoint import SourceModel
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
 
 
 @dataclass
@@ -52,10 +46,6 @@ def _pair_norms(y: torch.Tensor, heads: int, d: int) -> torch.Tensor:
     """``E‖pair‖`` per head and pair of ``y [N, heads*d]`` (pair k = dims k, k + d/2) -> ``[heads, d/2]``."""
     y = y.view(-1, heads, d)
     return torch.sqrt(y[..., : d // 2] ** 2 + y[..., d // 2 :] ** 2).mean(0)
-
-
-def _attn_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
-    return kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
 
 
 class StatsAccumulator:
@@ -115,94 +105,6 @@ class StatsAccumulator:
             x=x,
             out=out,
         )
-
-
-@torch.no_grad()
-def collect_stats(
-    model: PreTrainedModel,
-    src: SourceModel,
-    windows: torch.Tensor,
-    held_out: torch.Tensor | None = None,
-    progress: Callable[[int], None] | None = None,
-    keep_calibration: bool = False,
-) -> tuple[list[LayerStats], list[HeldOut]]:
-    """Run a whole source model over token windows and accumulate per-layer statistics (the in-memory
-    path of tests and benchmarks; ``factor`` streams layer by layer, :mod:`mla_convert.convert.stream`).
-
-    Args:
-        model: the source causal LM (transformers, float32, eval mode).
-        src: its validated source description (head layout, biases).
-        windows: ``[N, T]`` token ids used for statistics.
-        held_out: ``[M, T]`` token ids whose attention inputs/outputs are kept (not in the statistics).
-        progress: called with the number of windows just processed.
-        keep_calibration: also keep every calibration window's attention inputs and source outputs in
-            ``LayerStats.x`` / ``.out`` (float32, ``2 * N * T * hidden * 4`` bytes per layer) for refits.
-
-    Returns:
-        ``(stats, held)``: one :class:`LayerStats` per layer; one :class:`HeldOut` per layer (empty list
-        when ``held_out`` is None).
-
-    Raises:
-        ValueError: when ``windows`` is empty.
-    """
-    if windows.numel() == 0:
-        raise ValueError("no calibration windows")
-    layers = model.model.layers  # type: ignore[union-attr]
-    h, g, d = src.num_heads, src.num_kv_heads, src.head_dim
-    acc = [StatsAccumulator(src.attention_weights(i), h, g, d) for i in range(src.num_layers)]
-    capture: dict[int, list[torch.Tensor]] = {}
-    outputs: dict[int, list[torch.Tensor]] = {}
-    mode = {"held": False}
-    kept_x: dict[int, list[torch.Tensor]] = {}
-    kept_out: dict[int, list[torch.Tensor]] = {}
-
-    def pre_hook(idx: int) -> Callable[..., None]:
-        def fn(_mod: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            x = _attn_input(args, kwargs)
-            if mode["held"]:
-                capture.setdefault(idx, []).append(x.detach().float().clone())
-                return
-            if keep_calibration:
-                kept_x.setdefault(idx, []).append(x.detach().float().clone())
-            acc[idx].add(x)
-
-        return fn
-
-    def post_hook(idx: int) -> Callable[..., None]:
-        def fn(_mod: torch.nn.Module, _args: Any, _kwargs: Any, output: Any) -> None:
-            out = output[0] if isinstance(output, tuple) else output
-            if mode["held"]:
-                outputs.setdefault(idx, []).append(out.detach().float().clone())
-            elif keep_calibration:
-                kept_out.setdefault(idx, []).append(out.detach().float().clone())
-
-        return fn
-
-    handles = []
-    for i, layer in enumerate(layers):
-        handles.append(layer.self_attn.register_forward_pre_hook(pre_hook(i), with_kwargs=True))
-        handles.append(layer.self_attn.register_forward_hook(post_hook(i), with_kwargs=True))
-    try:
-        for row in windows:
-            model(input_ids=row[None], use_cache=False)
-            if progress:
-                progress(1)
-        if held_out is not None and held_out.numel():
-            mode["held"] = True
-            for row in held_out:
-                model(input_ids=row[None], use_cache=False)
-    finally:
-        for hd in handles:
-            hd.remove()
-    stats = [
-        a.finish(
-            torch.cat(kept_x[i]) if i in kept_x else None,
-            torch.cat(kept_out[i]) if i in kept_out else None,
-        )
-        for i, a in enumerate(acc)
-    ]
-    held = [HeldOut(torch.cat(capture[i]), torch.cat(outputs[i])) for i in sorted(capture)]
-    return stats, held
 
 
 def second_moment(w: torch.Tensor, b: torch.Tensor | None, st: LayerStats) -> torch.Tensor:

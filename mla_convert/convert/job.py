@@ -20,10 +20,12 @@ from mla_convert.artifacts.manifest import conversion_manifest, write_manifest
 from mla_convert.artifacts.output import write_carried
 from mla_convert.artifacts.report import write_report
 from mla_convert.artifacts.shards import DEFAULT_MAX_SHARD_SIZE, write_shards
+from mla_convert.convert.device import trim_heap
 from mla_convert.convert.options import ConvertOptions, check_options
-from mla_convert.convert.stream import ProgressFn, Streamed, StreamedConversion, Texts, trim_heap
+from mla_convert.convert.stream import ProgressFn, Streamed, StreamedConversion, Texts
 from mla_convert.convert.workdir import check_start, close_work, load_torch, open_work, publish
 from mla_convert.errors import UserError
+from mla_convert.metrics import EvalResult
 from mla_convert.sources.checkpoint import SourceModel
 from mla_convert.sources.integrity import preflight
 from mla_convert.text.corpora import TextError, load_documents, parse_text_spec
@@ -121,10 +123,9 @@ class PhasePeaks:
         return {k: round(v, 1) for k, v in self.peaks.items()}
 
 
-def model_card(src: SourceModel, options: ConvertOptions, res: Streamed) -> str:
-    """A short model card naming the source and the method."""
+def model_card(src: SourceModel, options: ConvertOptions, res: Streamed, ev: EvalResult) -> str:
+    """A short model card naming the source and the method (``ev``: the held-out evaluation)."""
     widths = res.config.cache_width
-    ev = res.eval
     return (
         "---\nlibrary_name: transformers\ntags: [mla, mla-convert]\n---\n"
         f"# MLA conversion of {src.origin}\n\n"
@@ -258,7 +259,7 @@ def run_factor(
             shard_done,
         )
         params = sum(t.numel() for t in conv.layout(config).values())
-        write_carried(staged, src.path, config, model_card(src, options, res))
+        write_carried(staged, src.path, config, model_card(src, options, res, ev))
         phases.enter("sample")
         sample = _sample(staged, tokenizer, sample_prompt, params)
     except UserError:

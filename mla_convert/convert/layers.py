@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mla_convert.errors import UserError
 from mla_convert.mla.algebra import causal_mask
 from mla_convert.mla.configuration import MLAConfig
 from mla_convert.mla.modeling import MLADecoderLayer
@@ -57,6 +58,32 @@ def read_checked(src: SourceModel, name: str, dtype: torch.dtype, device: torch.
             "re-save it"
         )
     return t.to(device)
+
+
+class DtypeRangeError(UserError):
+    """A tensor holds values the chosen output dtype cannot represent (they would be written as ``inf``)."""
+
+
+def check_fits(name: str, t: torch.Tensor, dtype: torch.dtype, chunk: int = FINITE_CHUNK) -> None:
+    """Refuse ``t`` when its largest magnitude exceeds ``dtype``'s largest finite value (float16: 65504), so no
+    weight is written as ``inf``; checked ``chunk`` elements at a time.
+
+    Raises:
+        DtypeRangeError: naming the tensor, its largest magnitude and a dtype that holds it.
+    """
+    if not dtype.is_floating_point or not t.is_floating_point() or t.numel() == 0:
+        return
+    limit = torch.finfo(dtype).max
+    if torch.finfo(t.dtype).max <= limit:
+        return
+    big = max(float(part.abs().max()) for part in t.reshape(-1).split(chunk))
+    if big > limit:
+        fits = "bfloat16" if big <= torch.finfo(torch.bfloat16).max else "float32"
+        name_dt = str(dtype).replace("torch.", "")
+        raise DtypeRangeError(
+            f"tensor {name!r} holds values up to {big:.4g}, beyond {name_dt}'s largest {limit:.4g} (they would be "
+            f"written as inf); use --dtype {fits}"
+        )
 
 
 def chunk_rows(num_heads: int, tokens: int, hidden: int, intermediate: int) -> int:

@@ -31,19 +31,12 @@ from typing import Any
 
 import torch
 
-from mla_convert.convert.build import (
-    LayerRecord,
-    _ranks,
-    is_lossless,
-    layer_record,
-    layer_state,
-    mla_config,
-    plan_and_target,
-)
-from mla_convert.convert.calibration import HeldOut, StatsAccumulator
+from mla_convert.convert.calibration import HeldOut, LayerStats, StatsAccumulator
+from mla_convert.convert.device import resolve_device, resolve_dtype, trim_heap
 from mla_convert.convert.factorize import factor_layer, spectrum
 from mla_convert.convert.layers import (
     SourceLayers,
+    check_fits,
     layer_prefix,
     mla_layer,
     read_checked,
@@ -52,56 +45,22 @@ from mla_convert.convert.layers import (
 )
 from mla_convert.convert.options import ConvertOptions, geometry
 from mla_convert.convert.refit import refit_o_proj
+from mla_convert.convert.steps import (
+    LayerRecord,
+    is_lossless,
+    layer_ranks,
+    layer_record,
+    layer_state,
+    mla_config,
+    plan_and_target,
+)
 from mla_convert.convert.workdir import load_torch, mark_done, save_torch
+from mla_convert.metrics import EvalResult, head_scores
 from mla_convert.mla.configuration import MLAConfig
 from mla_convert.mla.modeling import latent_cache_bytes
 from mla_convert.sources.checkpoint import SourceModel
-from mla_convert.metrics import EvalResult, head_scores
 
 ProgressFn = Callable[[str, int, int], None]
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def trim_heap() -> None:
-    """Hand freed heap pages back to the system (glibc ``malloc_trim``; a no-op elsewhere), so the resident
-    set after a layer is what the next layer holds, not the high-water mark of the last one."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def resolve_device(spec: str) -> torch.device:
-    """``auto`` (a CUDA GPU when present, else the CPU), ``cpu`` or ``cuda[:N]``.
-
-    Raises:
-        OptionsError: a CUDA device this torch build or machine does not have.
-    """
-    from mla_convert.convert.options import OptionsError
-
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(spec)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise OptionsError(f"--device {spec}: this torch build or machine has no CUDA GPU; use --device cpu or auto")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise OptionsError(f"--device {spec}: only {torch.cuda.device_count()} CUDA device(s) here")
-    return device
-
-
-def resolve_dtype(spec: str, src: SourceModel) -> torch.dtype:
-    """The written checkpoint's dtype: ``auto`` is the source config's ``dtype``/``torch_dtype`` (float32 when
-    it names none or another type), else the named one."""
-    if spec != "auto":
-        return DTYPES[spec]
-    named = getattr(src.config, "dtype", None) or getattr(src.config, "torch_dtype", None)
-    name = str(named).replace("torch.", "") if named is not None else "float32"
-    return DTYPES.get(name, torch.float32)
 
 
 @dataclass
@@ -120,7 +79,7 @@ class Streamed:
 
     config: MLAConfig
     layers: list[LayerRecord]
-    eval: EvalResult
+    eval: EvalResult | None  # None: no evaluation windows (an in-memory conversion, mla_convert.convert.build)
     refit: dict[str, Any] | None
     cache_source: dict[str, Any]
     cache_converted: dict[str, Any]
@@ -154,6 +113,11 @@ class StreamedConversion:
         texts: the token windows.
         work: the work folder (:mod:`mla_convert.convert.workdir`).
         progress: ``(stage, advance, total)`` callback.
+        keep_stats: keep every layer's calibration statistics in :attr:`stats` (with the refit's calibration
+            inputs and source outputs when a refit is in play), for the oracles and benchmarks
+            (:mod:`mla_convert.convert.build`); held in memory, not resumable.
+        trim: hand freed heap pages back after each layer (:func:`trim_heap`; its ``gc.collect`` costs ~0.1-1 s
+            in a process holding many objects, so an in-memory conversion of a small model turns it off).
     """
 
     def __init__(
@@ -163,8 +127,11 @@ class StreamedConversion:
         texts: Texts,
         work: Path,
         progress: ProgressFn | None = None,
+        keep_stats: bool = False,
+        trim: bool = True,
     ) -> None:
         self.src = src
+        self.trim = trim
         self.options = options
         self.texts = texts
         self.work = work
@@ -174,6 +141,8 @@ class StreamedConversion:
         self.refit = options.refit_o_proj != "none"
         self.n_layers = src.num_layers
         self.state: dict[str, Any] = {}
+        self.keep_stats = keep_stats
+        self.stats: list[LayerStats] = []
         self.intermediate = int(getattr(src.config, "intermediate_size", None) or 4 * src.hidden_size)
 
     # ------------------------------------------------------------------ helpers
@@ -181,6 +150,7 @@ class StreamedConversion:
         """Embedding rows of every window (float32 on the device), the table read once in its stored dtype."""
         name = "model.embed_tokens.weight"
         table = read_checked(self.src, name, self.src.storage_dtype(name), torch.device("cpu"))
+        check_fits(name, table, self.dtype)
         t = self.texts
         out = {
             role: table[ids].to(torch.float32).to(self.device)
@@ -189,6 +159,19 @@ class StreamedConversion:
         del table
         self.src.release()
         return out
+
+    def _check_head_range(self) -> None:
+        """Refuse, before any layer runs, a final norm or untied LM head the output dtype cannot hold."""
+        names = ["model.norm.weight"]
+        if not getattr(self.src.config, "tie_word_embeddings", False):
+            names.append("lm_head.weight")
+        for name in names:
+            check_fits(name, read_checked(self.src, name, self.src.storage_dtype(name), torch.device("cpu")), self.dtype)
+        self.src.release()
+
+    def _trim(self) -> None:
+        if self.trim:
+            trim_heap()
 
     def _save_state(self, step: dict[str, Any]) -> None:
         save_torch(self.work / "state.pt", self.state)
@@ -203,6 +186,7 @@ class StreamedConversion:
         src, st = self.src, self.state
         layers = SourceLayers(src, self.device)
         if start == 0:
+            self._check_head_range()
             emb = self._embed()
             st.update(
                 streams={f"src_{k}": v for k, v in emb.items()}
@@ -215,7 +199,7 @@ class StreamedConversion:
         for i in range(start, self.n_layers):
             self._source_layer(layers, i)
             src.release()
-            trim_heap()
+            self._trim()
             self._save_state({"pass": 1, "layer": i})
             self.progress("calibrate", 1, self.n_layers)
 
@@ -224,6 +208,10 @@ class StreamedConversion:
         s = st["streams"]
         t0 = time.perf_counter()
         source = self._source_tensors(i)
+        prefix = layer_prefix(i)
+        for name, tensor in source.items():
+            if not name.startswith("self_attn."):  # copied as they are: the MLP and the norms
+                check_fits(prefix + name, tensor, self.dtype)
         if src.gguf_file is not None:  # dequantize once: pass 2 and 3 read the float32 copy
             from safetensors.torch import save_file
 
@@ -260,6 +248,8 @@ class StreamedConversion:
             torch.cat(kept_x) if kept_x else None, torch.cat(kept_out) if kept_out else None
         )
         plan, target = plan_and_target(src, self.options, weights, stats)
+        if self.keep_stats:
+            self.stats.append(stats)
         if self.options.kv_lora_rank is None:
             st["spectra"].append(spectrum(target))
         st["d_nope"].append(int(plan.q_nope.shape[1]))
@@ -286,9 +276,7 @@ class StreamedConversion:
     def ranks_and_config(self) -> MLAConfig:
         """Per-layer ranks (fixed or allocated over every layer's spectrum) and the MLA config."""
         geo = geometry(self.options, self.src)
-        ranks = _ranks(self.options, [None] * self.n_layers, geo) if self.options.kv_lora_rank is not None else (
-            _allocate(self.state["spectra"], geo.latent_total(self.options.cache_budget or 0))
-        )
+        ranks = layer_ranks(self.options, self.state["spectra"], geo)
         plans = [load_torch(self._layer_file(i, "plan.pt")) for i in range(self.n_layers)]
         config = mla_config(self.src, self.options, ranks, plans, max(self.state["d_nope"]))
         config.dtype = str(self.dtype).replace("torch.", "")
@@ -308,7 +296,7 @@ class StreamedConversion:
         for i in range(start, self.n_layers):
             self._convert_layer(config, i)
             self.src.release()
-            trim_heap()
+            self._trim()
             self._save_state({"pass": 2, "layer": i})
             self._layer_file(i, "p1.pt").unlink(missing_ok=True)  # spent: the work folder stays ~ one output big
             self.progress("convert", 1, self.n_layers)
@@ -322,6 +310,9 @@ class StreamedConversion:
         factors = factor_layer(p1["target"], config.kv_lora_rank[i], self.options.factorization)
         source = self._source_tensors(i)
         attn = layer_state(src, self._attention(i, source), plan, factors, config.qk_nope_head_dim)
+        for name, tensor in attn.items():
+            if name != "rope_inv_freq":
+                check_fits(f"{layer_prefix(i)}self_attn.{name}", tensor, self.dtype)
         t1 = time.perf_counter()
         layer = self._mla(config, i, source, attn)  # its parameters are the tensors of ``attn`` and ``source``
         del source
@@ -330,7 +321,9 @@ class StreamedConversion:
         if self.refit and not is_lossless([plan], [factors]):  # an exact layer keeps the source's o_proj
             x, out = p1["refit"]
             refit_o_proj(layer.self_attn, x.to(self.device), out.to(self.device))
-            fit_w = self._round(layer.self_attn.o_proj.weight.detach().clone())
+            fit = layer.self_attn.o_proj.weight.detach().clone()
+            check_fits(f"{layer_prefix(i)}self_attn.o_proj.weight (refit)", fit, self.dtype)
+            fit_w = self._round(fit)
             with torch.no_grad():
                 layer.self_attn.o_proj.weight.copy_(plain_w)
         t2 = time.perf_counter()
@@ -453,7 +446,7 @@ class StreamedConversion:
             s["mla_eval"] = run_mla(layer, s["mla_eval"], self.src.num_heads, self.intermediate)
             del layer
             self.src.release()
-            trim_heap()
+            self._trim()
             self.state["timings"][i]["eval_forward_s"] = time.perf_counter() - t0
             self._save_state({"pass": 3, "layer": i})
             self._layer_file(i, "src.safetensors").unlink(missing_ok=True)
@@ -496,7 +489,7 @@ class StreamedConversion:
         )
         return ev
 
-    def result(self, config: MLAConfig, ev: EvalResult) -> Streamed:
+    def result(self, config: MLAConfig, ev: EvalResult | None) -> Streamed:
         """Records with the kept variant's attention errors, caches and timings."""
         st = self.state
         refit = st.get("refit")
@@ -575,8 +568,3 @@ class StreamedConversion:
 
         return load
 
-
-def _allocate(spectra: list[torch.Tensor], total: int) -> list[int]:
-    from mla_convert.convert.factorize import allocate_ranks
-
-    return allocate_ranks(spectra, total)

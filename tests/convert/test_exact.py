@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import convert
 
 import mla_convert  # noqa: F401
-from mla_convert.convert.build import build_mla
-from mla_convert.convert.calibration import collect_stats
-from mla_convert.convert.options import ConvertOptions
 from mla_convert.sources.checkpoint import load_source_model, open_source
 
 EXACT_TOL = 1e-4  # float32 logits, 30 layers: the accumulated rounding of two float32 computations
@@ -26,12 +24,13 @@ def _exact_options(**kw):
         rope_mode="per-head", rope_strategy="high", rope_pairs=32, cache_budget=None, kv_lora_rank=192
     )
     base.update(kw)
-    return ConvertOptions(**base)
+    return base
 
 
 @pytest.mark.parametrize("path", ["absorbed", "naive"])
-def test_gqa_full_rank_all_pairs_is_exact(smol, smol_model, smol_stats, eval_ids, path, tmp_path):
-    model, _, records, _ = build_mla(smol, smol_model, smol_stats[0], _exact_options())
+def test_gqa_full_rank_all_pairs_is_exact(smol, smol_model, smol_windows, eval_ids, path, tmp_path):
+    conv = convert(smol, *smol_windows, **_exact_options())
+    model, records = conv.model, conv.layers
     ref = _logits(smol_model, eval_ids)
     got = _logits(model, eval_ids, path)
     assert (got - ref).abs().max().item() < EXACT_TOL
@@ -47,10 +46,11 @@ def test_gqa_full_rank_all_pairs_is_exact(smol, smol_model, smol_stats, eval_ids
         assert (_logits(loaded, eval_ids) - ref).abs().max().item() < EXACT_TOL
 
 
-def test_shared_rope_every_component_is_exact(smol, smol_model, smol_stats, eval_ids):
+def test_shared_rope_every_component_is_exact(smol, smol_model, smol_windows, eval_ids):
     """RoRoPE with a complex PCA basis is a change of basis: keeping every component is exact."""
     opts = _exact_options(rope_mode="shared", rope_strategy="rotation", rope_pairs=96)
-    model, cfg, _, _ = build_mla(smol, smol_model, smol_stats[0], opts)
+    conv = convert(smol, *smol_windows, **opts)
+    model, cfg = conv.model, conv.config
     assert cfg.num_rope_heads == 1 and cfg.qk_rope_head_dim == 192
     assert (_logits(model, eval_ids) - _logits(smol_model, eval_ids)).abs().max().item() < EXACT_TOL
 
@@ -61,15 +61,12 @@ def test_mha_expansion_full_rank_is_exact(mha_folder, smol_model, calib_windows,
     mha = load_source_model(src)
     ref = _logits(smol_model, eval_ids)
     assert (_logits(mha, eval_ids) - ref).abs().max().item() < EXACT_TOL  # the expansion itself is exact
-    stats, _ = collect_stats(mha, src, calib_windows[:1])
-    model, _, _, _ = build_mla(src, mha, stats, _exact_options(kv_lora_rank=576))
+    model = convert(src, calib_windows[:1], **_exact_options(kv_lora_rank=576)).model
     for path in ("absorbed", "naive"):
         assert (_logits(model, eval_ids, path) - ref).abs().max().item() < EXACT_TOL
 
 
-def test_partial_rope_changes_the_function(smol, smol_model, smol_stats, eval_ids):
+def test_partial_rope_changes_the_function(smol, smol_model, smol_windows, eval_ids):
     """Dropping pairs is a deliberate loss: the logits must move (the exactness test can fail)."""
-    model, _, _, _ = build_mla(
-        smol, smol_model, smol_stats[0], _exact_options(rope_pairs=4, kv_lora_rank=192)
-    )
+    model = convert(smol, *smol_windows, **_exact_options(rope_pairs=4, kv_lora_rank=192)).model
     assert (_logits(model, eval_ids) - _logits(smol_model, eval_ids)).abs().max().item() > 1e-2

@@ -53,8 +53,8 @@ def plan_bilinears(plan, h: int, g: int, d: int) -> tuple[torch.Tensor, torch.Te
 
 
 @pytest.fixture(scope="module")
-def layer(smol, smol_stats):
-    return smol.attention_weights(LAYER), smol_stats[0][LAYER]
+def layer(smol, smol_default):
+    return smol.attention_weights(LAYER), smol_default.stats[LAYER]
 
 
 PLANS = [

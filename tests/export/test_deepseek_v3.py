@@ -15,14 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import convert
 from tiny import write_tiny_family as _write
 from typer.testing import CliRunner
 
 import mla_convert  # noqa: F401
 from mla_convert.cli.commands import app
-from mla_convert.convert.build import build_mla
-from mla_convert.convert.calibration import collect_stats
-from mla_convert.convert.options import ConvertOptions
 from mla_convert.export.deepseek_v3 import (
     DS_NORM_EPS,
     ExportError,
@@ -43,8 +41,7 @@ def tiny(request, tmp_path_factory, calib_windows):
     folder = _write(tmp_path_factory.mktemp(request.param), request.param)
     src = open_source(folder)
     model = load_source_model(src)
-    stats, _ = collect_stats(model, src, calib_windows[:2], keep_calibration=True)
-    return request.param, src, model, stats
+    return request.param, src, model, calib_windows[:2]
 
 
 def _stock(model, dtype=torch.float32):
@@ -64,12 +61,12 @@ def _logits(model, ids):
 
 @pytest.mark.parametrize("options", [FULL, LOSSY], ids=["full-keep", "lossy-default"])
 def test_stock_deepseek_equals_our_model(tiny, options, eval_ids):
-    family, src, source_model, stats = tiny
+    family, src, source_model, calib = tiny
     if options is FULL:  # every (frequency, component) of every KV head, full rank
         g, half = src.num_kv_heads, src.head_dim // 2
         options = {**FULL, "rope_pairs": g * half, "kv_lora_rank": min(src.hidden_size, g * src.head_dim), "x": 1}
     full = options.pop("x", None) is not None
-    mla, _, _, _ = build_mla(src, source_model, stats, ConvertOptions(**options))
+    mla = convert(src, calib, **options).model
     plan, _, stock = _stock(mla.eval())
     ours = _logits(mla, eval_ids)
     assert (_logits(stock, eval_ids) - ours).abs().max().item() < TOL
@@ -85,8 +82,8 @@ def test_stock_deepseek_equals_our_model(tiny, options, eval_ids):
 def test_latent_rms_is_constant_on_real_hidden_states(tiny, eval_ids):
     """The constant channel makes kv_a_layernorm's RMS constant to < 1e-6 relative on every token (the bound
     from the weights guarantees it for any input)."""
-    _, src, source_model, stats = tiny
-    mla, _, _, _ = build_mla(src, source_model, stats, ConvertOptions(**LOSSY))
+    _, src, source_model, calib = tiny
+    mla = convert(src, calib, **LOSSY).model
     plan, _, stock = _stock(mla.eval())
     seen = []
     layer = stock.model.layers[1].self_attn
@@ -109,8 +106,8 @@ def test_latent_rms_is_constant_on_real_hidden_states(tiny, eval_ids):
 def test_bf16_export_rounds_to_the_stored_weights(tiny, eval_ids):
     """In 16-bit dtypes every folded factor is a power of two (or within 1e-4 of one): the exported tensors
     are the stored MLA tensors times powers of two, so the export adds no rounding of its own."""
-    family, src, source_model, stats = tiny
-    mla, _, _, _ = build_mla(src, source_model, stats, ConvertOptions(**LOSSY))
+    family, src, source_model, calib = tiny
+    mla = convert(src, calib, **LOSSY).model
     mla = mla.to(torch.bfloat16).eval()
     for layer in mla.model.layers:  # rope frequencies stay float32 in a checkpoint
         layer.self_attn.rope_inv_freq = layer.self_attn.rope_inv_freq.float()
@@ -131,16 +128,15 @@ def test_bf16_export_rounds_to_the_stored_weights(tiny, eval_ids):
 def test_rope_table(tiny):
     """shared/high keeps the same geometric frequencies in every layer: a plain rope_theta (what vLLM reads);
     the data-driven default keeps different pairs per layer: their union, exact through longrope factors."""
-    _, src, source_model, stats = tiny
+    _, src, source_model, calib = tiny
     theta = src.config.rope_theta if hasattr(src.config, "rope_theta") else src.config.rope_parameters["rope_theta"]
-    mla, _, _, _ = build_mla(src, source_model, stats, ConvertOptions(rope_strategy="high", rope_pairs=4,
-                                                                      cache_budget=None, kv_lora_rank=16))
+    mla = convert(src, calib, rope_strategy="high", rope_pairs=4, cache_budget=None, kv_lora_rank=16).model
     plan = plan_export(mla.config, torch.float32)
     assert plan.rope.kind == "default" and len(plan.rope.inv_freq) == 4
     assert plan.rope.parameters["rope_theta"] == pytest.approx(theta ** (8 / 16), rel=1e-6)
     assert plan.rope.max_rel_error < 1e-6
     assert plan.cache_values_per_token == {"mla": 24.0, "deepseek_v3": 25.0}  # + the constant channel
-    mla, _, _, _ = build_mla(src, source_model, stats, ConvertOptions(**LOSSY))
+    mla = convert(src, calib, **LOSSY).model
     plan = plan_export(mla.config, torch.float32)
     kept = {f for layer in mla.config.rope_inv_freq for f in layer[0]}
     assert len(plan.rope.inv_freq) >= len(kept) and plan.rope.max_rel_error < 1e-6
@@ -155,9 +151,9 @@ def test_norm_constants_are_exact_in_their_dtype():
 
 
 def test_per_head_checkpoint_is_refused(tiny):
-    _, src, source_model, stats = tiny
-    opts = ConvertOptions(rope_mode="per-head", rope_strategy="high", rope_pairs=2, cache_budget=None, kv_lora_rank=8)
-    mla, _, _, _ = build_mla(src, source_model, stats, opts)
+    _, src, source_model, calib = tiny
+    opts = dict(rope_mode="per-head", rope_strategy="high", rope_pairs=2, cache_budget=None, kv_lora_rank=8)
+    mla = convert(src, calib, **opts).model
     if mla.config.num_rope_heads == 1:
         pytest.skip("one KV head: per-head is shared")
     with pytest.raises(ExportError, match="convert with --rope-mode shared"):
@@ -318,11 +314,10 @@ def test_recipe_export_stage_runs_then_skips(tiny_qwen2, tmp_path):
     assert res.exit_code == 0 and "export skipped" in res.output, res.output
 
 
-def test_smollm2_full_keep_export_is_the_source(smol, smol_model, smol_stats, eval_ids):
+def test_smollm2_full_keep_export_is_the_source(smol, smol_model, smol_windows, eval_ids):
     """Real weights, every RoPE component and full rank: stock DeepSeek-V3 = our MLA model = SmolLM2 (float32)."""
-    opts = ConvertOptions(rope_mode="shared", rope_strategy="rotation", rope_pairs=96, cache_budget=None,
-                          kv_lora_rank=192)
-    mla, _, _, _ = build_mla(smol, smol_model, smol_stats[0], opts)
+    opts = dict(rope_mode="shared", rope_strategy="rotation", rope_pairs=96, cache_budget=None, kv_lora_rank=192)
+    mla = convert(smol, *smol_windows, **opts).model
     plan, _, stock = _stock(mla.eval())
     got = _logits(stock, eval_ids)
     assert (got - _logits(mla, eval_ids)).abs().max().item() < TOL

@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import convert
 
-from mla_convert.convert.build import build_mla
-from mla_convert.convert.options import ConvertOptions
 from mla_convert.metrics import measure_cache
 from mla_convert.mla.modeling import latent_cache_bytes
 from mla_convert.runtime.decode import greedy, greedy_recompute
 
 
 @pytest.fixture(scope="module")
-def lossy(smol, smol_model, smol_stats):
+def lossy(smol, smol_windows):
     """A real lossy conversion at 31.25 % cache (120 values per token per layer)."""
-    opts = ConvertOptions(rope_mode="shared", rope_strategy="high", rope_pairs=32, cache_budget=120)
-    model, cfg, records, _ = build_mla(smol, smol_model, smol_stats[0], opts)
-    return model, cfg, records
+    conv = convert(smol, *smol_windows, rope_mode="shared", rope_strategy="high", rope_pairs=32, cache_budget=120)
+    return conv.model, conv.config, conv.layers
 
 
 def test_absorbed_matches_naive(lossy, eval_ids):
@@ -63,30 +61,24 @@ def test_measured_cache_is_latent_plus_rope(lossy, smol, smol_model, eval_ids):
     assert latent_cache_bytes(cache)[1] == 10 * sum(cfg.cache_width)
 
 
-def test_conversion_is_deterministic(smol, smol_model, smol_stats):
-    opts = ConvertOptions(
-        rope_mode="per-head", rope_strategy="2-norm", rope_pairs=4, objective="output", cache_budget=72
-    )
-    a = build_mla(smol, smol_model, smol_stats[0], opts)[0].state_dict()
-    b = build_mla(smol, smol_model, smol_stats[0], opts)[0].state_dict()
+def test_conversion_is_deterministic(smol, smol_windows):
+    opts = dict(rope_mode="per-head", rope_strategy="2-norm", rope_pairs=4, objective="output", cache_budget=72)
+    a = convert(smol, *smol_windows, **opts).model.state_dict()
+    b = convert(smol, *smol_windows, **opts).model.state_dict()
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_o_proj_refit_lowers_held_out_attention_error(smol, smol_model, smol_tokenizer, wiki_splits):
     """The refit is fitted on calibration tokens and must help on tokens it never saw."""
-    from mla_convert.convert.build import attention_errors
-    from mla_convert.convert.calibration import collect_stats
     from mla_convert.text.windows import token_windows
 
     windows = token_windows(smol_tokenizer, wiki_splits["calibration"], 256, 9, bos=False)
-    stats, held = collect_stats(smol_model, smol, windows[:8], windows[8:], keep_calibration=True)
-
     base = dict(
         rope_mode="shared", rope_strategy="2-norm", rope_pairs=24, objective="output", cache_budget=120
     )
     errs = {}
     for refit in ("none", "teacher"):
-        model = build_mla(smol, smol_model, stats, ConvertOptions(refit_o_proj=refit, **base))[0]
-        errs[refit] = sum(attention_errors(model, held)) / len(held)
+        layers = convert(smol, windows[:8], windows[8:], refit_o_proj=refit, **base).layers
+        errs[refit] = sum(r.attn_rel_error or 0.0 for r in layers) / len(layers)
     assert errs["teacher"] < 0.9 * errs["none"], errs

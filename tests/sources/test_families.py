@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import convert
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from mla_convert.convert.build import build_mla
-from mla_convert.convert.calibration import collect_stats
-from mla_convert.convert.options import ConvertOptions
 from mla_convert.sources.checkpoint import load_source_model, open_source
 
 TINY = dict(
@@ -72,15 +70,14 @@ def test_family_full_rank_is_exact(tmp_path, case, mode, pairs):
     src = _tiny(tmp_path, model_type, **extra)
     source = load_source_model(src)
     ids = torch.randint(0, 256, (3, 64), generator=torch.Generator().manual_seed(1))
-    stats, _ = collect_stats(source, src, ids[:2], keep_calibration=True)
-    opts = ConvertOptions(
+    opts = dict(
         rope_mode=mode,
         rope_strategy="rotation" if mode == "shared" else "high",
         rope_pairs=pairs,
         kv_lora_rank=src.num_kv_heads * src.head_dim,
         cache_budget=None,
     )
-    model = build_mla(src, source, stats, opts)[0]
+    model = convert(src, ids[:2], **opts).model
     with torch.no_grad():
         ref = source(input_ids=ids[2:], use_cache=False).logits
         for path in ("absorbed", "naive"):

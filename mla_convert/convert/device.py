@@ -1,0 +1,51 @@
+"""Where and in what dtype a conversion runs, and handing freed memory back between layers."""
+
+from __future__ import annotations
+
+import torch
+
+from mla_convert.sources.checkpoint import SourceModel
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def trim_heap() -> None:
+    """Hand freed heap pages back to the system (glibc ``malloc_trim``; a no-op elsewhere), so the resident
+    set after a layer is what the next layer holds, not the high-water mark of the last one."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``auto`` (a CUDA GPU when present, else the CPU), ``cpu`` or ``cuda[:N]``.
+
+    Raises:
+        OptionsError: a CUDA device this torch build or machine does not have.
+    """
+    from mla_convert.convert.options import OptionsError
+
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise OptionsError(f"--device {spec}: this torch build or machine has no CUDA GPU; use --device cpu or auto")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise OptionsError(f"--device {spec}: only {torch.cuda.device_count()} CUDA device(s) here")
+    return device
+
+
+def resolve_dtype(spec: str, src: SourceModel) -> torch.dtype:
+    """The written checkpoint's dtype: ``auto`` is the source config's ``dtype``/``torch_dtype`` (float32 when
+    it names none or another type), else the named one."""
+    if spec != "auto":
+        return DTYPES[spec]
+    named = getattr(src.config, "dtype", None) or getattr(src.config, "torch_dtype", None)
+    name = str(named).replace("torch.", "") if named is not None else "float32"
+    return DTYPES.get(name, torch.float32)
