@@ -20,11 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 from oracle import layer_oracles, oracle_model
+from tiny import convert
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from mla_convert.convert.build import build_mla
-from mla_convert.convert.calibration import collect_stats
-from mla_convert.convert.options import ConvertOptions
 from mla_convert.sources.checkpoint import load_source_model, open_source
 
 REL_TOL = 1e-5
@@ -44,13 +42,11 @@ def _full_rank(mode: str, pairs: int, g: int, d: int) -> int:
     return 2 * nope_components + g * d
 
 
-def _opts(**kw) -> ConvertOptions:
-    base = dict(cache_budget=None, refit_o_proj="none", objective="output")
-    base.update(kw)
-    return ConvertOptions(**base)
+def _opts(**kw) -> dict:
+    return dict(cache_budget=None, refit_o_proj="none", objective="output") | kw
 
 
-def _check_partial_rope(src, source_model, stats, ids, mode, strategy, pairs, basis) -> float:
+def _check_partial_rope(src, source_model, windows, ids, mode, strategy, pairs, basis) -> float:
     """Partial RoPE at full rank vs its oracle on every path; returns max |oracle - source| (must be > 0)."""
     opts = _opts(
         rope_mode=mode,
@@ -60,18 +56,40 @@ def _check_partial_rope(src, source_model, stats, ids, mode, strategy, pairs, ba
         kv_lora_rank=_full_rank(mode, pairs, src.num_kv_heads, src.head_dim),
     )
     _, plans, want, source = _check(
-        src, source_model, stats, ids, opts, full_rank=True, paths=("absorbed", "naive")
+        src, source_model, windows, ids, opts, full_rank=True, paths=("absorbed", "naive")
     )
     assert all(sum(len(h) for h in p.slots) == len(p.slots) * pairs for p in plans)
     return (want - source).abs().max().item()
 
 
 def _check(
-    src, source_model, stats, ids, opts, full_rank, paths=("absorbed",), tol=REL_TOL, o_proj_from_mla=False
+    src, source_model, windows, ids, opts, full_rank, paths=("absorbed",), tol=REL_TOL, o_proj_from_mla=False
 ):
-    mla, _, _, plans = build_mla(src, source_model, stats, opts)
+    """Convert with the product passes (``windows``: calibration, held-out) and compare every path with the oracle
+    built from the source weights, the plans' choice and the conversion's own calibration statistics."""
+    conv = convert(src, *windows, keep_stats=True, **opts)
+    want, source = _check_model(
+        conv.model,
+        conv.plans,
+        conv.stats,
+        source_model,
+        ids,
+        opts.get("objective", "output"),
+        opts.get("factorization", "joint"),
+        full_rank,
+        paths,
+        tol,
+        o_proj_from_mla,
+    )
+    return conv.model, conv.plans, want, source
+
+
+def _check_model(
+    mla, plans, stats, source_model, ids, objective="output", factorization="joint", full_rank=False,
+    paths=("absorbed",), tol=REL_TOL, o_proj_from_mla=False,
+):
     oracles = layer_oracles(
-        mla, plans, stats, opts.objective, opts.factorization, full_rank, o_proj_from_mla=o_proj_from_mla
+        mla, plans, stats, objective, factorization, full_rank, o_proj_from_mla=o_proj_from_mla
     )
     with oracle_model(source_model, oracles) as om:
         want = _logits(om, ids)
@@ -79,7 +97,7 @@ def _check(
     scale = want.abs().max().item()
     errs = {p: (_logits(mla, ids, p) - want).abs().max().item() / scale for p in paths}
     assert all(e <= tol for e in errs.values()), errs
-    return mla, plans, want, source
+    return want, source
 
 
 # --- partial RoPE at full rank, the real model ---------------------------------------------------------
@@ -95,9 +113,9 @@ REAL_PARTIAL = [
 
 @pytest.mark.parametrize(("mode", "strategy", "pairs", "basis"), REAL_PARTIAL)
 def test_partial_rope_full_rank_equals_unrotated_source(
-    smol, smol_model, smol_stats, eval_ids, mode, strategy, pairs, basis
+    smol, smol_model, smol_windows, eval_ids, mode, strategy, pairs, basis
 ):
-    moved = _check_partial_rope(smol, smol_model, smol_stats[0], eval_ids, mode, strategy, pairs, basis)
+    moved = _check_partial_rope(smol, smol_model, smol_windows, eval_ids, mode, strategy, pairs, basis)
     assert moved > 0.1  # the oracle is not the source: dropping rotations is a real change
 
 
@@ -113,7 +131,7 @@ def test_partial_rope_full_rank_equals_unrotated_source(
     ],
 )
 def test_low_rank_all_rope_equals_projected_values(
-    smol, smol_model, smol_stats, eval_ids, mode, pairs, objective, factorization
+    smol, smol_model, smol_windows, eval_ids, mode, pairs, objective, factorization
 ):
     # 96 < the rank of E[x xᵀ] on the 256 calibration tokens in every layer (layer 0: 138), so the
     # activation-weighted projection is determined.
@@ -126,7 +144,7 @@ def test_low_rank_all_rope_equals_projected_values(
         kv_lora_rank=96,
     )
     _, _, want, source = _check(
-        smol, smol_model, smol_stats[0], eval_ids, opts, full_rank=False, paths=("absorbed", "naive")
+        smol, smol_model, smol_windows, eval_ids, opts, full_rank=False, paths=("absorbed", "naive")
     )
     assert (want - source).abs().max().item() > 0.1
 
@@ -134,20 +152,22 @@ def test_low_rank_all_rope_equals_projected_values(
 # --- both combined: the default conversion on the real model --------------------------------------------
 
 
-def test_default_conversion_equals_oracle_on_every_path(smol, smol_model, smol_stats, eval_ids):
+def test_default_conversion_equals_oracle_on_every_path(smol, smol_model, smol_windows, eval_ids):
     """Default options (shared 2-norm r=24, output-aware joint SVD at a 120-value budget, o_proj refit):
     the oracle takes the refitted ``o_proj`` from the checkpoint; naive, absorbed and the Triton decode
     path over the paged latent cache all equal it."""
     from mla_convert.kernels import kernel_backend
     from mla_convert.runtime.decode import generate
 
-    opts = ConvertOptions()  # every default
-    mla, plans, _, _ = _check(
-        smol,
+    conv = convert(smol, *smol_windows, keep_stats=True)  # every default but float32 weights
+    assert conv.config.source["o_proj_refit"]["kept"]  # the refit is part of what the oracle checks
+    mla, plans, stats = conv.model, conv.plans, conv.stats
+    _check_model(
+        mla,
+        plans,
+        stats,
         smol_model,
-        smol_stats[0],
         eval_ids,
-        opts,
         full_rank=False,
         paths=("absorbed", "naive"),
         o_proj_from_mla=True,
@@ -159,7 +179,7 @@ def test_default_conversion_equals_oracle_on_every_path(smol, smol_model, smol_s
     run.tokens, run.step_logits = run.tokens.cpu(), run.step_logits.cpu()
     layers = mla.config.num_hidden_layers
     assert run.backend_log == {f"{kernel_backend()}:prefill": layers, f"{kernel_backend()}:decode": 3 * layers}
-    with oracle_model(smol_model, layer_oracles(mla, plans, smol_stats[0], o_proj_from_mla=True)) as om:
+    with oracle_model(smol_model, layer_oracles(mla, plans, stats, o_proj_from_mla=True)) as om:
         full = _logits(om, run.tokens)
     steps = full[:, prompt.shape[1] - 1 : run.tokens.shape[1] - 1]
     assert (run.step_logits - steps).abs().max().item() / steps.abs().max().item() <= REL_TOL
@@ -206,8 +226,7 @@ def tiny(request, tmp_path_factory, calib_windows):
     model_type, extra = FAMILIES[request.param]
     extra = {"head_dim": 16, **extra}
     src, model = _tiny_source(tmp_path_factory.mktemp(request.param), model_type, **extra)
-    stats, _ = collect_stats(model, src, calib_windows)
-    return src, model, stats
+    return src, model, (calib_windows, None)
 
 
 TINY_PLANS = [("per-head", s, 3, "complex") for s in ("high", "low", "uniform", "2-norm", "rotation")] + [
@@ -216,16 +235,16 @@ TINY_PLANS = [("per-head", s, 3, "complex") for s in ("high", "low", "uniform", 
 
 
 def test_tiny_partial_rope_full_rank(tiny, eval_ids):
-    src, model, stats = tiny
+    src, model, windows = tiny
     for mode, strategy, pairs, basis in TINY_PLANS:
-        moved = _check_partial_rope(src, model, stats, eval_ids, mode, strategy, pairs, basis)
+        moved = _check_partial_rope(src, model, windows, eval_ids, mode, strategy, pairs, basis)
         assert moved > 1e-3, (mode, strategy, basis)
 
 
 @pytest.mark.parametrize("objective", ["weight", "activation", "output"])
 @pytest.mark.parametrize("factorization", ["joint", "split"])
 def test_tiny_partial_rope_and_low_rank(tiny, eval_ids, objective, factorization):
-    src, model, stats = tiny
+    src, model, windows = tiny
     for mode, strategy, pairs in (("per-head", "2-norm", 3), ("shared", "rotation", 3)):
         full = _full_rank(mode, pairs, src.num_kv_heads, src.head_dim)
         opts = _opts(
@@ -236,4 +255,4 @@ def test_tiny_partial_rope_and_low_rank(tiny, eval_ids, objective, factorization
             factorization=factorization,
             kv_lora_rank=full // 2,
         )
-        _check(src, model, stats, eval_ids, opts, full_rank=False, paths=("absorbed", "naive"))
+        _check(src, model, windows, eval_ids, opts, full_rank=False, paths=("absorbed", "naive"))
