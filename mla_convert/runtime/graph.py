@@ -12,10 +12,22 @@ On a CUDA device the step is captured with ``torch.cuda.graph`` after a warm-up 
 compiles the kernels); elsewhere (``capture=False``, or a CPU under the Triton interpreter) the same body runs
 eagerly on the same buffers, which is how the capture path's logic is tested without a GPU. See PyTorch's
 "CUDA Graphs" notes (static inputs, warm-up, private memory pool) and vLLM/SGLang's decode graphs.
+
+A replay reads every weight by the address it had at capture, and the folded inference weights
+(:meth:`~mla_convert.mla.modeling.MLAForCausalLM.set_folding`) as they were then: derived tensors that
+``set_folding(False)`` drops and an in-place update of ``q_proj``/``kv_b_proj``/``o_proj`` makes stale. So
+before each step the graph compares what it captured -- each layer's folded weights (their identity: the model
+re-folds when a source weight's storage or in-place version changes) and every parameter's and buffer's address,
+dtype and device -- with the model's current ones, and captures again where they differ (:attr:`captures`
+counts the captures). The eager body uses the folded weights of its last capture as well, so a stale graph
+shows on the CPU as it would on a GPU.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from itertools import chain
 from typing import Any
 
 import torch
@@ -61,8 +73,11 @@ class DecodeGraph:
         self._previous_path = model.config.attn_implementation_mla
         model.set_attention_path("triton")
         self.graph: Any = None
+        self.capture = capture
         self.replays = 0
+        self.captures = 0
         self.logits = torch.empty(0)
+        self._captured = self._weights_state()
         if capture:
             cache.begin_step(
                 1, into=self.static
@@ -71,6 +86,41 @@ class DecodeGraph:
                 self.logits = self._capture()
             finally:
                 cache.step = None  # nothing of the warm-up or the capture is committed
+        else:
+            self.captures = 1
+
+    def _weights_state(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """What a capture bakes in: each layer's folded weights as the model would use them now (``None`` where
+        it does not fold; the model re-folds here if a source weight changed) and the address, dtype and device
+        of every parameter and buffer."""
+        with torch.no_grad():
+            folded = tuple(layer.self_attn._folded_weights() for layer in self.model.model.layers)
+        tensors = tuple(
+            (t.data_ptr(), t.dtype, t.device) for t in chain(self.model.parameters(), self.model.buffers())
+        )
+        return folded, tensors
+
+    def _is_stale(self) -> bool:
+        """Whether the model's weights differ from the captured ones (see the module docstring)."""
+        folded, tensors = self._weights_state()
+        old_folded, old_tensors = self._captured
+        same = len(folded) == len(old_folded) and all(a is b for a, b in zip(folded, old_folded, strict=True))
+        if same and tensors == old_tensors:
+            return False
+        self._captured = (folded, tensors)  # holds the folded tensors the next capture reads
+        return True
+
+    @contextmanager
+    def _captured_folding(self) -> Iterator[None]:
+        """The eager body reads the folded weights of the last capture, as a replay does."""
+        layers = [layer.self_attn for layer in self.model.model.layers]
+        for attn, folded in zip(layers, self._captured[0], strict=True):
+            attn._folded_weights = lambda folded=folded: folded  # an instance attribute over the method
+        try:
+            yield
+        finally:
+            for attn in layers:
+                del attn._folded_weights
 
     @torch.no_grad()
     def _body(self) -> torch.Tensor:
@@ -92,9 +142,12 @@ class DecodeGraph:
             for _ in range(2):  # compiles the kernels and settles allocations outside the capture
                 self._body()
         torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        self.graph = None  # the previous graph's memory pool goes back first
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
             logits = self._body()
+        self.graph = graph
+        self.captures += 1
         return logits
 
     def step(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -107,8 +160,12 @@ class DecodeGraph:
             ``[B, vocab]`` float32 logits of the next token: the graph's output buffer, overwritten by the next
             step (clone it to keep it).
 
+        The model's weights are compared with the captured ones first; where they changed (``set_folding``, a
+        weight updated in place under folding, replaced, cast or moved) the step is captured again before it runs.
+
         Raises:
             CacheError: a request would pass ``max_seq_len``, or the batch changed since the graph was built.
+            ValueError: the model left the triton attention path while the graph lives.
         """
         if tuple(input_ids.shape) != (self.batch, 1):
             raise CacheError(
@@ -116,14 +173,23 @@ class DecodeGraph:
             )
         if len(self.cache.active) != self.batch:
             raise CacheError("the cache's bound batch changed since the graph was built; build a new graph")
+        if self.model.config.attn_implementation_mla != "triton":
+            raise ValueError(
+                "the model left the triton path while its decode graph lives; close the graph first"
+            )
         self.input_ids.copy_(input_ids, non_blocking=True)
         self.cache.begin_step(1, into=self.static)
         try:
-            if self.graph is not None:
+            stale = self._is_stale()
+            if self.capture:
+                if stale:
+                    self.logits = self._capture()  # warm-up rows are rewritten by the replay below
                 self.graph.replay()
                 self.cache.backend_log["triton-cuda:decode-graph"] += len(self.model.model.layers)
             else:
-                self.logits = self._body()
+                self.captures += stale
+                with self._captured_folding():
+                    self.logits = self._body()
         except BaseException:
             self.cache.step = None
             raise

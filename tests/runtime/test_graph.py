@@ -1,7 +1,8 @@
 """The decode step as a replayable graph (:class:`mla_convert.runtime.graph.DecodeGraph`): on this CPU the
 captured body runs eagerly on the graph's static buffers, which is the capture path's logic without the
 capture (fixed addresses, metadata filled in place, a fixed ``max_seq_len`` for the kernel's grid). On a CUDA
-host the same tests capture a real graph."""
+host the same tests capture a real graph (and a replay reads the folded weights of its capture, so the graph
+captures again when they change)."""
 
 from __future__ import annotations
 
@@ -105,4 +106,48 @@ def test_bound_and_misuse_are_refused_and_commit_nothing(model):
     if not CUDA:
         with pytest.raises(ValueError, match="needs the cache on a CUDA device"):
             DecodeGraph(model, cache, max_seq_len=16, capture=True)
+    assert model.config.attn_implementation_mla == "absorbed"
+
+
+def test_weight_changes_are_captured_again():
+    """A replay reads the folded weights of its capture (issue 25, fault 6): after an in-place update of a
+    weight that folding reads, ``set_folding(False)``, and a replaced parameter, the graph's step still equals
+    the model's own paged step on an identical cache, because it captured again (before: it replayed the stale
+    folded ``o_proj`` on a GPU; with the check off, the eager body here, which reads the capture's folded
+    weights the same way, is off by 0.27 relative after the update)."""
+    model = tiny_mla()  # its own weights: this test changes them
+    model.set_folding(True)
+    attn = model.model.layers[0].self_attn
+    assert attn.folding_plan() == (False, True)  # layer 0 folds W_UV into o_proj (d_c = 24)
+    cache, _ = _prefilled(model, [5, 11])
+    twin, _ = _prefilled(model, [5, 11])
+    g = DecodeGraph(model, cache, max_seq_len=16)
+    tokens = torch.tensor([[3], [60]], device=DEVICE)
+
+    def step_and_compare() -> float:
+        logits = g.step(tokens).clone()
+        with torch.no_grad():
+            expected = model(input_ids=tokens, past_key_values=twin).logits[:, -1].float()
+        return rel(logits, expected)
+
+    assert step_and_compare() < E2E_TOL and g.captures == 1
+    assert step_and_compare() < E2E_TOL and g.captures == 1  # nothing changed: no new capture
+    with torch.no_grad():
+        attn.o_proj.weight.mul_(1.5)  # in place: same address, new version; the folded o_proj is stale
+    assert step_and_compare() < E2E_TOL and g.captures == 2
+    model.set_folding(False)  # the folded weights are dropped
+    assert step_and_compare() < E2E_TOL and g.captures == 3
+    attn.kv_b_proj.weight = torch.nn.Parameter(attn.kv_b_proj.weight.detach() * 0.5)  # a new tensor
+    assert step_and_compare() < E2E_TOL and g.captures == 4
+    g.close()
+
+
+def test_leaving_the_triton_path_is_refused(model):
+    cache, _ = _prefilled(model, [5, 11])
+    g = DecodeGraph(model, cache, max_seq_len=16)
+    model.set_attention_path("absorbed")
+    with pytest.raises(ValueError, match="left the triton path"):
+        g.step(torch.tensor([[1], [2]], device=DEVICE))
+    assert cache.seq_lens().tolist() == [5, 11]  # the refused step committed nothing
+    g.close()
     assert model.config.attn_implementation_mla == "absorbed"
