@@ -1,8 +1,12 @@
 """The decode step as a replayable graph (:class:`mla_convert.runtime.graph.DecodeGraph`): on this CPU the
 captured body runs eagerly on the graph's static buffers, which is the capture path's logic without the
-capture (fixed addresses, metadata filled in place, a fixed ``max_seq_len`` for the kernel's grid). On a CUDA
-host the same tests capture a real graph (and a replay reads the folded weights of its capture, so the graph
-captures again when they change)."""
+capture (fixed addresses, metadata filled in place, a fixed ``max_seq_len`` for the kernel's grid, the folded
+weights of the capture). On a CUDA host the same tests capture a real graph.
+
+The graph's steps are compared with computations that differ from them: the absorbed torch path and full
+recomputation, and the model's own paged steps with another split count (the graph's ``max_seq_len`` bound picks
+the splits on an H200's 132 SMs, the plain step its true length), so a wrong merge or bound cannot pass as
+agreement of a path with itself."""
 
 from __future__ import annotations
 
@@ -10,10 +14,13 @@ import pytest
 import torch
 
 import mla_convert  # noqa: F401  (sets TRITON_INTERPRET=1 on CPU before triton is imported)
+from mla_convert.kernels import load_kernel
 from mla_convert.runtime.decode import generate
 from mla_convert.runtime.graph import DecodeGraph
 from mla_convert.runtime.paged_cache import CacheError, PagedLatentCache
 from tests.runtime.test_paged_cache import DEVICE, E2E_TOL, rel, tiny_mla
+
+K = load_kernel()
 
 CUDA = torch.cuda.is_available()
 
@@ -23,9 +30,11 @@ def model():
     return tiny_mla()
 
 
-def _prefilled(model, lengths: list[int], seed: int = 3) -> tuple[PagedLatentCache, list[int]]:
+def _prefilled(
+    model, lengths: list[int], seed: int = 3, tokens: int = 96
+) -> tuple[PagedLatentCache, list[int]]:
     gen = torch.Generator().manual_seed(seed)
-    cache = PagedLatentCache.for_model(model.config, 96, 4, device=DEVICE, shuffle_pages=True)
+    cache = PagedLatentCache.for_model(model.config, tokens, 4, device=DEVICE, shuffle_pages=True)
     rids = []
     model.set_attention_path("triton")
     try:
@@ -40,18 +49,39 @@ def _prefilled(model, lengths: list[int], seed: int = 3) -> tuple[PagedLatentCac
     return cache, rids
 
 
-def test_graph_generate_equals_the_plain_triton_steps(model):
+def test_graph_generate_equals_the_plain_and_absorbed_steps(model):
     prompt = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     plain = generate(model, prompt, 6, backend="triton", page_size=4)
     graphed = generate(model, prompt, 6, backend="triton", page_size=4, graph=True)
-    assert torch.equal(graphed.tokens, plain.tokens)
+    absorbed = generate(model, prompt, 6, backend="absorbed", page_size=4)
+    assert torch.equal(graphed.tokens, plain.tokens) and torch.equal(graphed.tokens, absorbed.tokens)
     assert rel(graphed.step_logits, plain.step_logits) < E2E_TOL
+    assert rel(graphed.step_logits, absorbed.step_logits) < E2E_TOL  # torch math, another path
+    with torch.no_grad():  # and full recomputation over the same tokens (no cache at all)
+        model.set_attention_path("absorbed")
+        full = model(input_ids=graphed.tokens[:, :-1], use_cache=False).logits[:, 6:].float()
+    assert rel(graphed.step_logits, full) < E2E_TOL
     layers = model.config.num_hidden_layers
     decode_key = "triton-cuda:decode-graph" if CUDA else "triton-interpreter:decode"
     assert graphed.backend_log[decode_key] >= layers * 5
     assert model.config.attn_implementation_mla == "absorbed"  # generate restores the path
     with pytest.raises(ValueError, match="triton backend"):
         generate(model, prompt, 3, backend="absorbed", graph=True)
+
+
+def _record_splits(monkeypatch) -> list[int]:
+    """Split count of every kernel launch from now on, choosing them as an H200 would (132 SMs)."""
+    splits: list[int] = []
+    real = K.plan_launch
+
+    def plan(*args, **kw):
+        p = real(*args, **kw)
+        splits.append(p.split_grid[1])
+        return p
+
+    monkeypatch.setattr(K, "plan_launch", plan)
+    monkeypatch.setattr(K, "multiprocessor_count", lambda device: 132)
+    return splits
 
 
 def test_static_buffers_keep_their_addresses_and_take_each_steps_values(model):
@@ -84,6 +114,33 @@ def test_static_buffers_keep_their_addresses_and_take_each_steps_values(model):
     assert cache.seq_lens().tolist() == [8, 14] and g.replays == 3
     g.close()
     assert model.config.attn_implementation_mla == "absorbed"
+
+
+def test_graph_steps_equal_plain_steps_split_otherwise(model, monkeypatch):
+    """The graph's split count comes from its ``max_seq_len`` bound, the plain step's from the true lengths: with
+    an H200's 132 SMs, requests of 131 and 71 rows and a bound of 256 rows the graph runs 4 splits per request
+    (rows 0-63, 64-127, 128-: three non-empty for the longer request) and the plain step 2 (rows 0-127, 128-), so
+    the merge of different partitions is compared, not a path with itself (before: both ran one split on the
+    CPU)."""
+    cache, _ = _prefilled(model, [130, 70], tokens=256)
+    twin, _ = _prefilled(model, [130, 70], tokens=256)
+    splits = _record_splits(monkeypatch)
+    g = DecodeGraph(model, cache, max_seq_len=256)
+    tokens = torch.tensor([[3], [60]], device=DEVICE)
+    for _ in range(2):
+        del splits[:]
+        logits = g.step(tokens).clone()
+        graph_splits = list(splits)
+        del splits[:]
+        with torch.no_grad():
+            expected = model(input_ids=tokens, past_key_values=twin).logits[:, -1].float()
+        layers = model.config.num_hidden_layers
+        assert splits == [2] * layers
+        if not CUDA:  # a replay plans nothing on the host (the capture planned 4 splits)
+            assert graph_splits == [4] * layers
+        assert rel(logits, expected) < E2E_TOL
+        tokens = logits.argmax(-1, keepdim=True)
+    g.close()
 
 
 def test_bound_and_misuse_are_refused_and_commit_nothing(model):

@@ -585,23 +585,58 @@ def test_fp8_cache_bookkeeping_and_ledger():
     assert all(bool((st == 255).all()) for st in cache.storage)
 
 
+@torch.no_grad()
+def teacher_forced(
+    model: MLAForCausalLM, tokens: torch.Tensor, prompt_len: int, backend: str, cache_dtype: str = "model"
+) -> torch.Tensor:
+    """``[B, T - prompt_len, vocab]`` float32 next-token logits over a fixed token history: prefill
+    ``tokens[:, :prompt_len]``, then feed ``tokens[:, i]`` one step at a time through a fresh paged cache (page
+    size 4, shuffled pages; FP8 rows with ``cache_dtype="fp8"``) on ``backend``, folding on as in
+    :func:`generate`. Two backends compared this way see the same tokens whatever either would choose."""
+    b, t = tokens.shape
+    cache = PagedLatentCache.for_model(
+        model.config, b * (t + 4), 4, dtype=model.dtype, device=tokens.device, shuffle_pages=True,
+        fp8=cache_dtype == "fp8",
+    )  # fmt: skip
+    cache.bind([cache.add_request() for _ in range(b)])
+    previous, folding = model.config.attn_implementation_mla, model.folding
+    model.set_attention_path(backend)
+    model.set_folding(True)
+    try:
+        out = [model(input_ids=tokens[:, :prompt_len], past_key_values=cache).logits[:, -1].float()]
+        for i in range(prompt_len, t - 1):
+            out.append(model(input_ids=tokens[:, i : i + 1], past_key_values=cache).logits[:, -1].float())
+    finally:
+        model.set_attention_path(previous)
+        model.set_folding(folding)
+    return torch.stack(out, dim=1)
+
+
 def test_fp8_cache_decodes_on_both_backends(model, prompt, runs):
-    """The kernel and the absorbed torch path read the same FP8 rows, so they agree to float32 arithmetic;
-    against the float32 cache the format's own error shows, bounded."""
+    """The kernel and the absorbed torch path read the same FP8 rows, so over the same token history they agree
+    to float32 arithmetic at every step; against the float32 cache the format's own error shows, bounded.
+    Before, the two were compared only when their greedy tokens happened to match; now the torch path is fed
+    the kernel's tokens (teacher forcing), so the comparison always runs."""
     fp8_triton = generate(
         model, prompt, NEW, backend="triton", page_size=4, shuffle_pages=True, cache_dtype="fp8"
     )
-    fp8_torch = generate(model, prompt, NEW, backend="absorbed", page_size=4, cache_dtype="fp8")
     assert fp8_triton.cache.fp8 is not None and fp8_triton.cache.storage[0].dtype == torch.uint8
     assert set(fp8_triton.backend_log) == {f"{kernel_backend()}:decode", f"{kernel_backend()}:prefill"}
-    # same tokens in, so the step logits must agree as computations over the same rows
-    model.set_attention_path("absorbed")
     assert torch.equal(fp8_triton.tokens[:, :PROMPT_LEN], prompt)
-    if torch.equal(fp8_triton.tokens, fp8_torch.tokens):
-        assert rel(fp8_triton.step_logits, fp8_torch.step_logits) < E2E_TOL
-    exact = runs[0]
-    err = rel(fp8_triton.step_logits[:, 0], exact.step_logits[:, 0])  # first step: same prompt, same rows
+    history = fp8_triton.tokens
+    fp8_torch = teacher_forced(model, history, PROMPT_LEN, "absorbed", cache_dtype="fp8")
+    assert fp8_torch.shape == fp8_triton.step_logits.shape == (2, NEW, 97)
+    assert rel(fp8_torch, fp8_triton.step_logits) < E2E_TOL  # every step, unconditionally
+    # the helper replays generate's own steps: the kernel fed its own tokens gives its logits again
+    assert rel(
+        teacher_forced(model, history, PROMPT_LEN, "triton", cache_dtype="fp8"), fp8_triton.step_logits
+    ) < (E2E_TOL)
+    # and FP8 rows are a different function from float32 rows over the same history (so agreement above is
+    # a comparison that can fail): the format's error, bounded
+    exact = teacher_forced(model, history, PROMPT_LEN, "absorbed")
+    err = rel(fp8_triton.step_logits, exact)
     assert 1e-5 < err < 0.1, err
+    assert rel(runs[0].step_logits[:, 0], exact[:, 0]) < E2E_TOL  # first step: same prompt, float32 rows
     with pytest.raises(ValueError, match="cache dtype"):
         generate(model, prompt, 1, cache_dtype="int4")
 
