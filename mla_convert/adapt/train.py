@@ -61,7 +61,7 @@ class _Job:
     teacher: PreTrainedModel  # the frozen source model
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    params: list[torch.nn.Parameter]  # the trainable ones
+    params: list[torch.nn.Parameter]  # the trainable ones of the prepared model (what clipping acts on)
     data: AdaptData
     other: torch.Tensor | None  # validation windows of --also-eval
     chat: ChatProbe | None  # chat prompts with the source's answers (None: no chat template)
@@ -200,14 +200,19 @@ def _setup(ckpt: Path, options: AdaptOptions, src: SourceModel, work: Path) -> _
     chat = None
     if (accelerator.is_main_process or _sharded(accelerator)) and options.chat_prompts:
         chat = build_chat_probe(tokenizer, teacher, data.chat_held_out, count=options.chat_prompts)
-    params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
-        params, lr=options.lr, betas=(options.beta1, options.beta2), weight_decay=options.weight_decay
+        [p for p in model.parameters() if p.requires_grad],
+        lr=options.lr,
+        betas=(options.beta1, options.beta2),
+        weight_decay=options.weight_decay,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(options, steps))
     transfer = AttentionIO(teacher) if options.objective == "attention-transfer" else None
     layers = (LayerOutputs(model), LayerOutputs(teacher)) if options.hidden_weight > 0 else None
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    # FSDP2 replaces the parameters with sharded ones (accelerate re-points the optimizer at them): clipping and
+    # the logged gradient norm take the prepared model's, never tensors taken before prepare
+    params = _trainable(model, optimizer)
     # accelerate wraps forward in autocast for mixed precision; training enters accelerator.autocast()
     # itself, and evaluation must stay float32 (comparable across runs), so drop the wrapper.
     accelerator.unwrap_model(model, keep_fp32_wrapper=False)
@@ -215,6 +220,23 @@ def _setup(ckpt: Path, options: AdaptOptions, src: SourceModel, work: Path) -> _
         options, accelerator, model, teacher, optimizer, scheduler, params, data, other, chat, inventory,
         transfer, layers, steps, work,
     )  # fmt: skip
+
+
+def _trainable(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
+    """The trainable parameters of the prepared ``model``, which must be the ones ``optimizer`` steps.
+
+    Raises:
+        RuntimeError: the optimizer holds other tensors than the model's trainable parameters (``prepare``
+            replaced the parameters without re-pointing the optimizer: training would not move the model).
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    if stepped != {id(p) for p in params}:
+        raise RuntimeError(
+            f"internal error: the optimizer holds {len(stepped)} tensors, not the prepared model's "
+            f"{len(params)} trainable parameters; report this with the accelerate config used"
+        )
+    return params
 
 
 def _sharded(accelerator: Accelerator) -> bool:

@@ -239,6 +239,52 @@ def test_stopped_and_resumed_run_is_bitwise_identical(one_process, tiny_ckpt, ru
     assert train_losses(one_process) == train_losses(out)
 
 
+def test_clipping_acts_on_the_prepared_parameters(tiny_ckpt, run, tmp_path, monkeypatch):
+    """FSDP2's ``prepare`` replaces the model's parameters (accelerate re-points the optimizer at the new
+    ones): clipping and the logged gradient norm must act on the prepared model's. Simulated in one process
+    by a ``prepare`` that hands back a deep copy of the model, re-pointing the optimizer as accelerate does."""
+    import copy
+
+    from accelerate import Accelerator
+
+    real_prepare, real_clip = Accelerator.prepare, Accelerator.clip_grad_norm_
+    prepared: list[torch.nn.Module] = []
+    clipped: list[tuple[list[torch.Tensor], float, float]] = []
+
+    def replacing_prepare(self, model, optimizer, scheduler):
+        new = copy.deepcopy(model)
+        moved = {id(a): b for a, b in zip(model.parameters(), new.parameters(), strict=True)}
+        for group in optimizer.param_groups:
+            group["params"] = [moved[id(p)] for p in group["params"]]
+        prepared.append(new)
+        return real_prepare(self, new, optimizer, scheduler)
+
+    def recording_clip(self, parameters, max_norm, norm_type=2):
+        params = list(parameters)
+        norm = real_clip(self, params, max_norm, norm_type)
+        after = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        clipped.append((params, float(norm), float(after)))
+        return norm
+
+    monkeypatch.setattr(Accelerator, "prepare", replacing_prepare)
+    monkeypatch.setattr(Accelerator, "clip_grad_norm_", recording_clip)
+    out = tmp_path / "clipped"
+    args = [*options(run, tokens="256"), "--batch-size", "2", "--clip", "0.25"]  # 2 steps
+    res = adapt(str(tiny_ckpt), str(out), *args)
+    assert res.exit_code == 0, res.stdout + res.stderr
+    trainable = [p for p in prepared[0].parameters() if p.requires_grad]
+    assert len(clipped) == 2
+    for params, norm, after in clipped:
+        assert [id(p) for p in params] == [id(p) for p in trainable]  # the prepared model's parameters
+        assert norm > 0.25 and after == pytest.approx(0.25, rel=1e-4)  # clipped to --clip
+    logged = [
+        m["grad_norm"]
+        for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+        if m["kind"] == "train"
+    ]
+    assert logged == [norm for _, norm, _ in clipped]
+
+
 def test_two_processes_follow_the_same_curve(one_process, tiny_ckpt, run, tmp_path):
     """accelerate launch with 2 CPU processes x batch 1 sees the same global batches as 1 process x 2; stopped
     after 3 steps and resumed with the shipped FSDP config (which accelerate runs as DDP on CPUs, and says so)."""
