@@ -37,7 +37,15 @@ from mla_convert.adapt.objectives import (
 )
 from mla_convert.adapt.options import AdaptError, AdaptOptions, lr_lambda, tokens_per_step, total_steps
 from mla_convert.adapt.report import adapt_report, write_adapted
-from mla_convert.adapt.workdir import check_start, close_work, open_work, save_step, work_dir, write_metrics
+from mla_convert.adapt.workdir import (
+    check_data,
+    check_start,
+    close_work,
+    open_work,
+    save_step,
+    work_dir,
+    write_metrics,
+)
 from mla_convert.mla.checkpoint import load_checkpoint, read_checkpoint_config
 
 if TYPE_CHECKING:
@@ -121,8 +129,8 @@ def run_adapt(
     if not source:
         raise AdaptError(f"{ckpt}/config.json names no source model; pass --source")
     src = open_source(source)
-    job = _setup(ckpt, options, src, work_dir(out))
-    start_step, job.metrics = open_work(job.accelerator, job.work, options, resume)
+    job = _setup(ckpt, options, src, work_dir(out), resume)
+    start_step, job.metrics = open_work(job.accelerator, job.work, options, resume, job.data.record)
     if start_step == 0:
         _evaluate(job, 0)
     job.model.train()
@@ -154,11 +162,14 @@ def _load_student(ckpt: Path, options: AdaptOptions) -> tuple[PreTrainedModel, d
     return model, inventory
 
 
-def _setup(ckpt: Path, options: AdaptOptions, src: SourceModel, work: Path) -> _Job:
+def _setup(ckpt: Path, options: AdaptOptions, src: SourceModel, work: Path, resume: bool = False) -> _Job:
     """Accelerator, seeded data, student, frozen teacher, optimizer, schedule and hooks, prepared.
 
+    ``resume``: the data must be that of the stopped run in ``work`` (checked before the models load).
+
     Raises:
-        AdaptError: fp16 without a GPU, or attention transfer over several processes.
+        AdaptError: fp16 without a GPU, attention transfer over several processes, or ``resume`` on changed
+            data (:func:`~mla_convert.adapt.workdir.check_data`).
         TextError: too little text for the data.
     """
     from accelerate import Accelerator
@@ -191,6 +202,8 @@ def _setup(ckpt: Path, options: AdaptOptions, src: SourceModel, work: Path) -> _
         tokenizer, data_specs(options.text, options.data), options.seq_len, options.eval_windows,
         rows_per_step=per_step, rows_needed=steps * per_step, seed=options.seed,
     )  # fmt: skip
+    if resume:
+        check_data(work, data.record)
     other = None
     if options.also_eval:
         other = validation_windows(tokenizer, options.also_eval, options.seq_len, options.eval_windows)

@@ -1,6 +1,8 @@
 """The resumable work folder of an adaptation job: ``.OUT.adapt/`` next to OUT.
 
-Layout: ``options.json`` (the job's options; ``--resume`` requires the same), ``metrics.jsonl`` (one JSON
+Layout: ``options.json`` (the job's options; ``--resume`` requires the same), ``data.json`` (the data
+record: every document's id and sha256 per source and role, the packed rows' sha256; ``--resume`` requires
+the same data, :func:`check_data`), ``metrics.jsonl`` (one JSON
 object per training step or evaluation, rewritten atomically after each) and checkpoints
 ``step-NNNNNN/`` (model, optimizer, scheduler and RNG via ``Accelerator.save_state``, plus
 ``state.json`` with the step and tokens). A checkpoint is written under a temporary name and renamed when
@@ -23,6 +25,7 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
 OPTIONS = "options.json"
+DATA = "data.json"
 METRICS = "metrics.jsonl"
 STATE = "state.json"
 KEEP = 2  # checkpoints kept
@@ -76,14 +79,96 @@ def check_start(ckpt: Path, out: Path, options: AdaptOptions, resume: bool, over
             )
 
 
+def check_data(work: Path, record: dict[str, Any]) -> None:
+    """Refuse to resume the run in ``work`` on other data than it started with (call before training).
+
+    Args:
+        work: the work folder of the stopped run.
+        record: the data record of this invocation (:attr:`~mla_convert.adapt.data.AdaptData.record`),
+            compared with the stopped run's ``data.json``: every source's documents (id and sha256) by role,
+            then the sha256 of the packed rows, the loss mask and the mixture schedule.
+
+    Raises:
+        AdaptError: the data differs; the line names the first changed, added or removed document (and how
+            many more differ) or the packed rows that differ, and how to start afresh.
+    """
+    path = work / DATA
+    if not path.is_file():  # a run started before data.json was written: nothing to compare with
+        logging.getLogger(__name__).warning(
+            "note: %s records no data of the stopped run (started by an older mla-convert); resuming without "
+            "checking that the training and validation documents are unchanged",
+            work,
+        )
+        return
+    saved = json.loads(path.read_text())
+    change = data_change(saved, json.loads(json.dumps(record)))
+    if change:
+        raise AdaptError(
+            f"--resume: {change} since the stopped run in {work}; a resumed run must train and validate on the "
+            "same data: restore it, or start afresh (drop --resume and pass --overwrite, or write to a new OUT)"
+        )
+
+
+def _documents(source: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """id -> (sha256, role) of one source's documents in a data record (role ``training`` or ``held-out``)."""
+    return {
+        d["id"]: (d["sha256"], role)
+        for key, role in (("train_documents", "training"), ("held_out_documents", "held-out"))
+        for d in source[key]
+    }
+
+
+def data_change(saved: dict[str, Any], new: dict[str, Any]) -> str | None:
+    """What differs between two data records (:func:`check_data`), in words; None when they agree."""
+    if [s["spec"] for s in saved["sources"]] != [s["spec"] for s in new["sources"]]:
+        return "the data sources changed"
+    validation = {d["id"] for d in saved["validation_documents"]}
+    for old_src, new_src in zip(saved["sources"], new["sources"], strict=True):
+        spec = old_src["spec"]
+        before, after = _documents(old_src), _documents(new_src)
+        changed = [i for i in before if i in after and before[i][0] != after[i][0]]
+        gone = [i for i in before if i not in after]
+        added = [i for i in after if i not in before]
+        more = len(changed) + len(gone) + len(added) - 1
+        tail = f" ({more} more documents differ)" if more > 0 else ""
+        if changed or gone:
+            i = (changed or gone)[0]
+            role = "validation" if i in validation else before[i][1]
+            if changed:
+                return (
+                    f"{role} document {i!r} of {spec!r} changed (sha256 {before[i][0][:12]}... -> "
+                    f"{after[i][0][:12]}...){tail}"
+                )
+            return f"{role} document {i!r} of {spec!r} is gone{tail}"
+        if added:
+            return f"{spec!r} has a new document {added[0]!r}{tail}"
+    for key, what in (
+        ("train_sha256", "the packed training rows"),
+        ("validation_sha256", "the validation windows"),
+        ("loss_mask_sha256", "the loss mask"),
+        ("schedule_sha256", "the mixture schedule"),
+    ):
+        if saved.get(key) != new.get(key):
+            return f"{what} changed (the same documents: did the checkpoint's tokenizer or chat template change?)"
+    if saved != new:
+        keys = sorted(k for k in set(saved) | set(new) if saved.get(k) != new.get(k))
+        return f"the data record changed ({', '.join(keys)})"
+    return None
+
+
 def open_work(
-    accelerator: Accelerator, work: Path, options: AdaptOptions, resume: bool
+    accelerator: Accelerator,
+    work: Path,
+    options: AdaptOptions,
+    resume: bool,
+    data_record: dict[str, Any] | None = None,
 ) -> tuple[int, list[dict[str, Any]]]:
     """Continue or start the work folder, on every process (call after ``accelerator.prepare``).
 
     ``resume``: load the newest checkpoint's state (model, optimizer, scheduler, RNG) into the prepared
-    objects and read the metrics logged up to its step. Otherwise the main process replaces ``work``
-    with an empty folder holding ``options.json``.
+    objects and read the metrics logged up to its step (check the data first: :func:`check_data`).
+    Otherwise the main process replaces ``work`` with an empty folder holding ``options.json`` and
+    ``data.json`` (``data_record``, when given).
 
     Returns:
         the first optimizer step to run (0 for a fresh start) and the metrics so far.
@@ -103,6 +188,8 @@ def open_work(
             shutil.rmtree(work)
         work.mkdir(parents=True)
         atomic_write_text(work / OPTIONS, options.model_dump_json(indent=2))
+        if data_record is not None:
+            atomic_write_text(work / DATA, json.dumps(data_record))
     accelerator.wait_for_everyone()
     return start_step, metrics
 

@@ -239,6 +239,51 @@ def test_stopped_and_resumed_run_is_bitwise_identical(one_process, tiny_ckpt, ru
     assert train_losses(one_process) == train_losses(out)
 
 
+def test_resume_refuses_changed_data(tiny_ckpt, text, tmp_path):
+    """A stopped run resumes only on the documents it started with (ids and sha256 of every document, the
+    packed rows): a changed training or validation document, or a new one, is one line naming it; the
+    unchanged data resumes, and OUT's manifest records the documents of the whole run."""
+    from mla_convert.text.specs import parse_data_spec, spec_documents
+    from mla_convert.text.windows import split_documents
+
+    rows = [p.read_text() for p in sorted(text.glob("*.txt"))]
+    data = tmp_path / "docs.jsonl"
+
+    def write(texts: list[str]) -> None:
+        data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+
+    write(rows)
+    roles = split_documents(spec_documents(parse_data_spec(str(data))))
+    out = tmp_path / "o"
+    args = ["--data", str(data), *options(RUN, tokens="256"), "--batch-size", "2"]  # 2 steps
+    res = adapt(str(tiny_ckpt), str(out), *args, "--stop-after", "1")
+    assert res.exit_code == 0 and "--resume" in res.stdout, res.stdout + res.stderr
+    for role, doc in (("training", roles["adaptation"][0]), ("validation", roles["evaluation"][0])):
+        row = int(doc.id.split("#")[1])
+        edited = list(rows)
+        edited[row] = edited[row].replace("e", "a", 1)  # one letter: same length, so the same split
+        write(edited)
+        res = adapt(str(tiny_ckpt), str(out), *args, "--resume")
+        assert res.exit_code == 2, res.stdout + res.stderr
+        line = res.stderr.strip()
+        assert len(line.splitlines()) == 1, line
+        assert f"{role} document '{doc.id}' of '{data}' changed (sha256 {doc.sha256[:12]}" in line, line
+        assert "--overwrite" in line and "new OUT" in line
+    write([*rows, "A new article about a harbour that reopened after the storm."])
+    res = adapt(str(tiny_ckpt), str(out), *args, "--resume")
+    assert res.exit_code == 2 and f"'{data}' has a new document 'jsonl:docs.jsonl#40'" in res.stderr, (
+        res.stderr
+    )
+    write(rows)
+    saved = json.loads((tmp_path / ".o.adapt" / "data.json").read_text())
+    res = adapt(str(tiny_ckpt), str(out), *args, "--resume")
+    assert res.exit_code == 0, res.stdout + res.stderr
+    recorded = json.loads((out / "mla_manifest.json").read_text())["adaptation"]["data"]
+    assert [d["id"] for d in recorded["train_documents"]] == [d.id for d in roles["adaptation"]]
+    for key in ("train_documents", "validation_documents", "held_out_documents", "train_sha256"):
+        assert recorded[key] == saved[key], key
+
+
 def test_clipping_acts_on_the_prepared_parameters(tiny_ckpt, run, tmp_path, monkeypatch):
     """FSDP2's ``prepare`` replaces the model's parameters (accelerate re-points the optimizer at the new
     ones): clipping and the logged gradient norm must act on the prepared model's. Simulated in one process
