@@ -13,7 +13,10 @@ prefix (``s_q`` from :data:`~mla_convert.validate.spec.MATRIX_PHASES`, causal in
   bfloat16), with the same queries: the error a user of that cache dtype buys, measured on real data.
 
 Queries are float32 where the cache is float32, and where the kernel runs in the interpreter; on a GPU a
-bfloat16 or FP8 cache is read with bfloat16 queries (what a bfloat16 model sends).
+bfloat16 or FP8 cache is read with bfloat16 queries (what a bfloat16 model sends), :func:`query_dtype`. The
+kernel check's tolerances follow the cell's query dtype (:func:`~mla_convert.validate.spec.matrix_tolerances`):
+the kernel rounds what it reads to the query dtype (an FP8 row's dequantised latent too), the float64 oracle
+does not.
 """
 
 from __future__ import annotations
@@ -24,15 +27,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mla_convert.runtime.paged_cache import PagedLatentCache
+from mla_convert.validate.measure import kernel_device, rel_err, timed
 from mla_convert.validate.result import Rung
-from mla_convert.validate.rungs import rel_err, timed
 from mla_convert.validate.spec import (
     MATRIX,
     MATRIX_CACHES,
     MATRIX_HISTORIES,
     MATRIX_PHASES,
-    TOL_KERNEL,
-    tolerances_for,
+    matrix_tolerances,
 )
 
 if TYPE_CHECKING:
@@ -82,6 +84,14 @@ def _paged(rows: torch.Tensor, kind: str, page_size: int, d_c: int, device: torc
     return cache
 
 
+def query_dtype(kind: str) -> torch.dtype:
+    """The queries' dtype for a ``kind`` cache: bfloat16 for bfloat16 and FP8 rows where the kernel runs natively
+    (what a bfloat16 model sends), float32 for float32 rows and in the Triton interpreter (no bfloat16)."""
+    from mla_convert.kernels import kernel_backend
+
+    return torch.bfloat16 if kind != "float32" and kernel_backend() == "triton-cuda" else torch.float32
+
+
 def why_not_kernel(kind: str) -> str | None:
     """Why the kernel cannot read a ``kind`` cache on this machine, or None."""
     from mla_convert.kernels import kernel_backend
@@ -103,8 +113,9 @@ def rung_matrix(
 ) -> Rung:
     """Rung 6 on ``ids [1, T]`` (real text, ``T >= 1``): every cell of phase x cache x history up to
     ``min(max_history, T)``; ``rung.cells`` holds one dict per cell (``phase``, ``cache``, ``history``, ``s_q``,
-    ``backend``, ``kernel_out_rel``, ``kernel_lse_rel``, ``format_rel_vs_float32``, ``format_rel_vs_bfloat16``;
-    None where not measured)."""
+    ``queries`` (their dtype), ``backend``, ``kernel_out_rel``, ``kernel_lse_rel``, ``format_rel_vs_float32``,
+    ``format_rel_vs_bfloat16``; None where not measured). The kernel check of each cache uses the tolerances of
+    its queries' dtype (:func:`~mla_convert.validate.spec.matrix_tolerances`)."""
     from mla_convert.kernels import kernel_backend, latent_decode_reference, load_kernel
 
     rung = Rung.of(MATRIX, data)
@@ -112,8 +123,7 @@ def rung_matrix(
     skipped = [h for h in MATRIX_HISTORIES if h not in histories]
     real = layer_inputs(model, ids[:, : max(histories)])
     d_c = model.model.layers[0].self_attn.kv_lora_rank
-    on_gpu = kernel_backend() == "triton-cuda"
-    device = torch.device("cuda" if on_gpu else "cpu")
+    device = kernel_device()
     kernel = load_kernel()
     scale = float(real["softmax_scale"])
     caches = {kind: _paged(real["rows"], kind, page_size, d_c, device) for kind in MATRIX_CACHES}
@@ -124,7 +134,7 @@ def rung_matrix(
             lo = history - s_q
             refs: dict[str, torch.Tensor] = {}
             for kind, cache in caches.items():
-                qdtype = torch.bfloat16 if on_gpu and kind != "float32" else torch.float32
+                qdtype = query_dtype(kind)
                 q_abs = real["q_abs"][lo:history][None].to(device, qdtype)
                 q_rope = real["q_rope"][lo:history][None].to(device, qdtype)
                 lay = cache.fp8[0] if cache.fp8 is not None else None
@@ -138,7 +148,9 @@ def rung_matrix(
                 )
                 ref_out, ref_lse = latent_decode_reference(*args, softmax_scale=scale, fp8=lay)
                 refs[kind] = ref_out.cpu()
-                cell: dict[str, Any] = {"phase": phase, "cache": kind, "history": history, "s_q": s_q}
+                cell: dict[str, Any] = {
+                    "phase": phase, "cache": kind, "history": history, "s_q": s_q, "queries": _name(qdtype),
+                }  # fmt: skip
                 why = why_not_kernel(kind)
                 if why is None:
                     out, lse = kernel.latent_decode(*args, softmax_scale=scale, fp8=lay)
@@ -166,12 +178,14 @@ def rung_matrix(
                 f"{kind} cache: kernel", f"not run here ({why}); the oracle alone measured the format"
             )
             continue
-        tol = tolerances_for("bfloat16").kernel if on_gpu and kind != "float32" else TOL_KERNEL  # query dtype
+        queries = _name(query_dtype(kind))
+        tol_out, tol_lse = matrix_tolerances(queries)
         name = (
-            f"{kind} cache: kernel vs float64 oracle on the same rows, max rel. error over {len(ran)} cells"
+            f"{kind} cache, {queries} queries: kernel vs float64 oracle on the same rows, max rel. error over "
+            f"{len(ran)} cells"
         )
-        rung.check(f"{name}: latent_out", worst[kind]["out"], tol)
-        rung.check(f"{name}: lse", worst[kind]["lse"], TOL_KERNEL)
+        rung.check(f"{name}: latent_out", worst[kind]["out"], tol_out)
+        rung.check(f"{name}: lse", worst[kind]["lse"], tol_lse)
     for kind, versus in (("bfloat16", "float32"), ("fp8", "float32"), ("fp8", "bfloat16")):
         err = max(c[f"format_rel_vs_{versus}"] for c in rung.cells if c["cache"] == kind)
         name = f"{kind} rows vs {versus} rows: oracle latent_out, max rel. error over cells"
@@ -190,19 +204,24 @@ def rung_matrix(
     return rung
 
 
+def _name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
 def matrix_rows(cells: list[dict[str, Any]]) -> list[list[str]]:
-    """The matrix as table rows ``phase, cache, history, s_q, backend, kernel out, kernel lse, vs float32,
-    vs bfloat16`` (values to 3 significant digits, ``-`` where not measured)."""
+    """The matrix as table rows ``phase, cache, history, s_q, queries, backend, kernel out, kernel lse, vs
+    float32, vs bfloat16`` (values to 3 significant digits, ``-`` where not measured)."""
 
     def fmt(v: Any) -> str:
         return "-" if v is None else (f"{v:.3g}" if isinstance(v, float) else str(v))
 
-    keys = ("phase", "cache", "history", "s_q", "backend", "kernel_out_rel", "kernel_lse_rel",
+    keys = ("phase", "cache", "history", "s_q", "queries", "backend", "kernel_out_rel", "kernel_lse_rel",
             "format_rel_vs_float32", "format_rel_vs_bfloat16")  # fmt: skip
     return [[fmt(c.get(k)) for k in keys] for c in cells]
 
 
 MATRIX_HEADER = (
-    "phase", "cache", "history", "s_q", "backend", "kernel out rel.", "kernel lse rel.",
+    "phase", "cache", "history", "s_q", "queries", "backend", "kernel out rel.", "kernel lse rel.",
     "format vs float32", "fp8 vs bfloat16",
 )  # fmt: skip
