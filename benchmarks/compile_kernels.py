@@ -3,7 +3,9 @@
 Runs :mod:`mla_convert.kernels.compile_check` over the whole tile grid (latent tile 16..512 x rope tile
 {none, 16, 32, 64} x float16/bfloat16/float32; split and merge kernels) in a process with the Triton interpreter
 off, and writes ``benchmarks/results/kernel_compile.json`` and ``kernel_compile.md`` (a table: one row per
-variant and architecture; a non-zero stack frame is where registers spill).
+compiled specialisation -- what a launch of that shape compiles, integer specialisation included, so ``d_c``
+is shown: a width divisible by 16 and one that is not are different kernels -- and architecture; a non-zero
+stack frame is where registers spill).
 
     .venv/bin/python benchmarks/compile_kernels.py [--set grid|product] [--arch 90 --arch 80]
 """
@@ -24,15 +26,17 @@ RESULTS = ROOT / "benchmarks" / "results"
 def table(rows: list[dict]) -> str:
     """Markdown table of compile_check's JSON rows."""
     head = (
-        "| arch | kernel | queries | FP8 group | d_c tile | d_R tile | rows/tile | rope | warps | registers | stack (spill) bytes "
-        "| shared bytes |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| arch | kernel | queries | FP8 group | d_c | d_c tile | d_R tile | rows/tile | rope | warps | registers "
+        "| stack (spill) bytes | shared bytes |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in sorted(rows, key=lambda r: (-r["arch"], r["kernel"], r["key"]["dtype"], r["key"]["block_dc"],
-                                         r["key"]["block_r"], r["key"]["has_rope"])):  # fmt: skip
+                                         r["shape"]["d_c"], r["key"]["block_r"], r["key"]["has_rope"],
+                                         r["key"]["fp8_group"])):  # fmt: skip
         k = r["key"]
         lines.append(
-            f"| sm_{r['arch']} | {r['kernel']} | {k['dtype']} | {k['fp8_group'] or '-'} | {k['block_dc']} | {k['block_r']} | {k['block_n']} "
+            f"| sm_{r['arch']} | {r['kernel']} | {k['dtype']} | {k['fp8_group'] or '-'} | {r['shape']['d_c']} "
+            f"| {k['block_dc']} | {k['block_r']} | {k['block_n']} "
             f"| {'yes' if k['has_rope'] else 'no'} | {r['num_warps']} | {r['registers']} | {r['stack_bytes']} "
             f"| {r['shared_bytes']} |"
         )

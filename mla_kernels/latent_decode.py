@@ -15,10 +15,16 @@ Partial results of the splits are merged exactly through their log-sum-exp by a 
 averaged); empty splits carry ``lse = -inf`` and weigh nothing, and a query row that sees no cached row (a
 length-0 request) yields zeros and ``lse = -inf`` without NaN. Page and row addresses are int64.
 
-Compiled variants: ``num_splits``, ``s_q`` and ``num_heads`` are runtime arguments that Triton does not
-specialise on, so a growing context or a new batch never compiles a new kernel; variants differ only by dtype,
-the power-of-two tiles of ``d_c`` and ``d_R``, ``BLOCK_N`` and whether there is a rope part
-(:func:`launch_key`, enumerated by :mod:`mla_convert.kernels.compile_check`).
+Compiled variants: Triton specialises an integer argument equal to 1 (a constant) or divisible by 16 (an
+alignment hint) unless told not to. Every argument that changes while a model decodes -- ``num_splits``,
+``s_q``, ``num_heads``, the query strides (``s_q``, views), the block table's row stride (the table grows), the
+partials' strides (the split count) and the page size -- is excluded (:data:`SPLIT_UNSPECIALIZED`,
+:data:`MERGE_UNSPECIALIZED`), and so is the alignment of the queries and index tensors; so a growing context, a
+new batch or a prefill never compiles a new kernel. A layer's variant is fixed by the dtype, the power-of-two
+tiles of ``d_c`` and ``d_R``, ``BLOCK_N``, the rope part (:func:`launch_key`) and the specialisation of its fixed
+integers (``d_c``, ``d_R``, cache strides and row offsets, e.g. ``d_c = 18`` vs ``32``): :func:`plan_launch`
+gives the arguments, :mod:`mla_convert.kernels.variants` their key, and :mod:`mla_convert.kernels.compile_check`
+compiles the keys the product launches.
 
 Numerics: float32 inputs use IEEE float32 dot products (no TF32); float16/bfloat16 inputs use their native dot
 with float32 accumulation, and the probabilities are rounded to the cache dtype for the value product, as in
@@ -51,7 +57,23 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 PARTIAL_BYTES_FRACTION = 0.25
 
 
-@triton.jit(do_not_specialize=["num_heads", "s_q", "num_splits"])
+#: integer arguments that change while one model decodes (query strides with ``s_q`` and views, the block table's
+#: width, the partials' strides with the split count): Triton specialises an integer equal to 1 or divisible by 16,
+#: so each would compile new variants mid-generation; they are plain runtime integers (their loads are small).
+#: The page size too: a caller's choice (1..128) that only divides row indices, so it picks no variant either
+SPLIT_UNSPECIALIZED = (
+    "stride_qab", "stride_qas", "stride_qah", "stride_qrb", "stride_qrs", "stride_qrh", "stride_btb",
+    "stride_pob", "stride_pom", "stride_plb", "stride_plm", "num_heads", "s_q", "num_splits", "page_size",
+)  # fmt: skip
+MERGE_UNSPECIALIZED = (
+    "stride_pob", "stride_pom", "stride_plb", "stride_plm", "stride_ob", "stride_lb", "rows", "num_splits",
+)  # fmt: skip
+#: pointers whose alignment is the caller's (views of a projection, index tensors): read with unspecialised
+#: strides or as gathers, so their alignment buys nothing and must not pick a variant
+SPLIT_UNALIGNED = ("q_abs_ptr", "q_rope_ptr", "block_table_ptr", "seq_lens_ptr", "head_to_rope_ptr")
+
+
+@triton.jit(do_not_specialize=SPLIT_UNSPECIALIZED, do_not_specialize_on_alignment=SPLIT_UNALIGNED)
 def _split_kernel(
     q_abs_ptr, q_rope_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, head_to_rope_ptr,
     part_out_ptr, part_lse_ptr,
@@ -166,7 +188,7 @@ def _split_kernel(
     tl.store(part_lse_ptr + b64 * stride_plb + offs_m * stride_plm + split, lse, mask=mask_m)
 
 
-@triton.jit(do_not_specialize=["rows", "num_splits"])
+@triton.jit(do_not_specialize=MERGE_UNSPECIALIZED)
 def _merge_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
     stride_pob, stride_pom, stride_pos, stride_plb, stride_plm,

@@ -1,5 +1,5 @@
-"""The kernels compile for Hopper (sm_90) and Ampere (sm_80) without a GPU, and a growing context never adds a
-compiled variant.
+"""The kernels compile for Hopper (sm_90) and Ampere (sm_80) without a GPU, exactly as they launch, and a decode
+never compiles a new variant mid-generation.
 
 The compile check runs Triton's own compiler (``triton.compile`` on an ``ASTSource`` for a ``GPUTarget``) in a
 process where the interpreter is off, down to a cubin per variant, and reads registers and stack (spill) bytes
@@ -25,50 +25,77 @@ K = load_kernel()
 
 
 def test_product_variants_compile_for_sm90_and_sm80(tmp_path: Path) -> None:
+    """Every distinct launch of the product set compiles for both architectures with its own specialisation key
+    (FP8 rows on sm_90 only), and what compiled is what ``variants`` planned."""
     out = tmp_path / "compiled.json"
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     res = subprocess.run(
         [sys.executable, "-m", "mla_convert.kernels.compile_check", "--arch", "90", "--arch", "80",
          "--json", str(out)],
-        capture_output=True, text=True, env=env, timeout=600,
+        capture_output=True, text=True, env=env, timeout=900,
     )  # fmt: skip
     assert res.returncode == 0, res.stdout + res.stderr
     compiled = json.loads(out.read_text())
     from mla_convert.kernels.compile_check import variants
 
-    keys = variants("product")
+    planned = variants("product")
+    split_fp8 = [v for v in planned if v.kernel == "split" and v.key.fp8_group]
+    assert split_fp8  # FP8 caches (bfloat16 queries) compile for sm_90; sm_80 has no E4M3 and refuses them
+    assert len(compiled) == 2 * len(planned) - len(split_fp8) and {c["arch"] for c in compiled} == {80, 90}
+    specs = {json.dumps([v.kernel, v.spec]) for v in planned}
+    assert {json.dumps([c["kernel"], c["spec"]]) for c in compiled} == specs
     splits = [c for c in compiled if c["kernel"] == "split"]
-    fp8 = [k for k in keys if k.fp8_group]
-    assert (
-        fp8
-    )  # FP8 caches (bfloat16 queries) compile for sm_90; sm_80 has no E4M3 and refuses them at launch
-    assert len(splits) == 2 * len(keys) - len(fp8) and {c["arch"] for c in compiled} == {80, 90}
     assert {c["arch"] for c in splits if c["key"]["fp8_group"]} == {90}
     assert all(0 < c["registers"] <= 255 for c in compiled)
-    dtypes = {c["key"]["dtype"] for c in splits}
-    assert dtypes == {"float16", "bfloat16", "float32"}
+    assert {c["key"]["dtype"] for c in splits} == {"float16", "bfloat16", "float32"}
     # spills (a stack frame) are findings, recorded in benchmarks/results/kernel_compile.md, not failures
     assert all(c["stack_bytes"] >= 0 for c in compiled)
-    # DeepSeek's width (d_c = 512) is among them, on 8 warps
+    # DeepSeek's width (d_c = 512) is among them, on 8 warps; the bundled ranks (18..92) are not multiples of 16
     wide = [c for c in splits if c["key"]["block_dc"] == 512]
     assert wide and all(c["num_warps"] == 8 for c in wide)
+    assert {c["shape"]["d_c"] % 16 != 0 for c in splits} == {True, False}
     print(res.stdout)
 
 
-def test_product_set_covers_the_bundled_conversion(reference_ckpt: Path) -> None:
-    """Every variant the bundled default conversion launches (its per-layer ranks, its rope head; float32,
-    float16 and bfloat16 caches, FP8 with bfloat16 queries) is in the compiled product set."""
-    from mla_convert.kernels import fp8
-    from mla_convert.kernels.compile_check import variants
+def _meta_launches(config, monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    """The specialisation keys a GPU would launch for a model of ``config`` (prefill and decode steps, float32,
+    float16 and bfloat16 caches, FP8 rows with bfloat16 queries), recorded on the meta device without running a
+    kernel: the backend reads as ``triton-cuda`` (row blocks of 16, bfloat16 allowed), an H200's 132 SMs."""
+    import mla_convert.kernels as kernels
+    from mla_convert.kernels.variants import record_launches
+    from mla_convert.mla.modeling import MLAForCausalLM
+    from mla_convert.runtime.decode import generate
 
-    config = json.loads((reference_ckpt / "config.json").read_text())
-    d_r = config["qk_rope_head_dim"]
-    launched = {K.launch_key(dt, d_c, d_r) for d_c in config["kv_lora_rank"] for dt in K.DTYPES}
-    launched |= {
-        K.launch_key(torch.bfloat16, d_c, d_r, fp8_group=fp8.default_group(d_c))
-        for d_c in config["kv_lora_rank"]
-    }
-    assert launched <= set(variants("product")), launched - set(variants("product"))
+    monkeypatch.setattr(kernels, "kernel_backend", lambda: "triton-cuda")
+    monkeypatch.setattr(K, "multiprocessor_count", lambda device: 132)
+    keys: set[str] = set()
+    for dtype, cache_dtype in (
+        (torch.float32, "model"), (torch.float16, "model"), (torch.bfloat16, "model"), (torch.bfloat16, "fp8"),
+    ):  # fmt: skip
+        with torch.device("meta"):
+            meta = MLAForCausalLM(config).eval().to(dtype)
+        ids = torch.zeros(2, 5, dtype=torch.long, device="meta")
+        with record_launches(K, launch=False) as seen:
+            generate(meta, ids, 3, backend="triton", cache_dtype=cache_dtype)
+        assert len(seen["_split_kernel"]) == 3 * config.num_hidden_layers
+        keys |= {json.dumps(["split", k]) for k in seen["_split_kernel"]}
+        keys |= {json.dumps(["merge", k]) for k in seen["_merge_kernel"]}
+    return keys
+
+
+def test_product_set_covers_the_bundled_conversion(reference_ckpt: Path, monkeypatch) -> None:
+    """Every specialisation key the bundled default conversion launches on a GPU (its per-layer ranks 18..92, its
+    rope head; float32, float16 and bfloat16 caches, FP8 rows with bfloat16 queries; prefill and decode) is one
+    the compile check compiles (before: the check compiled ``d_c`` as an unspecialised integer and the product
+    set's latent widths were multiples of 16, which Triton specialises, so none of the bundled layers' keys was
+    compiled)."""
+    from mla_convert.kernels.compile_check import variants
+    from mla_convert.mla.configuration import MLAConfig
+
+    config = MLAConfig.from_pretrained(str(reference_ckpt))
+    launched = _meta_launches(config, monkeypatch)
+    compiled = {json.dumps([v.kernel, v.spec]) for v in variants("product")}
+    assert launched <= compiled, sorted(launched - compiled)
 
 
 def test_compile_check_refuses_the_interpreter() -> None:
@@ -79,42 +106,69 @@ def test_compile_check_refuses_the_interpreter() -> None:
     assert res.returncode == 2 and "TRITON_INTERPRET" in res.stderr
 
 
-def test_context_growth_never_adds_a_variant(monkeypatch: pytest.MonkeyPatch) -> None:
-    """What Triton compiles a variant for: the constexpr arguments (and integer specialisation, off for the
-    arguments that change per step). Over contexts 1..3000, batches 1..4, 1..3 query tokens and explicit split
-    counts, one layer launches one split variant and one merge variant (before: ``NUM_SPLITS`` was a
-    constexpr, so the splits chosen as the context grew each compiled anew)."""
-    seen: dict[str, set[tuple]] = {"split": set(), "merge": set()}
+def test_a_64_step_decode_compiles_no_variant_mid_generation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill and 64 greedy decode steps of a 2-layer model launch one split and one merge variant per layer
+    (Triton's specialisation key of every launch, :mod:`mla_convert.kernels.variants`: the same on the CPU
+    interpreter, which compiles nothing, and on a GPU). Over the run the block table's row stride grows from 2
+    to 18 pages (16 on the way: divisible by 16) and the split count from 1 to 2 (an H200's 132 SMs), with the
+    GPU's row blocks of 16. Before: each of those values is an integer Triton specialised (1, divisible by 16,
+    other), so new variants compiled mid-generation. On a CUDA host the kernel's own JIT cache is read as well:
+    it must not grow after the prefill."""
+    from mla_convert.kernels.variants import compiled_variants, record_launches
+    from mla_convert.runtime.decode import generate
+    from tests.runtime.test_paged_cache import DEVICE, tiny_mla
 
-    class Record:
-        def __init__(self, name: str) -> None:
-            self.name = name
+    model = tiny_mla()
+    real_split, real_merge, real_plan = K._split_kernel, K._merge_kernel, K.plan_launch
+    planned: list[tuple[int, int, int | None, int | None]] = []
 
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                seen[self.name].add(tuple(sorted(kw.items())))
+    def plan(*args, **kw):
+        p = real_plan(*args, **kw)
+        cached = (compiled_variants(real_split), compiled_variants(real_merge))
+        planned.append((p.split_grid[1], p.split_args[3].stride(0), *cached))
+        return p
 
-            return launch
+    monkeypatch.setattr(K, "plan_launch", plan)
+    monkeypatch.setattr(K, "multiprocessor_count", lambda device: 132)
+    monkeypatch.setattr(K, "default_block_m", lambda rows, backend: K.BLOCK_M)
+    prompt = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    with record_launches(K) as seen:
+        res = generate(model, prompt, 65, backend="triton", page_size=4)
+    layers = model.config.num_hidden_layers
+    assert res.tokens.shape == (2, 72) and len(seen["_split_kernel"]) == 65 * layers == len(planned)
+    splits, strides = {p[0] for p in planned}, {p[1] for p in planned}
+    assert splits == {1, 2} and (min(strides), max(strides)) == (2, 18) and 16 in strides  # they did change
+    for name in ("_split_kernel", "_merge_kernel"):
+        per_layer = [set(seen[name][layer::layers]) for layer in range(layers)]
+        assert [len(keys) for keys in per_layer] == [1] * layers, per_layer
+    if DEVICE == "cuda":  # the JIT's own cache: nothing compiled after the prefill's launches
+        after_prefill = planned[layers]
+        assert all(p[2:] == after_prefill[2:] for p in planned[layers:]), planned
 
-    monkeypatch.setattr(K, "_split_kernel", Record("split"))
-    monkeypatch.setattr(K, "_merge_kernel", Record("merge"))
-    h, d_c, d_r, page = 9, 96, 16, 16
-    for batch in (1, 4):
-        for s_q in (1, 3):
-            for length in (1, 3, 64, 65, 255, 513, 1000, 3000):
-                pages = -(-length // page) * batch
-                args = (
-                    torch.zeros(batch, s_q, h, d_c), torch.zeros(batch, s_q, h, d_r),
-                    torch.zeros(pages, page, d_c + 2 * d_r), torch.zeros(batch, pages, dtype=torch.int32),
-                    torch.full((batch,), max(length, s_q), dtype=torch.int32),
-                    (torch.arange(h) // 5).int(),
-                )  # fmt: skip
-                for num_splits in (None, 1, 7):  # the GPU's row blocks (the interpreter compiles nothing)
-                    K.latent_decode(
-                        *args, softmax_scale=0.1, num_splits=num_splits, max_seq_len=length, block_m=K.BLOCK_M
-                    )
-    assert len(seen["split"]) == 1 and len(seen["merge"]) == 1, seen
-    # and Triton's integer specialisation is off for the arguments that change per step
-    src = Path(K.__file__).read_text()
-    assert '@triton.jit(do_not_specialize=["num_heads", "s_q", "num_splits"])' in src
-    assert '@triton.jit(do_not_specialize=["rows", "num_splits"])' in src
+
+def test_specialisation_key_is_the_jits() -> None:
+    """The key :func:`launch_specialization` computes follows Triton's rules: an integer 1 is a constant, a
+    multiple of 16 gets the divisibility attribute, an unspecialised one neither, whatever its value."""
+    from mla_convert.kernels.variants import launch_specialization
+
+    case = [torch.zeros(4, 1, 2, 16), torch.zeros(4, 1, 2, 16), torch.zeros(2, 16, 32)]
+    names = list(K._split_kernel.arg_names)
+    base = K.plan_launch(
+        *case, torch.zeros(4, 3, dtype=torch.int32), torch.ones(4, dtype=torch.int32),
+        torch.zeros(2, dtype=torch.int32), 0.1, num_splits=1, block_m=16,
+    )  # fmt: skip
+    entries, options = launch_specialization(K._split_kernel, base.split_args, base.split_kwargs)
+    spec = dict(zip(names, entries, strict=True))
+    assert options == (("num_warps", 4),)
+    assert (
+        spec["d_c"] == ("i32", "D") and spec["d_r"] == ("i32", "D") and spec["BLOCK_DC"] == ("constexpr", 16)
+    )
+    assert spec["stride_btb"] == ("i32", None) and spec["num_splits"] == ("i32", None)  # never specialised
+    assert spec["stride_cs"] == ("i32", "D") and spec["cache_ptr"] == ("*fp32", "D")
+    odd = list(base.split_args)
+    odd[names.index("d_r")] = 1  # an integer 1 becomes a constant, 17 an unaligned integer
+    odd[names.index("d_c")] = 17
+    spec = dict(
+        zip(names, launch_specialization(K._split_kernel, tuple(odd), base.split_kwargs)[0], strict=True)
+    )
+    assert spec["d_r"] == ("constexpr", 1) and spec["d_c"] == ("i32", "")
