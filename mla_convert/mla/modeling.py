@@ -40,6 +40,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 from mla_convert.mla import algebra
 from mla_convert.mla.algebra import apply_rope, causal_mask, rope_angles
 from mla_convert.mla.configuration import MLAConfig
+from mla_convert.mla.folding import FoldedWeights, fold_weights, folding_key, folding_plan
 from mla_convert.runtime.paged_cache import PagedLatentCache
 
 ATTENTION_PATHS = ("absorbed", "naive", "triton")
@@ -53,50 +54,6 @@ class Projected(NamedTuple):
     q_rope: torch.Tensor
     c_kv: torch.Tensor
     k_rope: torch.Tensor
-
-
-class FoldedWeights(NamedTuple):
-    """Inference weights of one layer with the up-projections folded in (:meth:`MLAAttention.set_folding`):
-    ``q_weight [H * (d_c + d_R), hidden]`` / ``q_bias`` give ``[q_abs | q_rope]`` per head, ``o_weight
-    [hidden, H * d_c]`` maps the attended latent to the output; ``None`` where folding does not pay. ``key``
-    identifies the weights they were made from."""
-
-    q_weight: torch.Tensor | None
-    q_bias: torch.Tensor | None
-    o_weight: torch.Tensor | None
-    key: tuple[Any, ...]
-
-
-@torch.no_grad()
-def fold_weights(attn: MLAAttention, key: tuple[Any, ...]) -> FoldedWeights:
-    """Fold ``W_UK [G, d_N, d_c]`` into the NoPE rows of ``q_proj`` (``W_UK[g(h)]^T W_q,nope[h]``) and ``W_UV [G,
-    d_V, d_c]`` into ``o_proj`` (``W_o[:, h] W_UV[g(h)]``), in float64 on the CPU (float32 elsewhere), returned in
-    the weights' dtype; each only where :meth:`MLAAttention.folding_plan` says it pays."""
-    fold_q, fold_o = attn.folding_plan()
-    w = attn.q_proj.weight
-    work = torch.float64 if w.device.type == "cpu" else torch.float32
-    h, g = attn.num_heads, attn.num_kv_heads
-    d_n, d_r, d_v = attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.v_head_dim
-    w_uk, w_uv = (u.to(work) for u in attn.up_weights())
-    kv_of = algebra.head_to_group(h, g, w.device)
-    q_weight = q_bias = o_weight = None
-    if fold_q:
-        wq = w.to(work).view(h, d_n + d_r, -1)
-        q_abs = torch.einsum("hnc,hnx->hcx", w_uk[kv_of], wq[:, :d_n])
-        q_weight = torch.cat([q_abs, wq[:, d_n:]], dim=1).reshape(-1, w.shape[1]).to(w.dtype).contiguous()
-        if attn.q_proj.bias is not None:
-            bq = attn.q_proj.bias.to(work).view(h, d_n + d_r)
-            b_abs = torch.einsum("hnc,hn->hc", w_uk[kv_of], bq[:, :d_n])
-            q_bias = torch.cat([b_abs, bq[:, d_n:]], dim=1).reshape(-1).to(w.dtype).contiguous()
-    if fold_o:
-        wo = attn.o_proj.weight
-        o_weight = (
-            torch.einsum("ohv,hvc->ohc", wo.to(work).view(wo.shape[0], h, d_v), w_uv[kv_of])
-            .reshape(wo.shape[0], -1)
-            .to(wo.dtype)
-            .contiguous()
-        )
-    return FoldedWeights(q_weight, q_bias, o_weight, key)
 
 
 class MLAAttention(nn.Module):
@@ -204,26 +161,17 @@ class MLAAttention(nn.Module):
             self._folded = None  # the derived weights' memory goes back
 
     def folding_plan(self) -> tuple[bool, bool]:
-        """``(fold_q, fold_o)``: whether folding ``W_UK`` into ``q_proj`` (``H d_c`` instead of ``H d_N`` rows,
-        minus the ``H d_N d_c`` absorption) and ``W_UV`` into ``o_proj`` (``H d_c`` instead of ``H d_V`` inputs,
-        minus ``H d_V d_c``) lowers the multiply-adds per token (DeepSeek-V2 §2.1.2 absorbs the same products;
-        at DeepSeek's widths, ``d_c`` 512 > ``d_N`` 128, it does not pay)."""
-        hidden = self.q_proj.in_features
-        d_c, d_n, d_v = self.kv_lora_rank, self.qk_nope_head_dim, self.v_head_dim
-        return d_c * (hidden - d_n) <= hidden * d_n, d_c * (hidden - d_v) <= hidden * d_v
+        """``(fold_q, fold_o)``: where folding lowers the multiply-adds per token
+        (:func:`~mla_convert.mla.folding.folding_plan`)."""
+        return folding_plan(
+            self.q_proj.in_features, self.kv_lora_rank, self.qk_nope_head_dim, self.v_head_dim
+        )
 
     def _folded_weights(self) -> FoldedWeights | None:
         """The folded inference weights when folding applies now (``None`` during training or on the naive path)."""
         if not self.folding or torch.is_grad_enabled() or self.path == "naive":
             return None
-        params = [
-            self.q_proj.weight,
-            self.kv_b_proj.weight,
-            self.o_proj.weight,
-            self.kv_a_proj_with_mqa.weight,
-        ]
-        params += [p for p in (self.q_proj.bias, self.kv_a_proj_with_mqa.bias) if p is not None]
-        key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
+        key = folding_key(self)
         if self._folded is None or self._folded.key != key:
             self._folded = fold_weights(self, key)
         return self._folded

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+import mla_convert  # noqa: F401  (sets TRITON_INTERPRET=1 on CPU before anything imports triton)
 from mla_convert.mla import algebra
 
 
 def test_apply_rope_is_hf_rotate_half() -> None:
+    # transformers' Llama module imports triton: after mla_convert (TRITON_INTERPRET=1 on a CPU host)
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
     torch.manual_seed(0)
     b, t, heads, p = 2, 7, 3, 4
     x = torch.randn(b, t, heads, 2 * p, dtype=torch.float64)
