@@ -1,0 +1,171 @@
+"""``inspect`` and ``factor``: what a conversion would take, and the conversion itself (streamed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from mla_convert.cli.export_cmds import EXPORT_HELP, check_export, export_after
+from mla_convert.cli.flags import build_options, options_from
+from mla_convert.cli.render import (
+    STATE,
+    cache_table,
+    console,
+    err_console,
+    estimate_lines,
+    fail,
+    progress_bar,
+    say,
+    source_table,
+    user_errors,
+)
+from mla_convert.convert.options import ConvertOptions, shard_size_of
+from mla_convert.sources.locate import locate_source
+
+SOURCE_HELP = (
+    "A HF folder (safetensors), a .gguf file, or 'smollm2-135m' (the bundled SmolLM2-135M-Instruct)."
+)
+
+
+@options_from(ConvertOptions)
+def inspect(
+    source: str = typer.Argument(..., help=SOURCE_HELP),
+    max_shard_size: str = typer.Option(
+        "2GB", help="Largest output shard of the conversion the estimate is for (as for factor)."
+    ),
+    **values: Any,
+) -> None:
+    """Show the architecture, the KV cache per token now, what conversions would give, and the peak memory, disk
+    and time that `factor` with the given options would take (estimates, from the config and tensor headers).
+
+    Examples:
+
+      mla-convert inspect smollm2-135m
+
+      mla-convert inspect ./Llama-3.1-8B --calib-windows 2 --window 256 --eval-windows 1 --dtype bfloat16
+    """
+    from mla_convert.convert.options import check_options
+
+    options = build_options(ConvertOptions, values)
+    with user_errors():
+        check_options(options, None)
+        locate_source(source)
+    from mla_convert.convert.estimate import parse_size
+
+    try:
+        parse_size(max_shard_size)
+    except ValueError:
+        fail(
+            f"--max-shard-size {max_shard_size!r} is not a size; write it like 500MB or 5GB (KB, MB, GB, TB)"
+        )
+    from mla_convert.sources.checkpoint import open_source
+
+    with user_errors():
+        src = open_source(source)
+        check_options(options, src)
+    from mla_convert.convert.estimate import factor_lines
+    from mla_convert.convert.suggest import MEASURED_SPLITS, suggestions
+
+    console.print(source_table(source, src.describe()))
+    console.print(cache_table(src, suggestions(src, MEASURED_SPLITS)))
+    estimate_lines(options, max_shard_size, factor_lines(options, src, max_shard_size))
+
+
+@options_from(ConvertOptions)
+def factor(
+    source: str = typer.Argument(..., help=SOURCE_HELP),
+    out: Path = typer.Argument(
+        ..., help="Output folder (built in a temporary sibling, renamed when complete)."
+    ),
+    overwrite: bool = typer.Option(False, help="Replace a non-empty OUT."),
+    resume: bool = typer.Option(
+        False,
+        help="Continue a stopped conversion of OUT (same source and options) after its last finished layer.",
+    ),
+    max_shard_size: str = typer.Option(
+        "2GB", help="Largest output shard (e.g. 500MB, 5GB); one shard is held in memory while it is written."
+    ),
+    export: str = typer.Option(None, "--export", help=EXPORT_HELP),
+    **values: Any,
+) -> None:
+    """Partial RoPE + low-rank K/V -> MLA checkpoint + report + manifest in OUT, streamed layer by layer.
+
+    Examples:
+
+      mla-convert factor smollm2-135m out/smollm2-mla
+
+      mla-convert factor ./Llama-3.2-1B out/l1b --rope-mode per-head --rope-strategy 2-norm --rope-pairs 4 --kv-lora-rank 256
+    """
+    from mla_convert.artifacts.output import check_output
+    from mla_convert.convert.options import check_options
+
+    options = build_options(ConvertOptions, values)  # every flag, before anything heavy is imported
+    with user_errors():
+        check_options(options, None)  # every rule that needs no source, before any I/O
+        shard_size = shard_size_of(max_shard_size)
+        check_output(out, overwrite)  # refuse an occupied OUT before the source is read
+        check_export(out, export, overwrite)
+        locate_source(source)  # a wrong path, before the checkpoint libraries are imported
+    from mla_convert.artifacts.report import layer_table, summary_table
+    from mla_convert.convert.job import run_factor
+    from mla_convert.sources.checkpoint import open_source
+
+    with user_errors():
+        src = open_source(source)
+        check_options(options, src)  # the source's shapes: before anything is loaded
+        if export:
+            from mla_convert.convert.options import geometry
+
+            geo = geometry(options, src)
+            if geo.rope_heads != 1 or geo.rope_width == 0:
+                fail(
+                    f"--export {export} needs one shared rope head with at least one pair; these options give "
+                    f"{geo.rope_heads} rope heads and {geo.rope_width // max(geo.rope_heads, 1) // 2} pairs each: "
+                    "use --rope-mode shared and --rope-pairs >= 1"
+                )
+        say(
+            f"source: {src.origin} ({src.family.name}, {src.num_layers} layers, {src.num_heads}/{src.num_kv_heads} heads)"
+        )
+        try:
+            with progress_bar() as cb:
+                report = run_factor(
+                    src,
+                    out,
+                    options,
+                    overwrite=overwrite,
+                    progress=cb,
+                    resume=resume,
+                    max_shard_size=shard_size,
+                )
+        except KeyboardInterrupt:
+            from mla_convert.convert.workdir import work_dir
+
+            err_console.print(
+                f"interrupted: OUT was not written; the finished layers are kept in {work_dir(out.resolve())}: "
+                "run the same command with --resume to continue",
+                highlight=False,
+                markup=False,
+            )
+            raise typer.Exit(130) from None
+    if not STATE["quiet"]:
+        console.print(layer_table(report))
+        console.print(summary_table(report))
+        sample = report["model"]["sample"]
+        if sample["greedy_24_tokens"]:
+            console.print(
+                f"sample (greedy, latent cache): {sample['greedy_24_tokens']!r}",
+                highlight=False,
+                markup=False,
+            )
+    e = report["model"]["eval"]
+    console.print(
+        f"wrote {out}: perplexity {e['perplexity']:.3f} (source {e['reference_perplexity']:.3f}) on {e['tokens']} tokens, "
+        f"cache {report['model']['cache']['converted']['values_per_token_per_layer']:.1f} values/token/layer "
+        f"({report['model']['cache']['ratio']:.2%} of source), {report['run']['wall_s']:.0f} s, "
+        f"peak {report['run']['peak_rss_mb']:.0f} MB",
+        highlight=False,
+    )
+    if export:
+        export_after(out, export, overwrite)
