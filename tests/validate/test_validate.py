@@ -10,13 +10,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from mla_convert.cli.commands import app
+from mla_convert.kernels import kernel_backend
+from mla_convert.validate.spec import matrix_tolerances
 
 # the failing-rung tests need the faults found, not the product backend: the torch decode path and short prompts
 SMALL = ["--windows", "2", "--window", "128", "--new-tokens", "4", "--matrix-max-history", "129", "--backend", "absorbed",
@@ -51,7 +55,18 @@ def broken_copy(ref: Path, dest: Path, corrupt: str) -> Path:
     return dest
 
 
+def expected_kernel_backend() -> str:
+    """The backend the ladder must record: :func:`~mla_convert.kernels.kernel_backend`, the function the product
+    records from, checked against the machine (native Triton on a CUDA GPU unless ``TRITON_INTERPRET`` is set)."""
+    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    backend = kernel_backend()
+    assert backend == ("triton-cuda" if torch.cuda.is_available() and not interpret else "triton-interpreter")
+    return backend
+
+
 def test_validate_passes_on_reference(reference_ckpt):
+    backend = expected_kernel_backend()
+    on_gpu = backend == "triton-cuda"
     res = CliRunner().invoke(app, ["validate", str(reference_ckpt)])
     assert res.exit_code == 0, res.stdout + res.stderr
     assert "validation passed" in res.stdout
@@ -70,18 +85,23 @@ def test_validate_passes_on_reference(reference_ckpt):
     checks = {c["name"]: c for r in report["rungs"] for c in r["checks"]}
     kernel = next(c for n, c in checks.items() if n.startswith("latent_out vs float64"))
     assert kernel["value"] < 1e-5
-    assert checks["kernel backend"]["value"] == "triton-interpreter"
+    assert checks["kernel backend"]["value"] == backend
     assert json.loads(checks["backends that ran"]["value"]) == {
-        "triton-interpreter:prefill": 30,
-        "triton-interpreter:decode": 30 * 15,
+        f"{backend}:prefill": 30,
+        f"{backend}:decode": 30 * 15,
     }
     recorded = json.loads((reference_ckpt / "report.json").read_text())["model"]["eval"]
     assert checks["perplexity (converted)"]["value"] == pytest.approx(recorded["perplexity"], rel=1e-3)
     payload = next(c for n, c in checks.items() if n.startswith("payload bytes/token/layer"))
     assert payload["value"] == 0 and "480.0" in payload["name"]  # 120 float32 values
     assert checks["cache ratio (converted payload / source measured)"]["value"] == pytest.approx(0.3125)
-    # rung 6: phase x cache x history on layer 0's real rows; the interpreter runs float32 and FP8, bfloat16
-    # goes through the oracle alone, and every cell says which
+    # rung 6: phase x cache x history on layer 0's real rows; the interpreter runs float32 and FP8 (float32
+    # queries), bfloat16 goes through the oracle alone; a GPU runs bfloat16 and (sm_89+) FP8 rows with bfloat16
+    # queries; every cell says which, and is held to its queries' tolerances
+    fp8_runs = not on_gpu or torch.cuda.get_device_capability() >= (8, 9)
+    runs = {"float32": True, "bfloat16": on_gpu, "fp8": fp8_runs}
+    queries = {"float32": "float32", "bfloat16": "bfloat16" if on_gpu else "float32"}
+    queries["fp8"] = queries["bfloat16"]
     cells = rungs["kernel-matrix"]["cells"]
     assert len(cells) == 3 * 3 * 5
     assert {c["history"] for c in cells} == {1, 127, 128, 129, 4096}
@@ -91,14 +111,14 @@ def test_validate_passes_on_reference(reference_ckpt):
         ("verify", 4),
     }
     for c in cells:
-        if c["cache"] == "bfloat16":
+        assert c["queries"] == queries[c["cache"]], c
+        if not runs[c["cache"]]:
             assert c["backend"].startswith("float64 oracle only") and c["kernel_out_rel"] is None
-        else:
-            assert (
-                c["backend"] == "triton-interpreter"
-                and c["kernel_out_rel"] < 1e-5
-                and c["kernel_lse_rel"] < 1e-5
-            )
+            continue
+        tol_out, tol_lse = matrix_tolerances(c["queries"])
+        assert c["backend"] == backend and c["kernel_out_rel"] < tol_out and c["kernel_lse_rel"] < tol_lse, c
+        if c["queries"] == "float32":
+            assert c["kernel_out_rel"] < 1e-5 and c["kernel_lse_rel"] < 1e-5
     fp8 = [c["format_rel_vs_float32"] for c in cells if c["cache"] == "fp8"]
     bf16 = [c["format_rel_vs_float32"] for c in cells if c["cache"] == "bfloat16"]
     assert 0 < max(bf16) < max(fp8) < 0.1  # E4M3 costs more than bfloat16 rows, measured, bounded
@@ -106,7 +126,11 @@ def test_validate_passes_on_reference(reference_ckpt):
     assert (
         md.startswith(f"# Validation of `{reference_ckpt.name}`: PASSED") and "## 5. cache-ledger: pass" in md
     )
-    assert "## 6. kernel-matrix: pass" in md and "| verify | fp8 | 4096 | 4 | triton-interpreter |" in md
+    fp8_backend = backend if fp8_runs else "float64 oracle only"
+    assert (
+        "## 6. kernel-matrix: pass" in md
+        and f"| verify | fp8 | 4096 | 4 | {queries['fp8']} | {fp8_backend}" in md
+    )
     assert "kernel-matrix: phase x cache x history" in res.stdout  # the CLI prints the matrix
     # validation files are not outputs of the conversion: the manifest still verifies
     assert CliRunner().invoke(app, ["manifest", "verify", str(reference_ckpt)]).exit_code == 0
