@@ -1,10 +1,11 @@
 """The README's reference conversion, end to end through the CLI, against its pinned manifest.
 
-``manifests/smollm2-135m-reference.json`` pins the manifest of ``mla-convert factor smollm2-135m OUT``
-(default options). Any change of output — tensors, options, RoPE pairs, ranks, calibration documents,
-reconstruction figures — changes the canonical id and fails here; the output files are pinned byte for byte,
-the weights and config per CPU model (``smollm2-135m-reference.bytes.json``: float kernels round differently
-on different CPUs). After an intended change, re-pin with ``python tests/convert/test_reference.py --repin``
+``manifests/smollm2-135m-reference.json`` pins the manifest of ``mla-convert factor smollm2-135m OUT --device
+cpu`` (default options on the CPU: ``--device`` is a recorded option, and ``auto`` would convert on a GPU where
+there is one, so a GPU host reproduces the pin only with ``cpu``). Any change of output — tensors, options,
+RoPE pairs, ranks, calibration documents, reconstruction figures — changes the canonical id and fails here; the
+output files are pinned byte for byte, the weights and config per CPU model (``smollm2-135m-reference.bytes.json``:
+float kernels round differently on different CPUs). After an intended change, re-pin with ``python tests/convert/test_reference.py --repin``
 (on each machine whose bytes are pinned) and say why in the commit.
 """
 
@@ -19,6 +20,7 @@ from typer.testing import CliRunner
 
 from mla_convert.artifacts.manifest import canonical_id
 from mla_convert.cli.commands import app
+from mla_convert.kernels import kernel_backend
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import run_reference  # noqa: E402
@@ -60,6 +62,8 @@ def _diff(a: dict, b: dict, prefix: str = "") -> list[str]:
 def test_reference_manifest_is_pinned(reference):
     got = json.loads((reference / "mla_manifest.json").read_text())
     pinned = json.loads(PINNED.read_text())
+    assert got["options"]["device"] == pinned["options"]["device"] == "cpu"  # reproducible on a GPU host too
+    assert got["run"]["device"] == "cpu"
     assert got["canonical_id"] == canonical_id(got)
     assert got["canonical_id"] == pinned["canonical_id"], "\n".join(_diff(got, pinned)[:12])
     # Every output file is hashed; the reports carry timings, and the weights and config (its refit losses)
@@ -109,7 +113,7 @@ def test_reference_report_and_cli(reference):
         app, ["generate", str(reference), "The capital of France is", "--max-new-tokens", "8", "--backend", "triton"]
     )
     assert res_k.exit_code == 0 and res_k.stdout == res.stdout  # same greedy text on the kernel
-    assert "triton-interpreter:decode x210" in res_k.stderr  # 7 decode steps x 30 layers ran the kernel
+    assert f"{kernel_backend()}:decode x210" in res_k.stderr  # 7 decode steps x 30 layers ran the kernel
     res = runner.invoke(app, ["eval", str(reference), "--windows", "1", "--window", "256"])
     assert res.exit_code == 0 and "perplexity" in res.stdout
 
