@@ -88,6 +88,9 @@ class Streamed:
     per_layer: list[dict[str, float]] = field(default_factory=list)
     dtype: str = "float32"
     device: str = "cpu"
+    #: per-layer attention errors on held-out tokens of each ``o_proj`` variant (``plain``; ``fit`` when a refit
+    #: ran), whichever was kept
+    attn_err_variants: dict[str, list[float]] = field(default_factory=dict)
 
 
 def _cache_record(measured: list[tuple[int, int]], tokens: int, dtype: torch.dtype) -> dict[str, Any]:
@@ -518,6 +521,7 @@ class StreamedConversion:
             per_layer,
             str(self.dtype).replace("torch.", ""),
             str(self.device),
+            {k: list(v) for k, v in st["attn_err"].items() if v},
         )
 
     def layout(self, config: MLAConfig) -> dict[str, torch.Tensor]:

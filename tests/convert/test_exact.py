@@ -27,10 +27,15 @@ def _exact_options(**kw):
     return base
 
 
+@pytest.fixture(scope="module")
+def exact(smol_st, smol_windows):
+    """Every RoPE pair kept and full rank (192 = the 3 KV heads' 64 value rows; no NoPE key is left)."""
+    return convert(smol_st, *smol_windows, **_exact_options())
+
+
 @pytest.mark.parametrize("path", ["absorbed", "naive"])
-def test_gqa_full_rank_all_pairs_is_exact(smol, smol_model, smol_windows, eval_ids, path, tmp_path):
-    conv = convert(smol, *smol_windows, **_exact_options())
-    model, records = conv.model, conv.layers
+def test_gqa_full_rank_all_pairs_is_exact(exact, smol_model, eval_ids, path, tmp_path):
+    model, records = exact.model, exact.layers
     ref = _logits(smol_model, eval_ids)
     got = _logits(model, eval_ids, path)
     assert (got - ref).abs().max().item() < EXACT_TOL
@@ -46,10 +51,10 @@ def test_gqa_full_rank_all_pairs_is_exact(smol, smol_model, smol_windows, eval_i
         assert (_logits(loaded, eval_ids) - ref).abs().max().item() < EXACT_TOL
 
 
-def test_shared_rope_every_component_is_exact(smol, smol_model, smol_windows, eval_ids):
+def test_shared_rope_every_component_is_exact(smol_st, smol_model, smol_windows, eval_ids):
     """RoRoPE with a complex PCA basis is a change of basis: keeping every component is exact."""
     opts = _exact_options(rope_mode="shared", rope_strategy="rotation", rope_pairs=96)
-    conv = convert(smol, *smol_windows, **opts)
+    conv = convert(smol_st, *smol_windows, **opts)
     model, cfg = conv.model, conv.config
     assert cfg.num_rope_heads == 1 and cfg.qk_rope_head_dim == 192
     assert (_logits(model, eval_ids) - _logits(smol_model, eval_ids)).abs().max().item() < EXACT_TOL
@@ -66,7 +71,7 @@ def test_mha_expansion_full_rank_is_exact(mha_folder, smol_model, calib_windows,
         assert (_logits(model, eval_ids, path) - ref).abs().max().item() < EXACT_TOL
 
 
-def test_partial_rope_changes_the_function(smol, smol_model, smol_windows, eval_ids):
+def test_partial_rope_changes_the_function(smol_st, smol_model, smol_windows, eval_ids):
     """Dropping pairs is a deliberate loss: the logits must move (the exactness test can fail)."""
-    model = convert(smol, *smol_windows, **_exact_options(rope_pairs=4, kv_lora_rank=192)).model
+    model = convert(smol_st, *smol_windows, **_exact_options(rope_pairs=4, kv_lora_rank=192)).model
     assert (_logits(model, eval_ids) - _logits(smol_model, eval_ids)).abs().max().item() > 1e-2

@@ -113,9 +113,9 @@ REAL_PARTIAL = [
 
 @pytest.mark.parametrize(("mode", "strategy", "pairs", "basis"), REAL_PARTIAL)
 def test_partial_rope_full_rank_equals_unrotated_source(
-    smol, smol_model, smol_windows, eval_ids, mode, strategy, pairs, basis
+    smol_st, smol_model, smol_windows, eval_ids, mode, strategy, pairs, basis
 ):
-    moved = _check_partial_rope(smol, smol_model, smol_windows, eval_ids, mode, strategy, pairs, basis)
+    moved = _check_partial_rope(smol_st, smol_model, smol_windows, eval_ids, mode, strategy, pairs, basis)
     assert moved > 0.1  # the oracle is not the source: dropping rotations is a real change
 
 
@@ -131,7 +131,7 @@ def test_partial_rope_full_rank_equals_unrotated_source(
     ],
 )
 def test_low_rank_all_rope_equals_projected_values(
-    smol, smol_model, smol_windows, eval_ids, mode, pairs, objective, factorization
+    smol_st, smol_model, smol_windows, eval_ids, mode, pairs, objective, factorization
 ):
     # 96 < the rank of E[x xᵀ] on the 256 calibration tokens in every layer (layer 0: 138), so the
     # activation-weighted projection is determined.
@@ -144,7 +144,7 @@ def test_low_rank_all_rope_equals_projected_values(
         kv_lora_rank=96,
     )
     _, _, want, source = _check(
-        smol, smol_model, smol_windows, eval_ids, opts, full_rank=False, paths=("absorbed", "naive")
+        smol_st, smol_model, smol_windows, eval_ids, opts, full_rank=False, paths=("absorbed", "naive")
     )
     assert (want - source).abs().max().item() > 0.1
 
@@ -152,14 +152,14 @@ def test_low_rank_all_rope_equals_projected_values(
 # --- both combined: the default conversion on the real model --------------------------------------------
 
 
-def test_default_conversion_equals_oracle_on_every_path(smol, smol_model, smol_windows, eval_ids):
+def test_default_conversion_equals_oracle_on_every_path(smol_default, smol_model, eval_ids):
     """Default options (shared 2-norm r=24, output-aware joint SVD at a 120-value budget, o_proj refit):
     the oracle takes the refitted ``o_proj`` from the checkpoint; naive, absorbed and the Triton decode
     path over the paged latent cache all equal it."""
     from mla_convert.kernels import kernel_backend
     from mla_convert.runtime.decode import generate
 
-    conv = convert(smol, *smol_windows, keep_stats=True)  # every default but float32 weights
+    conv = smol_default  # every default but float32 weights
     assert conv.config.source["o_proj_refit"]["kept"]  # the refit is part of what the oracle checks
     mla, plans, stats = conv.model, conv.plans, conv.stats
     _check_model(

@@ -31,12 +31,19 @@ BYTES = Path(__file__).resolve().parents[2] / "manifests" / "smollm2-135m-refere
 
 
 def cpu_model() -> str:
-    """``model name`` of /proc/cpuinfo ('' where there is none)."""
+    """``model name`` of /proc/cpuinfo and a digest of its ``flags`` line ('' where there is none): the float
+    kernels torch dispatches depend on the instruction sets, and a virtual machine's model name alone ("AMD
+    EPYC") names several generations that round differently (two such hosts gave other bytes, same id)."""
+    import hashlib
+
     info = Path("/proc/cpuinfo")
+    name = flags = ""
     for line in info.read_text().splitlines() if info.exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return ""
+        if line.startswith("model name") and not name:
+            name = line.split(":", 1)[1].strip()
+        if line.startswith("flags") and not flags:
+            flags = " ".join(sorted(line.split(":", 1)[1].split()))
+    return f"{name} (flags {hashlib.sha256(flags.encode()).hexdigest()[:12]})" if name else ""
 SCHEMA = Path(__file__).resolve().parents[2] / "mla_convert" / "artifacts" / "mla_manifest.schema.json"
 
 
@@ -128,3 +135,13 @@ if __name__ == "__main__" and "--repin" in sys.argv:
     pins["by_cpu"][cpu_model()] = {k: manifest["outputs"][k] for k in pins["files"]}
     BYTES.write_text(json.dumps(pins, indent=2) + "\n")
     print(f"pinned {manifest['canonical_id']} in {PINNED} and this CPU's bytes in {BYTES}")
+
+if __name__ == "__main__" and "--pin-bytes-from" in sys.argv:  # a reference conversion made on this machine
+    folder = Path(sys.argv[sys.argv.index("--pin-bytes-from") + 1])
+    manifest = json.loads((folder / "mla_manifest.json").read_text())
+    if manifest["canonical_id"] != json.loads(PINNED.read_text())["canonical_id"]:
+        sys.exit(f"{folder} is not the pinned reference conversion (canonical id {manifest['canonical_id']})")
+    pins = json.loads(BYTES.read_text())
+    pins["by_cpu"][cpu_model()] = {k: manifest["outputs"][k] for k in pins["files"]}
+    BYTES.write_text(json.dumps(pins, indent=2) + "\n")
+    print(f"pinned this CPU's bytes ({cpu_model()}) from {folder} in {BYTES}")

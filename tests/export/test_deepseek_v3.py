@@ -314,10 +314,10 @@ def test_recipe_export_stage_runs_then_skips(tiny_qwen2, tmp_path):
     assert res.exit_code == 0 and "export skipped" in res.output, res.output
 
 
-def test_smollm2_full_keep_export_is_the_source(smol, smol_model, smol_windows, eval_ids):
+def test_smollm2_full_keep_export_is_the_source(smol_st, smol_model, smol_windows, eval_ids):
     """Real weights, every RoPE component and full rank: stock DeepSeek-V3 = our MLA model = SmolLM2 (float32)."""
     opts = dict(rope_mode="shared", rope_strategy="rotation", rope_pairs=96, cache_budget=None, kv_lora_rank=192)
-    mla = convert(smol, *smol_windows, **opts).model
+    mla = convert(smol_st, *smol_windows, **opts).model
     plan, _, stock = _stock(mla.eval())
     got = _logits(stock, eval_ids)
     assert (got - _logits(mla, eval_ids)).abs().max().item() < TOL
