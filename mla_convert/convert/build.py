@@ -93,7 +93,7 @@ def convert_windows(
     with tempfile.TemporaryDirectory(prefix="mla-convert-") as tmp:
         work = Path(tmp)
         texts = Texts(calibration, held, ev_ids, probe)
-        conv = StreamedConversion(src, options, texts, work, progress, keep_stats, trim=False)
+        conv = StreamedConversion(src, options, texts, work, progress, keep_stats, trim=False, resumable=False)
         conv.pass_one(0)
         config = conv.ranks_and_config()
         conv.pass_two(config, 0)

@@ -121,6 +121,8 @@ class StreamedConversion:
             (:mod:`mla_convert.convert.build`); held in memory, not resumable.
         trim: hand freed heap pages back after each layer (:func:`trim_heap`; its ``gc.collect`` costs ~0.1-1 s
             in a process holding many objects, so an in-memory conversion of a small model turns it off).
+        resumable: record the streams and the last finished step after each layer (``--resume``); an in-memory
+            conversion skips it.
     """
 
     def __init__(
@@ -132,9 +134,11 @@ class StreamedConversion:
         progress: ProgressFn | None = None,
         keep_stats: bool = False,
         trim: bool = True,
+        resumable: bool = True,
     ) -> None:
         self.src = src
         self.trim = trim
+        self.resumable = resumable
         self.options = options
         self.texts = texts
         self.work = work
@@ -177,6 +181,8 @@ class StreamedConversion:
             trim_heap()
 
     def _save_state(self, step: dict[str, Any]) -> None:
+        if not self.resumable:  # an in-memory conversion: nothing resumes it
+            return
         save_torch(self.work / "state.pt", self.state)
         mark_done(self.work, step)
 

@@ -71,7 +71,5 @@ def test_mha_expansion_full_rank_is_exact(mha_folder, smol_model, calib_windows,
         assert (_logits(model, eval_ids, path) - ref).abs().max().item() < EXACT_TOL
 
 
-def test_partial_rope_changes_the_function(smol_st, smol_model, smol_windows, eval_ids):
-    """Dropping pairs is a deliberate loss: the logits must move (the exactness test can fail)."""
-    model = convert(smol_st, *smol_windows, **_exact_options(rope_pairs=4, kv_lora_rank=192)).model
-    assert (_logits(model, eval_ids) - _logits(smol_model, eval_ids)).abs().max().item() > 1e-2
+# That these tests can fail: tests/convert/test_oracle.py checks that partial RoPE at full rank moves the
+# real model's logits by > 0.1 (its oracle is not the source) while the conversion equals that oracle.

@@ -27,12 +27,22 @@ REFUSAL_SECONDS = 1.0
 
 
 def _write_gguf(
-    path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType]], vocab: int = 0
+    path: Path,
+    arch: str,
+    tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType]],
+    vocab: int = 0,
+    shape: tuple[int, int, int] | None = None,
 ) -> Path:
     """A GGUF file of ``arch`` holding ``tensors`` (name -> (float32 values, storage type)) and, when
-    ``vocab``, a ``tokenizer.ggml.tokens`` array of that many strings (as a real model's header has)."""
+    ``vocab``, a ``tokenizer.ggml.tokens`` array of that many strings (as a real model's header has);
+    ``shape = (layers, hidden, heads)`` adds the keys llama.cpp always writes (and the reader requires)."""
     writer = GGUFWriter(str(path), arch=arch)
     writer.add_name("tiny")
+    if shape is not None:
+        writer.add_block_count(shape[0])
+        writer.add_embedding_length(shape[1])
+        writer.add_head_count(shape[2])
+        writer.add_layer_norm_rms_eps(1e-5)
     if vocab:
         writer.add_token_list([f"tok{i}" for i in range(vocab)])
     for name, (values, qtype) in tensors.items():
@@ -197,6 +207,7 @@ def test_storage_types_and_unpermute(tmp_path: Path) -> None:
                 GGMLQuantizationType.Q8_0,
             ),
         },
+        shape=(1, hidden, heads),
     )
     header = gguf_source.read_header(file)
     metadata = gguf_source.read_metadata(file)

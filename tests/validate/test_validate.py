@@ -1,6 +1,7 @@
-"""``mla-convert validate`` on the README's reference conversion, and on deliberately broken copies.
+"""``mla-convert validate`` on the README's reference conversion, and on deliberately broken copies of a
+tiny converted Llama (the faults show on any conversion; the real model's ladder runs once, on the reference).
 
-A broken copy shares the reference's files through symlinks except the one file it corrupts:
+A broken copy shares the checkpoint's files through symlinks except the one file it corrupts:
 ``config.json`` (softmax scale, RoPE pair indices) or ``model.safetensors`` (the RoPE frequency buffer
 the model actually computes with). Each must fail, naming the rung that catches it.
 """
@@ -27,6 +28,28 @@ SMALL = ["--windows", "2", "--window", "128", "--new-tokens", "4", "--matrix-max
          "--prompt-tokens", "24"]  # fmt: skip
 
 
+#: the layer a broken copy corrupts (the tiny checkpoint has 3)
+BROKEN_LAYER = 1
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama (3 layers) converted by ``factor`` with partial RoPE and a low-rank latent."""
+    from tiny import copy_tokenizer, write_tiny_llama
+
+    from mla_convert.convert.job import run_factor
+    from mla_convert.convert.options import ConvertOptions
+    from mla_convert.sources.checkpoint import open_source
+
+    root = tmp_path_factory.mktemp("tiny-validate")
+    src = write_tiny_llama(root / "src", num_hidden_layers=3)
+    copy_tokenizer(src)
+    opts = ConvertOptions(window=32, calib_windows=4, eval_windows=2, text="news", rope_pairs=4, cache_budget=28.0,
+                          dtype="float32")  # fmt: skip
+    run_factor(open_source(src), root / "mla", opts, sample_prompt=None)
+    return root / "mla"
+
+
 def broken_copy(ref: Path, dest: Path, corrupt: str) -> Path:
     dest.mkdir()
     for f in ref.iterdir():
@@ -38,9 +61,9 @@ def broken_copy(ref: Path, dest: Path, corrupt: str) -> Path:
         # the classic bug: scale from the latent query width instead of the source's 1/sqrt(head_dim)
         cfg["softmax_scale"] = 1 / math.sqrt(cfg["kv_lora_rank"][0] + cfg["qk_rope_head_dim"])
     elif corrupt == "pair-indices":
-        cfg["rope_pair_origin"][3][0] = cfg["rope_pair_origin"][3][0][::-1]
+        cfg["rope_pair_origin"][BROKEN_LAYER][0] = cfg["rope_pair_origin"][BROKEN_LAYER][0][::-1]
     elif corrupt == "frequencies":
-        name = "model.layers.3.self_attn.rope_inv_freq"
+        name = f"model.layers.{BROKEN_LAYER}.self_attn.rope_inv_freq"
         index = ref / "model.safetensors.index.json"
         shard = json.loads(index.read_text())["weight_map"][name] if index.exists() else "model.safetensors"
         (dest / shard).unlink()
@@ -144,8 +167,8 @@ def test_validate_passes_on_reference(reference_ckpt):
         ("frequencies", "3 (decode-vs-recompute)"),
     ],
 )
-def test_validate_names_the_failing_rung(reference_ckpt, tmp_path, corrupt, rung):
-    bad = broken_copy(reference_ckpt, tmp_path / "bad", corrupt)
+def test_validate_names_the_failing_rung(tiny_ckpt, tmp_path, corrupt, rung):
+    bad = broken_copy(tiny_ckpt, tmp_path / "bad", corrupt)
     res = CliRunner().invoke(app, ["validate", str(bad), *SMALL])
     assert res.exit_code == 1, res.stdout + res.stderr
     assert f"validation failed at rung {rung}" in res.stderr
@@ -168,8 +191,8 @@ def test_validate_names_the_failing_rung(reference_ckpt, tmp_path, corrupt, rung
         assert rows["passed"] is False and rows["value"] > 1e-2
 
 
-def test_validate_without_the_source_still_checks_the_scale(reference_ckpt, tmp_path):
-    bad = broken_copy(reference_ckpt, tmp_path / "bad", "scale-no-source")
+def test_validate_without_the_source_still_checks_the_scale(tiny_ckpt, tmp_path):
+    bad = broken_copy(tiny_ckpt, tmp_path / "bad", "scale-no-source")
     res = CliRunner().invoke(app, ["validate", str(bad), *SMALL])
     assert (
         res.exit_code == 1
