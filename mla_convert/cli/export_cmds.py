@@ -17,36 +17,59 @@ from mla_convert.convert.options import shard_size_of
 from mla_convert.mla.checkpoint import read_checkpoint_config
 
 EXPORT_HELP = "Also write OUT in a serving format (deepseek-v3) into the sibling folder OUT-FORMAT."
+TARGET_HELP = (
+    "Engine shape of the export: transformers (the checkpoint's widths) | vllm (GPU: kv_lora_rank 512 + rope 64, "
+    "FlashMLA) | vllm-cpu (512 + 64, qk_nope and v_head 128, AMX_MLA)."
+)
 
 
-def check_export(out: Path, fmt: str | None, overwrite: bool) -> None:
-    """``--export``: a known format and a free OUT-FORMAT folder, before any work."""
+def check_target(target: str) -> None:
+    """``--target``: one of the export's engine shapes."""
+    from mla_convert.export.deepseek_v3 import TARGETS
+
+    if target not in TARGETS:
+        fail(f"--target {target!r} is not one of {', '.join(TARGETS)}")
+
+
+def check_export(out: Path, fmt: str | None, overwrite: bool, target: str = "transformers") -> None:
+    """``--export``: a known format and target and a free OUT-FORMAT folder, before any work."""
     from mla_convert.artifacts.output import check_output
 
     if fmt is None:
         return
     if fmt != "deepseek-v3":
         fail(f"--export {fmt!r} is not one of deepseek-v3")
+    check_target(target)
     check_output(out.with_name(f"{out.name}-{fmt}"), overwrite)
 
 
-def export_after(out: Path, fmt: str, overwrite: bool) -> None:
-    """Export the finished OUT (``--export``) and print one line."""
+def export_after(out: Path, fmt: str, overwrite: bool, target: str = "transformers") -> None:
+    """Export the finished OUT (``--export``) and print what was written and how to serve it."""
     from mla_convert.export.write import export_checkpoint, export_folder
 
     dest = export_folder(out, fmt)
     with user_errors():
-        manifest = export_checkpoint(out, dest, fmt, overwrite, note=note)
+        manifest = export_checkpoint(out, dest, fmt, overwrite, note=note, target=target)
+    print_export(dest, manifest)
+
+
+def print_export(dest: Path, manifest: dict[str, Any]) -> None:
+    """The export line, its cache against the checkpoint and the source, and the serve commands."""
+    from mla_convert.export.serve import serve_commands
+
     console.print(export_line(dest, manifest), highlight=False, markup=False)
+    for line in serve_commands(str(dest), manifest["export"]):
+        console.print("  " + line, highlight=False, markup=False)
 
 
 def export_line(dest: Path, manifest: dict[str, Any]) -> str:
     """The one line printed after an export: its mapping, cache per token and the parity measured (if any)."""
     e = manifest["export"]
+    cache = e["cache_values_per_token_per_layer"]
     msg = (
-        f"wrote {dest}: DeepseekV3ForCausalLM, kv_lora_rank {e['kv_lora_rank']}, rope {e['rope']['kind']} "
-        f"({e['rope']['slots']} pairs), cache {e['cache_values_per_token_per_layer']['deepseek_v3']:.0f} values/token/layer "
-        f"(MLA checkpoint {e['cache_values_per_token_per_layer']['mla']:.1f})"
+        f"wrote {dest}: DeepseekV3ForCausalLM for {e['target']} ({e['backend']}), kv_lora_rank {e['kv_lora_rank']}, "
+        f"rope_theta {e['rope']['parameters']['rope_theta']:.6g} ({e['rope']['slots']} pairs), cache "
+        f"{cache['deepseek_v3']:.0f} values/token/layer (MLA checkpoint {cache['mla']:.1f}, source {cache['source']:.0f})"
     )
     p = e["parity"]
     if p:
@@ -72,14 +95,17 @@ def export(
         help="Measure parity against CKPT (float32 logits and greedy tokens on real text; models up to 2 GiB).",
     ),
     dtype: str = typer.Option(
-        "auto", help="Written dtype: auto (the checkpoint's) | float32 | bfloat16 | float16."
+        "auto", help="Written dtype: auto (the checkpoint's) | float32 | bfloat16 (float16 cannot hold the latent norm)."
     ),
+    target: str = typer.Option("transformers", "--target", help=TARGET_HELP),
 ) -> None:
-    """Write CKPT in a format serving code loads: DeepSeek-V3 (stock transformers DeepseekV3ForCausalLM).
+    """Write CKPT in a format serving engines load: DeepSeek-V3 (transformers, vLLM, SGLang).
 
-    The mapping is exact (docs/export.md); the parity measured is printed and recorded in OUT's manifest.
+    No attention bias, rope_type default, lm_head written: the mapping is exact (docs/export.md); --target pads
+    to the shapes an engine's MLA kernels take. The parity measured is printed and recorded in OUT's manifest,
+    with the serve commands.
 
-    Example: mla-convert export out/smollm2-mla out/smollm2-ds3 --format deepseek-v3
+    Example: mla-convert export out/smollm2-mla out/smollm2-ds3 --target vllm-cpu
     """
     from mla_convert.artifacts.output import check_output
 
@@ -88,6 +114,7 @@ def export(
             fail(f"--format {format!r} is not one of deepseek-v3")
         if dtype not in ("auto", "float32", "bfloat16", "float16"):
             fail(f"--dtype {dtype!r} is not one of auto, float32, bfloat16, float16")
+        check_target(target)
         shard_size_of(max_shard_size)
         if read_checkpoint_config(ckpt, require_mla=True).get("model_type") != "mla":
             fail(f"{ckpt} is already a DeepSeek-V3 export; export the MLA checkpoint it came from")
@@ -96,7 +123,6 @@ def export(
 
     with user_errors():
         manifest = export_checkpoint(
-            ckpt, out, format, overwrite, max_shard_size, check, note=note, dtype=dtype
+            ckpt, out, format, overwrite, max_shard_size, check, note=note, dtype=dtype, target=target
         )
-    msg = export_line(out, manifest)
-    console.print(msg, highlight=False, markup=False)
+    print_export(out, manifest)

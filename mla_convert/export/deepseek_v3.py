@@ -1,32 +1,35 @@
 """The DeepSeek-V3 form of a converted MLA checkpoint: a config and tensors that stock transformers'
-``DeepseekV3ForCausalLM`` loads (no code of ours, no remote code) and that compute the same function.
+``DeepseekV3ForCausalLM``, vLLM's and SGLang's DeepSeek-V2/V3 models load (no code of ours) and that compute the
+same function in each of them.
 
-DeepSeek-V3 (arXiv:2412.19437, transformers ``models/deepseek_v3``) is MLA with fixed conventions that a
-general conversion does not follow. Each difference is mapped exactly (docs/export.md gives the algebra):
+DeepSeek-V3 (arXiv:2412.19437, transformers ``models/deepseek_v3``, vLLM ``model_executor/models/deepseek_v2.py``)
+is MLA with fixed conventions that a general conversion does not follow, and the engines read only a subset of
+what transformers reads: no attention biases (skipped silently), only ``rope_type: default`` (any other type is
+rewritten to their own DeepSeek scalings), ``rms_norm_eps`` for every norm (transformers hard-codes 1e-6 for
+``kv_a_layernorm``), an explicit ``lm_head``. The mapping (docs/export.md gives the algebra) keeps to that subset:
 
-* **One rope head, one rope config.** DeepSeek has one shared ``k_rope`` head and one RoPE frequency table
-  for all layers. Per-head conversions (several rope heads) are refused. The kept pairs of every layer are
-  placed in *slots* of one common frequency list (:func:`rope_slots`): the union of the layers' kept
-  frequencies, each with the largest multiplicity any layer keeps it; a layer's unused slots get zero rows.
-  When the list is a geometric sequence starting at 1 rad/token it is ``rope_type: default`` with a derived
-  ``rope_theta``; otherwise ``longrope`` with per-frequency factors (``short_factor == long_factor``,
-  ``attention_factor`` 1): exact in transformers. The weights use DeepSeek's interleaved layout
+* **One rope head, one plain rope_theta.** The kept pairs of every layer are placed in the *slots* of one
+  geometric table ``theta^(-j/n)`` (:func:`rope_slots`): the kept frequencies are powers of one ratio (the source's
+  table, or a sub-lattice of it); a layer's unused slots get zero rows. A kept set no plain theta expresses is
+  refused (:class:`ExportError`) with the options that make it exportable. Interleaved layout
   (``rope_interleave: true``): our rotate_half pair ``(p, p + P)`` goes to dims ``(2 s, 2 s + 1)`` of slot ``s``.
 * **Softmax scale.** DeepSeek scales scores by ``qk_head_dim ** -0.5``; ours is the source's. The ratio
   ``rho = softmax_scale * sqrt(qk_head_dim)`` is folded into every query row.
-* **kv_a_layernorm.** DeepSeek RMS-normalises the latent; our model does not. The latent gets one constant
-  channel: ``kv_a_proj_with_mqa`` bias ``K`` (:func:`norm_constants`) on an extra row, the real latent rows scaled
-  by a power of two ``alpha`` so that ``alpha * |c_kv| <= K / 4096`` for every input (a bound from the weights,
-  :func:`latent_bound`). The RMS is then ``sqrt(K^2 / d' + eps)`` to a relative ``<= 2^-25`` for any token;
-  the norm weight and ``kv_b_proj`` columns undo the constant scale. The extra channel is one cached value.
-* **One kv_lora_rank.** Per-layer ranks are padded with zero latent channels to the largest (cached zeros).
-* **Per query head kv_b_proj.** DeepSeek's ``kv_b_proj`` has one ``[k_nope | v]`` block per query head; a GQA
-  source's block of KV head ``g`` is repeated for its query heads (weights only; the cache is the latent).
-* **Biases.** ``attention_bias: true`` (the constant channel needs it): ``kv_a_proj_with_mqa`` carries our rope
-  key bias, ``o_proj`` our output bias (zeros when none). A query bias (Qwen2) goes through the low-rank query
-  path: ``q_a_proj`` = ``alpha_q I`` plus a constant channel (bias ``K``), ``q_a_layernorm``, ``q_b_proj`` =
-  the query weights with the bias as the constant channel's column (``q_lora_rank = hidden + 1``).
+* **A bias-free latent norm.** DeepSeek RMS-normalises the latent; our model does not. The latent rows of
+  ``kv_a_proj_with_mqa`` are scaled by a power of two ``beta`` so small that ``mean(c^2) <= 2^-24 eps`` for every
+  input (a bound from the weights, :func:`latent_bound`): RMSNorm is then linear, ``c / sqrt(eps)`` to a relative
+  ``2^-25``; ``kv_a_layernorm.weight`` and the ``kv_b_proj`` columns undo ``beta / sqrt(eps)``.
+* **One epsilon.** Every norm uses ``rms_norm_eps = 1e-6`` (the value transformers applies to ``kv_a_layernorm``);
+  the residual stream is scaled by ``s = sqrt(1e-6 / eps_source)`` (embeddings, ``o_proj``, ``down_proj``), so
+  ``RMSNorm(s h; 1e-6) = RMSNorm(h; eps_source)`` exactly; ``lm_head`` is written unscaled.
+* **Engine shapes** (:data:`TARGETS`). ``transformers``: the checkpoint's widths. ``vllm``: ``kv_lora_rank`` 512,
+  rope 64 (FlashMLA) and a (qk_nope, v_head) pair vLLM's GPU prefill accepts. ``vllm-cpu``: 512 + 64 with qk_nope
+  and v_head 128 (``AMX_MLA``). Padding is zero rows and columns (cached zeros in the latent).
+* **Per query head kv_b_proj.** A GQA source's block of KV head ``g`` is repeated for its query heads (weights
+  only; the cache is the latent).
 
+Refused: several rope heads, attention or MLP biases (Qwen2: vLLM and SGLang drop them), float16 (the scaled
+latent is subnormal there), source RoPE scalings the engines would not reproduce.
 Everything is computed in float64 from the stored tensors and rounded once to the checkpoint's dtype.
 """
 
@@ -41,21 +44,27 @@ import torch
 
 from mla_convert.errors import UserError
 
-#: ``alpha * (bound on |c_kv|) <= K * MARGIN`` (``K`` the constant channel, :func:`norm_constants`): the RMS
-#: deviates from its constant by at most ``MARGIN^2 / 2`` relative, for any input.
-MARGIN = 2.0**-12
-#: transformers' ``DeepseekV3RMSNorm`` default epsilon, used by ``kv_a_layernorm`` and ``q_a_layernorm``
-#: (vLLM and SGLang use ``rms_norm_eps``; with ``K^2 / d' ~ 1000`` either moves the RMS by < 1e-8).
+#: The epsilon every exported norm uses (``rms_norm_eps``): transformers' ``DeepseekV3RMSNorm`` default, which
+#: its ``kv_a_layernorm`` always applies; vLLM and SGLang apply ``rms_norm_eps`` to every norm.
 DS_NORM_EPS = 1e-6
-#: Largest relative difference between a kept frequency and the ``default`` rope's float32 table for the
-#: kept list to be written as ``rope_type: default``.
+#: ``mean((beta c)^2) <= LINEAR_MARGIN * 2 * eps``: the latent norm's deviation from linear, relative, for any input.
+LINEAR_MARGIN = 2.0**-25
+#: Largest relative difference between a kept frequency and the ``default`` rope's float32 table.
 GEOMETRIC_RTOL = 1e-6
-#: rope_theta of a ``longrope`` export (the factors carry the frequencies; any base gives the same table).
-LONGROPE_BASE = 10000.0
+#: Shapes ``export --target`` writes.
+TARGETS = ("transformers", "vllm", "vllm-cpu")
+#: (qk_nope_head_dim, qk_rope_head_dim, v_head_dim) vLLM's GPU MLA prefill accepts on Hopper (smallest first).
+VLLM_GPU_HEAD_DIMS = ((64, 64, 128), (128, 64, 128), (192, 64, 256))
+#: (qk_nope_head_dim, qk_rope_head_dim, v_head_dim) of vLLM's CPU MLA backends (AMX_MLA, CPU_SDPA_MLA).
+VLLM_CPU_HEAD_DIMS = ((128, 64, 128),)
+#: The latent width vLLM's FlashMLA (GPU) and AMX_MLA (CPU) decode take.
+VLLM_KV_LORA_RANK = 512
+#: The decode backend each target expects.
+BACKENDS = {"transformers": "eager/SDPA (transformers)", "vllm": "FLASHMLA", "vllm-cpu": "AMX_MLA"}
 
 
 class ExportError(UserError):
-    """A checkpoint the DeepSeek-V3 format cannot express, or a folder that is not an MLA checkpoint."""
+    """A checkpoint the DeepSeek-V3 format cannot express exactly, or a folder that is not an MLA checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -63,19 +72,22 @@ class RopeSlots:
     """Where each layer's kept RoPE pairs go in DeepSeek's one rope head.
 
     Attributes:
-        inv_freq: ``[P']`` the slots' inverse frequencies (radians per token), decreasing.
+        inv_freq: ``[P']`` the slots' inverse frequencies (radians per token), ``theta^(-j/P')``, decreasing.
         slots: ``[L][P]`` the slot of each kept pair of each layer.
-        parameters: the ``rope_parameters`` of the DeepSeek-V3 config.
-        kind: ``"default"`` (geometric list from 1) or ``"longrope"`` (per-frequency factors).
-        max_rel_error: largest relative difference between ``inv_freq`` and the table transformers computes
-            (float32) from ``parameters``.
+        parameters: the ``rope_parameters`` of the DeepSeek-V3 config (``rope_type: default``).
+        max_rel_error: largest relative difference between a kept frequency and the table engines compute (float32)
+            from ``parameters``.
     """
 
     inv_freq: list[float]
     slots: list[list[int]]
     parameters: dict[str, Any]
-    kind: str
     max_rel_error: float
+
+    @property
+    def used(self) -> int:
+        """Slots some layer uses."""
+        return len({s for layer in self.slots for s in layer})
 
 
 @dataclass
@@ -84,51 +96,48 @@ class ExportPlan:
 
     Attributes:
         config: keyword arguments of ``transformers.DeepseekV3Config``.
+        target: one of :data:`TARGETS`.
         rope: the rope slots.
-        kv_lora_rank: DeepSeek's latent width ``d' = max(kv_lora_rank) + 1`` (the constant channel last).
-        q_lora_rank: ``hidden + 1`` when the source has a query bias, else None (a plain ``q_proj``).
+        kv_lora_rank: DeepSeek's latent width (``>= max`` of the checkpoint's per-layer ranks).
         query_scale: ``rho``, folded into the query rows.
+        residual_scale: ``s = sqrt(DS_NORM_EPS / eps_source)`` of the residual stream.
         dtype: torch dtype the tensors are written in.
         ranks: the checkpoint's per-layer ``kv_lora_rank``.
-        qk_nope_head_dim: DeepSeek's NoPE width; in 16-bit exports the checkpoint's, padded with zero dims so
-            that ``rho`` is a power of two (the query rows then round to exactly the stored values).
-        latent_norm: ``(constant, norm weight)`` of the latent's constant channel (:func:`norm_constants`).
-        query_norm: the same for the query path's constant channel (``q_lora_rank``), or None.
-        cache_values_per_token: ``mla`` (the checkpoint, mean over layers) and ``deepseek_v3`` per token per layer.
+        qk_nope_head_dim / v_head_dim: DeepSeek's widths (the checkpoint's, zero-padded).
+        cache_values_per_token: ``source`` (K and V), ``mla`` (the checkpoint, mean over layers) and
+            ``deepseek_v3`` (what the engine allocates) values per token per layer.
     """
 
     config: dict[str, Any]
+    target: str
     rope: RopeSlots
     kv_lora_rank: int
-    q_lora_rank: int | None
     query_scale: float
+    residual_scale: float
     dtype: torch.dtype
     ranks: list[int]
     qk_nope_head_dim: int
-    latent_norm: tuple[float, float]
-    query_norm: tuple[float, float] | None
+    v_head_dim: int
     cache_values_per_token: dict[str, float] = field(default_factory=dict)
 
     def record(self) -> dict[str, Any]:
         """The mapping choices as JSON (manifest ``export`` field)."""
         return {
             "format": "deepseek-v3",
+            "target": self.target,
+            "backend": BACKENDS[self.target],
             "kv_lora_rank": self.kv_lora_rank,
             "latent_padding": [self.kv_lora_rank - r for r in self.ranks],
-            "constant_channel": {
-                "value": self.latent_norm[0],
-                "norm_weight": self.latent_norm[1],
-                "query_path": list(self.query_norm) if self.query_norm else None,
-                "margin": MARGIN,
-                "norm_eps": DS_NORM_EPS,
-            },
+            "latent_norm": {"kind": "linear", "eps": DS_NORM_EPS, "margin": LINEAR_MARGIN},
+            "residual_scale": self.residual_scale,
             "qk_nope_head_dim": self.qk_nope_head_dim,
-            "q_lora_rank": self.q_lora_rank,
+            "v_head_dim": self.v_head_dim,
             "query_scale": self.query_scale,
             "rope": {
-                "kind": self.rope.kind,
+                "kind": "default",
                 "parameters": self.rope.parameters,
                 "slots": len(self.rope.inv_freq),
+                "slots_used": self.rope.used,
                 "max_rel_error": self.rope.max_rel_error,
                 "interleaved": True,
             },
@@ -142,60 +151,73 @@ def _f32(x: float) -> float:
     return float(torch.tensor(x, dtype=torch.float32))
 
 
-def rope_slots(inv_freq: list[list[list[float]]]) -> RopeSlots:
-    """Common slots for the kept pairs of every layer (module docstring).
+def _lattice(logs: list[float]) -> float | None:
+    """The largest ``lam`` with every ``l`` in ``logs`` an integer multiple of it (to ``1e-4`` of a step)."""
+    positive = sorted(x for x in logs if x > 1e-9)
+    if not positive:
+        return None
+    for k in range(1, 257):
+        lam = positive[0] / k
+        steps = [round(x / lam) for x in positive]
+        if all(abs(x / lam - j) < 1e-4 for x, j in zip(positive, steps)):
+            # least squares over every kept frequency: the float32 rounding of one does not set the ratio
+            return sum(j * x for j, x in zip(steps, positive)) / sum(j * j for j in steps)
+    return None
+
+
+def rope_slots(inv_freq: list[list[list[float]]], n_slots: int | None = None) -> RopeSlots:
+    """The slots of one plain-theta table ``theta^(-j/n)`` holding every layer's kept pairs (module docstring).
 
     Args:
         inv_freq: ``[L][1][P]`` the checkpoint's ``rope_inv_freq`` (one rope head per layer).
+        n_slots: the table length (``qk_rope_head_dim / 2``) an engine fixes; None: the fewest that hold the pairs.
 
-    Returns:
-        The slots; ``P' >= P`` (more when layers keep different frequencies).
+    Raises:
+        ExportError: a layer keeps one frequency twice, the kept frequencies are not powers of one ratio (a
+            scaled source RoPE), or they need more than ``n_slots`` slots; the message says what to convert with.
     """
     per_layer = [[_f32(f) for f in layer[0]] for layer in inv_freq]
-    need: dict[float, int] = {}
-    for freqs in per_layer:
-        for f in set(freqs):
-            need[f] = max(need.get(f, 0), freqs.count(f))
-    table = sorted((f for f, n in need.items() for _ in range(n)), reverse=True)
-    slots: list[list[int]] = []
-    for freqs in per_layer:
-        used: set[int] = set()
-        mine = []
-        for f in freqs:
-            s = next(i for i, g in enumerate(table) if g == f and i not in used)
-            used.add(s)
-            mine.append(s)
-        slots.append(mine)
-    kind, params = _rope_parameters(table)
-    got = _transformers_inv_freq(params, len(table))
-    want = torch.tensor(table, dtype=torch.float64)
-    err = float(((got.double() - want).abs() / want.abs().clamp_min(1e-30)).max()) if table else 0.0
-    return RopeSlots(table, slots, params, kind, err)
-
-
-def _rope_parameters(table: list[float]) -> tuple[str, dict[str, Any]]:
-    n = len(table)
-    if n and table[0] == 1.0 and len(set(table)) == n:
-        theta = LONGROPE_BASE if n == 1 else math.exp(-n * math.log(table[-1]) / (n - 1))
-        params = {"rope_type": "default", "rope_theta": theta}
-        got = _transformers_inv_freq(params, n).double()
-        want = torch.tensor(table, dtype=torch.float64)
-        if n == 1 or float(((got - want).abs() / want).max()) < GEOMETRIC_RTOL:
-            return "default", params
-    shape = torch.arange(0, 2 * n, 2, dtype=torch.float64) / max(2 * n, 1)
-    factors = (1.0 / (torch.tensor(table, dtype=torch.float64) * LONGROPE_BASE**shape)).tolist()
-    return "longrope", {
-        "rope_type": "longrope",
-        "rope_theta": LONGROPE_BASE,
-        "short_factor": factors,
-        "long_factor": factors,
-        "factor": 1.0,
-        "attention_factor": 1.0,
-    }
+    for i, freqs in enumerate(per_layer):
+        if len(set(freqs)) != len(freqs):
+            raise ExportError(
+                f"layer {i} keeps the same RoPE frequency for several KV heads (--rope-strategy rotation with more "
+                "pairs than head_dim / 2); DeepSeek's one rope head holds each frequency once: convert with "
+                "--rope-pairs at most head_dim / 2, or another --rope-strategy"
+            )
+    union = sorted({f for freqs in per_layer for f in freqs}, reverse=True)
+    if any(f > 1.0 or f <= 0 for f in union):
+        raise ExportError("a kept RoPE frequency is above 1 rad/token or not positive: no rope_theta gives it")
+    logs = [-math.log(f) for f in union]
+    lam = _lattice(logs)
+    if lam is None and any(x > 1e-9 for x in logs):
+        raise ExportError(
+            "the kept RoPE frequencies are not powers of one ratio (a scaled source RoPE: llama3, YaRN, longrope); "
+            "serving engines apply only a plain rope_theta to DeepSeek models, so no export is exact"
+        )
+    steps = {f: round(x / lam) if lam else 0 for f, x in zip(union, logs)}
+    need = max(steps.values()) + 1
+    n = n_slots or need
+    if need > n:
+        raise ExportError(
+            f"the kept RoPE frequencies span {need} steps of one geometric table; this target's rope head holds "
+            f"{n} (qk_rope_head_dim {2 * n}): convert with --rope-strategy high --rope-pairs {n} or fewer pairs"
+        )
+    theta = math.exp((lam or 1.0) * n)
+    params = {"rope_type": "default", "rope_theta": theta}
+    table = _transformers_inv_freq(params, n)
+    err = 0.0
+    for f in union:
+        err = max(err, abs(float(table[steps[f]]) - f) / f)
+    if err > GEOMETRIC_RTOL:
+        raise ExportError(
+            f"the kept RoPE frequencies are a geometric table only to {err:.1e} relative (over {GEOMETRIC_RTOL:g}); "
+            "no plain rope_theta reproduces them"
+        )
+    return RopeSlots(table.tolist(), [[steps[f] for f in freqs] for freqs in per_layer], params, err)
 
 
 def _transformers_inv_freq(params: Mapping[str, Any], n: int) -> torch.Tensor:
-    """The ``[n]`` inverse frequencies transformers computes from ``params`` (its own formulas, float32)."""
+    """The ``[n]`` inverse frequencies transformers and vLLM compute from ``params`` (``default``, float32)."""
     if not n:
         return torch.zeros(0)
     shape = torch.arange(0, 2 * n, 2, dtype=torch.int64).float() / (2 * n)
@@ -206,14 +228,36 @@ def _transformers_inv_freq(params: Mapping[str, Any], n: int) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ plan
-def plan_export(config: Any, dtype: torch.dtype) -> ExportPlan:
+def _head_dims(target: str, d_n: int, d_v: int, head_dim: int, d_r: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(qk_nope_head_dim, v_head_dim) of the export: the checkpoint's, or the smallest engine shape holding them."""
+    if target == "transformers":
+        if dtype == torch.float32:
+            return d_n, d_v
+        qk = head_dim
+        while qk < d_n + d_r:
+            qk *= 4
+        return qk - d_r, d_v  # rho = softmax_scale * sqrt(qk) = 2^k: exact in 16-bit
+    shapes = VLLM_GPU_HEAD_DIMS if target == "vllm" else VLLM_CPU_HEAD_DIMS
+    for nope, _, v in shapes:
+        if d_n <= nope and d_v <= v:
+            return nope, v
+    raise ExportError(
+        f"qk_nope_head_dim {d_n} / v_head_dim {d_v} exceed every shape --target {target} accepts "
+        f"({', '.join(f'{a}/{c}' for a, _, c in shapes)}); export with --target transformers"
+    )
+
+
+def plan_export(config: Any, dtype: torch.dtype, target: str = "transformers") -> ExportPlan:
     """The DeepSeek-V3 config and mapping of a converted checkpoint's :class:`~mla_convert.mla.configuration.MLAConfig`.
 
     Raises:
-        ExportError: several rope heads (a ``per-head`` conversion), a latent norm, an MLP bias or an activation
-            DeepSeek's MLP does not take; each message says which conversion to run instead.
+        ExportError: an unknown target, several rope heads, no rope pair, biases, float16, a latent norm of its
+            own, a rope set no plain theta expresses, widths the target does not take; each message says what
+            to convert or export with instead.
     """
     c = config
+    if target not in TARGETS:
+        raise ExportError(f"--target {target!r} is not one of {', '.join(TARGETS)}")
     if c.num_rope_heads != 1:
         raise ExportError(
             f"this checkpoint has {c.num_rope_heads} rope heads (a per-head conversion); DeepSeek-V3 has one shared "
@@ -223,23 +267,31 @@ def plan_export(config: Any, dtype: torch.dtype) -> ExportPlan:
         raise ExportError("this checkpoint has a latent norm of its own; only mla-convert factor outputs export")
     if getattr(c, "mlp_bias", False):
         raise ExportError("the source MLP has biases; DeepSeek-V3's dense MLP has none, so it cannot be exported")
-    ranks = list(c.kv_lora_rank)
-    rope = rope_slots(c.rope_inv_freq) if c.qk_rope_head_dim else RopeSlots([], [[] for _ in ranks], {
-        "rope_type": "default", "rope_theta": LONGROPE_BASE}, "default", 0.0)
-    d_r = 2 * len(rope.inv_freq)
-    if d_r == 0:
+    if c.q_bias or c.kv_a_bias or c.o_bias:
+        raise ExportError(
+            "the source has attention biases (Qwen2-style q/k/v biases): vLLM and SGLang build DeepSeek attention "
+            "without biases and drop them silently, so no DeepSeek-V3 export is exact there; serve the MLA "
+            "checkpoint with mla-convert generate, or convert a bias-free source"
+        )
+    if dtype == torch.float16:
+        raise ExportError(
+            "--dtype float16 cannot hold the bias-free latent norm (its scaled latent is subnormal in float16); "
+            "export as bfloat16 or float32"
+        )
+    if not c.qk_rope_head_dim:
         raise ExportError("the checkpoint keeps no RoPE pair; DeepSeek-V3 needs a rope head (convert with --rope-pairs >= 1)")
-    d_nope = c.qk_nope_head_dim
+    ranks = list(c.kv_lora_rank)
+    engine = target != "transformers"
+    rope = rope_slots(c.rope_inv_freq, VLLM_GPU_HEAD_DIMS[0][1] // 2 if engine else None)
+    d_r = 2 * len(rope.inv_freq)
     head_dim = round(float(c.softmax_scale) ** -2)
-    if dtype != torch.float32 and abs(head_dim * float(c.softmax_scale) ** 2 - 1) < 1e-9:
-        qk = head_dim
-        while qk < d_nope + d_r:
-            qk *= 4
-        d_nope = qk - d_r  # rho = softmax_scale * sqrt(qk) = 2^k: exact in any dtype
-    qk_head_dim = d_nope + d_r
-    d_lat = max(ranks) + 1
-    q_lora = c.hidden_size + 1 if c.q_bias else None
-    eos = c.eos_token_id
+    d_nope, d_v = _head_dims(target, c.qk_nope_head_dim, c.v_head_dim, head_dim, d_r, dtype)
+    if engine and max(ranks) > VLLM_KV_LORA_RANK:
+        raise ExportError(
+            f"kv_lora_rank {max(ranks)} is over {VLLM_KV_LORA_RANK}, the latent vLLM's MLA backends take; convert with "
+            f"--kv-lora-rank {VLLM_KV_LORA_RANK} or less, or export with --target transformers"
+        )
+    d_lat = VLLM_KV_LORA_RANK if engine else max(ranks)
     cfg: dict[str, Any] = {
         "vocab_size": c.vocab_size,
         "hidden_size": c.hidden_size,
@@ -253,71 +305,47 @@ def plan_export(config: Any, dtype: torch.dtype) -> ExportPlan:
         "n_group": 1,
         "topk_group": 1,
         "num_experts_per_tok": 1,
+        "routed_scaling_factor": 1.0,
         "first_k_dense_replace": c.num_hidden_layers,  # every layer a dense DeepseekV3MLP
         "num_nextn_predict_layers": 0,
         "kv_lora_rank": d_lat,
-        "q_lora_rank": q_lora,
+        "q_lora_rank": None,
         "qk_rope_head_dim": d_r,
         "qk_nope_head_dim": d_nope,
-        "v_head_dim": c.v_head_dim,
+        "v_head_dim": d_v,
         "hidden_act": c.hidden_act,
         "max_position_embeddings": c.max_position_embeddings,
-        "rms_norm_eps": c.rms_norm_eps,
-        "tie_word_embeddings": c.tie_word_embeddings,
+        "rms_norm_eps": DS_NORM_EPS,
+        "tie_word_embeddings": False,  # engines do not tie DeepSeek's lm_head: it is written
         "rope_parameters": rope.parameters,
         "rope_interleave": True,
-        "attention_bias": True,
+        "attention_bias": False,
         "attention_dropout": 0.0,
         "bos_token_id": c.bos_token_id,
-        "eos_token_id": eos,
+        "eos_token_id": c.eos_token_id,
         "pad_token_id": c.pad_token_id,
     }
-    source_cache = [r + c.num_rope_heads * c.qk_rope_head_dim for r in ranks]
+    d_src = 2 * c.num_key_value_heads * head_dim
     return ExportPlan(
         config=cfg,
+        target=target,
         rope=rope,
         kv_lora_rank=d_lat,
-        q_lora_rank=q_lora,
-        query_scale=float(c.softmax_scale) * math.sqrt(qk_head_dim),
+        query_scale=float(c.softmax_scale) * math.sqrt(d_nope + d_r),
+        residual_scale=math.sqrt(DS_NORM_EPS / float(c.rms_norm_eps)),
         dtype=dtype,
         ranks=ranks,
         qk_nope_head_dim=d_nope,
-        latent_norm=norm_constants(d_lat, dtype),
-        query_norm=norm_constants(q_lora, dtype) if q_lora else None,
+        v_head_dim=d_v,
         cache_values_per_token={
-            "mla": sum(source_cache) / len(ranks),
+            "source": float(d_src),
+            "mla": sum(r + c.qk_rope_head_dim for r in ranks) / len(ranks),
             "deepseek_v3": float(d_lat + d_r),
         },
     )
 
 
 # ------------------------------------------------------------------------------------------------ tensors
-def norm_constants(width: int, dtype: torch.dtype) -> tuple[float, float]:
-    """``(K, w)``: the constant channel's value and the RMSNorm weight of a ``width``-wide normalised vector,
-    both exactly representable in ``dtype``, with ``w`` as close as the dtype allows to the RMS
-    ``sqrt(K^2 / width + eps)`` (``w`` near 32; searched over the two binades around it).
-
-    The scale the norm leaves, ``w / RMS = 1 + delta``, is then folded into ``kv_b_proj`` as ``1 / alpha``
-    times ``1 + delta``; in 16-bit dtypes ``|delta|`` (~1e-5 for bfloat16) is far below half a unit in the last
-    place, so the folded weights round to exactly the stored MLA weights times a power of two.
-    """
-    best: tuple[float, float, float] | None = None
-    finfo = torch.finfo(dtype)
-    mant = 2 ** max(0, min(12, int(round(-math.log2(finfo.eps)))))
-    for e in (4, 5):
-        for m in range(mant, 2 * mant):
-            w = m / mant * 2.0**e
-            if _stored(w, dtype) != w:
-                continue
-            k = _stored(math.sqrt(width * (w * w - DS_NORM_EPS)), dtype)
-            delta = abs(math.sqrt(k * k / width + DS_NORM_EPS) / w - 1)
-            if best is None or delta < best[0]:
-                best = (delta, k, w)
-    assert best is not None
-    return best[1], best[2]
-
-
-
 def _pow2_at_most(x: float) -> float:
     """The largest power of two ``<= x`` (``x > 0``)."""
     return 2.0 ** math.floor(math.log2(x))
@@ -336,6 +364,18 @@ def latent_bound(w_c: torch.Tensor, b_c: torch.Tensor | None, gamma: torch.Tenso
     d = gamma.numel()
     bound = float(torch.linalg.matrix_norm(w_c.double(), ord=2)) * float(gamma.double().abs().max()) * math.sqrt(d)
     return bound + (float(b_c.double().norm()) if b_c is not None else 0.0)
+
+
+def latent_scale(bound: float, width: int, dtype: torch.dtype) -> tuple[float, float, float]:
+    """``(beta, w, fold)`` of the bias-free latent norm of a ``width``-wide latent with ``|c|_2 <= bound``.
+
+    ``beta`` (a power of two) makes ``mean((beta c)^2) <= 2 LINEAR_MARGIN eps``, so
+    ``RMSNorm(beta c) = w beta c / sqrt(eps)`` to ``LINEAR_MARGIN`` relative; ``w`` is ``sqrt(eps) / beta`` as
+    ``dtype`` stores it, and ``fold = sqrt(eps) / (beta w)`` (1 up to ``w``'s rounding) multiplies ``kv_b_proj``.
+    """
+    beta = _pow2_at_most(math.sqrt(2 * LINEAR_MARGIN * DS_NORM_EPS * width) / bound) if bound > 0 else 1.0
+    w = _stored(math.sqrt(DS_NORM_EPS) / beta, dtype)
+    return beta, w, math.sqrt(DS_NORM_EPS) / (beta * w)
 
 
 def _rope_rows(rows: torch.Tensor, slots: list[int], n_slots: int) -> torch.Tensor:
@@ -359,74 +399,44 @@ def export_attention(
         layer: layer index.
         t: the layer's MLA tensors, names inside ``self_attn.`` (``q_proj.weight [H (d_N + d_R), D]``,
             ``kv_a_proj_with_mqa.weight [d_c + d_R, D]``, ``kv_b_proj.weight [G (d_N + d_V), d_c]``,
-            ``o_proj.weight [D, H d_V]``, optional biases).
+            ``o_proj.weight [D, H d_V]``).
         gamma: ``[D]`` the layer's ``input_layernorm.weight`` (bounds the layer input).
+
+    Returns:
+        ``q_proj.weight [H (d_N' + d_R'), D]``, ``kv_a_proj_with_mqa.weight [d' + d_R', D]``,
+        ``kv_a_layernorm.weight [d']``, ``kv_b_proj.weight [H (d_N' + d_V'), d']``, ``o_proj.weight [D, H d_V']``.
     """
     c, dt = config, plan.dtype
     h, g = c.num_attention_heads, c.num_key_value_heads
     d_n, d_r, d_v, dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.hidden_size
     r = c.kv_lora_rank[layer]
     slots, n_slots = plan.rope.slots[layer], len(plan.rope.inv_freq)
-    d_lat = plan.kv_lora_rank
+    d_lat, pad, v_pad = plan.kv_lora_rank, plan.qk_nope_head_dim - d_n, plan.v_head_dim - d_v
     f64 = {k: v.double() for k, v in t.items()}
 
-    # queries: [nope | zero pad | rope] per head -> [nope (d_N') | interleaved slots], times rho
-    pad = plan.qk_nope_head_dim - d_n
+    # queries: [nope | zero pad | interleaved rope slots] per head, times rho
     wq = f64["q_proj.weight"].view(h, d_n + d_r, dim)
-    bq = f64["q_proj.bias"].view(h, d_n + d_r) if "q_proj.bias" in f64 else None
+    heads = [torch.cat([wq[i, :d_n], wq.new_zeros(pad, dim), _rope_rows(wq[i, d_n:], slots, n_slots)]) for i in range(h)]
+    out: dict[str, torch.Tensor] = {"q_proj.weight": torch.cat(heads) * plan.query_scale}
 
-    def q_rows(x: torch.Tensor) -> torch.Tensor:  # [H, d_N + d_R, ...] -> [H (d_N' + 2 P'), ...]
-        zeros = x.new_zeros((pad, *x.shape[2:]))
-        heads = [torch.cat([x[i, :d_n], zeros, _rope_rows(x[i, d_n:], slots, n_slots)]) for i in range(h)]
-        return torch.cat(heads) * plan.query_scale
-
-    out: dict[str, torch.Tensor] = {}
-    if plan.q_lora_rank is None or plan.query_norm is None:
-        out["q_proj.weight"] = q_rows(wq)
-    else:
-        k_q, w_q = plan.query_norm
-        alpha_q = _pow2_at_most(k_q * MARGIN / (float(gamma.double().abs().max()) * math.sqrt(dim)))
-        rms_q = math.sqrt(k_q**2 / (dim + 1) + DS_NORM_EPS)
-        a = torch.zeros(dim + 1, dim, dtype=torch.float64)
-        a[:dim] = torch.eye(dim, dtype=torch.float64) * alpha_q
-        a_bias = torch.zeros(dim + 1, dtype=torch.float64)
-        a_bias[dim] = k_q
-        bias = bq if bq is not None else torch.zeros(h, d_n + d_r, dtype=torch.float64)
-        out["q_a_proj.weight"] = a
-        out["q_a_proj.bias"] = a_bias
-        out["q_a_layernorm.weight"] = torch.full((dim + 1,), w_q, dtype=torch.float64)
-        out["q_b_proj.weight"] = torch.cat(
-            [q_rows(wq) * (rms_q / (alpha_q * w_q)), q_rows(bias.unsqueeze(-1)) * (rms_q / (k_q * w_q))], dim=1
-        )
-
-    # latent: [alpha c_kv | zero padding | constant K | interleaved k_rope slots]
-    k_c, w_c = plan.latent_norm
+    # latent: [beta c_kv | zero padding | interleaved k_rope slots]; the norm is linear on it
     wa = f64["kv_a_proj_with_mqa.weight"]
-    ba = f64.get("kv_a_proj_with_mqa.bias")
-    bound = latent_bound(wa[:r], ba[:r] if ba is not None else None, gamma)
-    alpha = _pow2_at_most(k_c * MARGIN / bound) if bound > 0 else 1.0
-    rms0 = math.sqrt(k_c**2 / d_lat + DS_NORM_EPS)
+    beta, w, fold = latent_scale(latent_bound(wa[:r], None, gamma), d_lat, dt)
     kv_a = torch.zeros(d_lat + 2 * n_slots, dim, dtype=torch.float64)
-    kv_a[:r] = wa[:r] * alpha
+    kv_a[:r] = wa[:r] * beta
     kv_a[d_lat:] = _rope_rows(wa[r:], slots, n_slots)
-    kv_a_bias = torch.zeros(d_lat + 2 * n_slots, dtype=torch.float64)
-    if ba is not None:
-        kv_a_bias[:r] = ba[:r] * alpha
-        kv_a_bias[d_lat:] = _rope_rows(ba[r:].unsqueeze(-1), slots, n_slots).squeeze(-1)
-    kv_a_bias[d_lat - 1] = k_c
     out["kv_a_proj_with_mqa.weight"] = kv_a
-    out["kv_a_proj_with_mqa.bias"] = kv_a_bias
-    out["kv_a_layernorm.weight"] = torch.full((d_lat,), w_c, dtype=torch.float64)
+    out["kv_a_layernorm.weight"] = torch.full((d_lat,), w, dtype=torch.float64)
 
-    # kv_b: one [k_nope | v] block per query head, the latent columns undoing alpha and the norm's constant
-    wb = f64["kv_b_proj.weight"].view(g, d_n + d_v, r) * (rms0 / (alpha * w_c))
-    wb = torch.cat([wb[:, :d_n], wb.new_zeros(g, pad, r), wb[:, d_n:]], dim=1)  # NoPE zero pad
+    # kv_b: one [k_nope | zero pad | v | zero pad] block per query head
+    wb = f64["kv_b_proj.weight"].view(g, d_n + d_v, r) * fold
+    wb = torch.cat([wb[:, :d_n], wb.new_zeros(g, pad, r), wb[:, d_n:], wb.new_zeros(g, v_pad, r)], dim=1)
     per_head = wb.repeat_interleave(h // g, dim=0)  # query head h reads KV head h // (H / G)
-    kv_b = torch.zeros(h * (d_n + pad + d_v), d_lat, dtype=torch.float64)
-    kv_b[:, :r] = per_head.reshape(h * (d_n + pad + d_v), r)
+    kv_b = torch.zeros(h * (plan.qk_nope_head_dim + plan.v_head_dim), d_lat, dtype=torch.float64)
+    kv_b[:, :r] = per_head.reshape(-1, r)
     out["kv_b_proj.weight"] = kv_b
-    out["o_proj.weight"] = f64["o_proj.weight"]
-    out["o_proj.bias"] = f64.get("o_proj.bias", torch.zeros(dim, dtype=torch.float64))
+    wo = f64["o_proj.weight"].view(dim, h, d_v) * plan.residual_scale
+    out["o_proj.weight"] = torch.cat([wo, wo.new_zeros(dim, h, v_pad)], dim=2).reshape(dim, -1)
     return {k: v.to(dt).contiguous() for k, v in out.items()}
 
 
@@ -434,57 +444,60 @@ def attention_layout(plan: ExportPlan, config: Any) -> dict[str, tuple[int, ...]
     """Shapes of :func:`export_attention`'s tensors (names inside ``self_attn.``)."""
     c = config
     h, dim = c.num_attention_heads, c.hidden_size
-    qk = plan.qk_nope_head_dim + 2 * len(plan.rope.inv_freq)
-    d_lat, d_r = plan.kv_lora_rank, 2 * len(plan.rope.inv_freq)
-    shapes: dict[str, tuple[int, ...]] = {}
-    if plan.q_lora_rank is None:
-        shapes["q_proj.weight"] = (h * qk, dim)
-    else:
-        shapes.update({
-            "q_a_proj.weight": (dim + 1, dim),
-            "q_a_proj.bias": (dim + 1,),
-            "q_a_layernorm.weight": (dim + 1,),
-            "q_b_proj.weight": (h * qk, dim + 1),
-        })
-    shapes.update({
-        "kv_a_proj_with_mqa.weight": (d_lat + d_r, dim),
-        "kv_a_proj_with_mqa.bias": (d_lat + d_r,),
-        "kv_a_layernorm.weight": (d_lat,),
-        "kv_b_proj.weight": (h * (plan.qk_nope_head_dim + c.v_head_dim), d_lat),
-        "o_proj.weight": (dim, h * c.v_head_dim),
-        "o_proj.bias": (dim,),
-    })
-    return shapes
+    d_r = 2 * len(plan.rope.inv_freq)
+    return {
+        "q_proj.weight": (h * (plan.qk_nope_head_dim + d_r), dim),
+        "kv_a_proj_with_mqa.weight": (plan.kv_lora_rank + d_r, dim),
+        "kv_a_layernorm.weight": (plan.kv_lora_rank,),
+        "kv_b_proj.weight": (h * (plan.qk_nope_head_dim + plan.v_head_dim), plan.kv_lora_rank),
+        "o_proj.weight": (dim, h * plan.v_head_dim),
+    }
 
 
-def export_state_dict(model: Any, dtype: torch.dtype | None = None) -> tuple[ExportPlan, dict[str, torch.Tensor]]:
+#: Tensors of the residual stream's writers (times ``residual_scale``), by name suffix.
+RESIDUAL_WRITERS = ("model.embed_tokens.weight", ".mlp.down_proj.weight")
+
+
+def export_other(plan: ExportPlan, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A non-attention tensor as exported: the residual stream's writers times ``residual_scale``, the rest as
+    stored, in ``plan.dtype``."""
+    t = tensor.double() * plan.residual_scale if name.endswith(RESIDUAL_WRITERS) else tensor
+    return t.to(plan.dtype).contiguous()
+
+
+def other_names(names: list[str]) -> list[str]:
+    """The non-attention tensors of an export, in order: the checkpoint's, plus ``lm_head.weight`` (a tied
+    checkpoint stores none; engines do not tie DeepSeek's head)."""
+    out = [n for n in names if ".self_attn." not in n and not n.endswith("rope_inv_freq")]
+    return out if "lm_head.weight" in out else [*out, "lm_head.weight"]
+
+
+def export_state_dict(
+    model: Any, dtype: torch.dtype | None = None, target: str = "transformers"
+) -> tuple[ExportPlan, dict[str, torch.Tensor]]:
     """The DeepSeek-V3 plan and full state dict of an in-memory :class:`~mla_convert.mla.modeling.MLAForCausalLM`
     (tests and small models; ``mla-convert export`` streams layer by layer instead)."""
     state = {k: v.detach() for k, v in model.state_dict().items()}
-    dt = dtype or next(iter(state.values())).dtype
-    plan = plan_export(model.config, dt)
+    if "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    dt = dtype or state["model.embed_tokens.weight"].dtype
+    plan = plan_export(model.config, dt, target)
     return plan, dict(map_tensors(plan, model.config, list(state), state.__getitem__))
 
 
 def map_tensors(
     plan: ExportPlan, config: Any, names: list[str], read: Callable[[str], torch.Tensor]
 ) -> list[tuple[str, torch.Tensor]]:
-    """Every exported tensor, in order: attention tensors through :func:`export_attention`, the rest as stored
-    (cast to ``plan.dtype``); ``rope_inv_freq`` buffers are dropped (the config's rope parameters carry them)."""
+    """Every exported tensor, in order: attention tensors through :func:`export_attention`, the rest through
+    :func:`export_other` (``lm_head.weight`` read as the embedding when the checkpoint ties it);
+    ``rope_inv_freq`` buffers are dropped (the config's rope parameters carry them)."""
     out: list[tuple[str, torch.Tensor]] = []
-    done: set[int] = set()
-    for name in names:
-        if name.endswith("rope_inv_freq"):
-            continue
-        if ".self_attn." in name:
-            i = int(name.split(".")[2])
-            if i in done:
-                continue
-            done.add(i)
-            prefix = f"model.layers.{i}.self_attn."
-            attn = {n[len(prefix):]: read(n) for n in names if n.startswith(prefix) and not n.endswith("rope_inv_freq")}
-            gamma = read(f"model.layers.{i}.input_layernorm.weight")
-            out += [(prefix + k, v) for k, v in export_attention(plan, config, i, attn, gamma).items()]
-        else:
-            out.append((name, read(name).to(plan.dtype).contiguous()))
+    for i in range(config.num_hidden_layers):
+        prefix = f"model.layers.{i}.self_attn."
+        attn = {n[len(prefix):]: read(n) for n in names if n.startswith(prefix) and not n.endswith("rope_inv_freq")}
+        gamma = read(f"model.layers.{i}.input_layernorm.weight")
+        out += [(prefix + k, v) for k, v in export_attention(plan, config, i, attn, gamma).items()]
+    for name in other_names(names):
+        src = name if name in names else "model.embed_tokens.weight"
+        out.append((name, export_other(plan, name, read(src))))
     return out

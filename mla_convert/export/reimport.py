@@ -79,6 +79,8 @@ def load_export_as_mla(folder: Path) -> Any:
         ds.num_attention_heads, ds.hidden_size, ds.qk_nope_head_dim, ds.qk_rope_head_dim, int(ds.v_head_dim or 0)
     )
     rho = float(record["query_scale"])
+    wmap = _weight_map(folder)
+    biased = "model.layers.0.self_attn.kv_a_proj_with_mqa.bias" in wmap  # exports before the bias-free norm
     cfg = MLAConfig(
         vocab_size=ds.vocab_size,
         hidden_size=dim,
@@ -102,11 +104,10 @@ def load_export_as_mla(folder: Path) -> Any:
         softmax_scale=(d_n + d_r) ** -0.5 * rho,
         latent_norm=True,
         q_bias=ds.q_lora_rank is not None,
-        kv_a_bias=True,
-        o_bias=True,
+        kv_a_bias=biased,
+        o_bias=biased,
         source={"exported_from": str(folder)},
     )
-    wmap = _weight_map(folder)
     handles: dict[str, Any] = {}
 
     def read(name: str) -> torch.Tensor:
@@ -136,13 +137,15 @@ def load_export_as_mla(folder: Path) -> Any:
             state[p + "q_proj.weight"] = q_rows(q_b @ (w_q[:, None] * a) / rms).float()
             state[p + "q_proj.bias"] = q_rows((q_b @ (w_q * b_a) / rms)[:, None])[:, 0].float()
         d_lat = ds.kv_lora_rank
-        kv_a, kv_b_a = read(p + "kv_a_proj_with_mqa.weight"), read(p + "kv_a_proj_with_mqa.bias")
+        kv_a = read(p + "kv_a_proj_with_mqa.weight")
         state[p + "kv_a_proj_with_mqa.weight"] = torch.cat([kv_a[:d_lat], _half_rows(kv_a[d_lat:], n_pairs)]).float()
-        state[p + "kv_a_proj_with_mqa.bias"] = torch.cat([kv_b_a[:d_lat], _half_rows(kv_b_a[d_lat:], n_pairs)]).float()
+        if biased:
+            kv_b_a = read(p + "kv_a_proj_with_mqa.bias")
+            state[p + "kv_a_proj_with_mqa.bias"] = torch.cat([kv_b_a[:d_lat], _half_rows(kv_b_a[d_lat:], n_pairs)]).float()
+            state[p + "o_proj.bias"] = read(p + "o_proj.bias").float()
         state[p + "kv_a_layernorm.weight"] = read(p + "kv_a_layernorm.weight").float()
         state[p + "kv_b_proj.weight"] = read(p + "kv_b_proj.weight").float()
         state[p + "o_proj.weight"] = read(p + "o_proj.weight").float()
-        state[p + "o_proj.bias"] = read(p + "o_proj.bias").float()
         state[p + "rope_inv_freq"] = torch.tensor([table], dtype=torch.float32)
     handles.clear()
     # DeepSeek repeats a GQA source's [k_nope | v] block for each query head: fold the repeats back into KV heads

@@ -23,6 +23,8 @@ from mla_convert.export.deepseek_v3 import (
     ExportPlan,
     attention_layout,
     export_attention,
+    export_other,
+    other_names,
     plan_export,
 )
 
@@ -60,8 +62,8 @@ def _attention_loader(
 
     def load(name: str) -> torch.Tensor:
         if ".self_attn." not in name:
-            t: torch.Tensor = tensors.read(name)
-            return t.to(plan.dtype).contiguous()
+            stored = name if name in names else "model.embed_tokens.weight"  # lm_head of a tied checkpoint
+            return export_other(plan, name, tensors.read(stored))
         i = int(name.split(".")[2])
         if memo["layer"] != i:
             prefix = f"model.layers.{i}.self_attn."
@@ -80,21 +82,16 @@ def _attention_loader(
 
 
 def layout_of(plan: ExportPlan, config: Any, tensors: Any) -> dict[str, torch.Tensor]:
-    """Output name -> meta tensor (shape, dtype), in checkpoint order."""
+    """Output name -> meta tensor (shape, dtype): each layer's attention, then the other tensors and ``lm_head``."""
     out: dict[str, torch.Tensor] = {}
     shapes = attention_layout(plan, config)
-    done: set[int] = set()
-    for name in tensors.names():
-        if name.endswith("rope_inv_freq"):
-            continue
-        if ".self_attn." in name:
-            i = int(name.split(".")[2])
-            if i not in done:
-                done.add(i)
-                for k, shape in shapes.items():
-                    out[f"model.layers.{i}.self_attn.{k}"] = torch.empty(shape, dtype=plan.dtype, device="meta")
-            continue
-        out[name] = torch.empty(tensors.shape(name), dtype=plan.dtype, device="meta")
+    for i in range(config.num_hidden_layers):
+        for k, shape in shapes.items():
+            out[f"model.layers.{i}.self_attn.{k}"] = torch.empty(shape, dtype=plan.dtype, device="meta")
+    names = tensors.names()
+    for name in other_names(names):
+        shape = tensors.shape(name if name in names else "model.embed_tokens.weight")
+        out[name] = torch.empty(shape, dtype=plan.dtype, device="meta")
     return out
 
 
@@ -149,23 +146,24 @@ def parity(ckpt: Path, staged: Path, tokenizer_dir: Path, dtype: torch.dtype = t
 
 
 def model_card(ckpt: Path, plan: ExportPlan, check: dict[str, Any] | None) -> str:
-    """README.md of an export: what it is, how to load it, its cache, and where it can be served."""
-    cache = plan.cache_values_per_token
+    """README.md of an export: what it is, how to load and serve it, its cache against the checkpoint and the source."""
+    from mla_convert.export.serve import cache_line, serve_commands
+
+    record = plan.record()
     lines = [
         f"# {ckpt.name} as DeepSeek-V3",
         "",
-        f"A DeepSeek-V3-format export (`mla-convert export --format deepseek-v3`) of the MLA checkpoint `{ckpt.name}`.",
-        "Stock transformers loads it; no code of mla-convert and no remote code:",
+        f"A DeepSeek-V3-format export (`mla-convert export --format deepseek-v3 --target {plan.target}`) of the MLA "
+        f"checkpoint `{ckpt.name}`. No attention bias, `rope_type: default`, `lm_head` written: stock transformers, "
+        "vLLM and SGLang compute the same function from it (mla-convert's docs/export.md).",
         "",
-        "```python",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        "model = AutoModelForCausalLM.from_pretrained('PATH')  # DeepseekV3ForCausalLM",
+        cache_line(record),
+        f"RoPE: `rope_theta` {plan.rope.parameters['rope_theta']:.6g}, {len(plan.rope.inv_freq)} slots "
+        f"({plan.rope.used} used), interleaved; kept frequencies exact to {plan.rope.max_rel_error:.1e} relative.",
+        "",
         "```",
-        "",
-        f"KV cache: {cache['deepseek_v3']:.0f} values per token per layer (`kv_lora_rank` {plan.kv_lora_rank} incl. one "
-        f"constant channel + rope {2 * len(plan.rope.inv_freq)}), against {cache['mla']:.1f} in the MLA checkpoint.",
-        f"RoPE: `{plan.rope.kind}` rope parameters (exact kept frequencies, max relative error "
-        f"{plan.rope.max_rel_error:.1e}), interleaved layout.",
+        *serve_commands("PATH", record),
+        "```",
     ]
     if check:
         lines += [
@@ -174,14 +172,7 @@ def model_card(ckpt: Path, plan: ExportPlan, check: dict[str, Any] | None) -> st
             f"against the MLA checkpoint; {check['greedy_tokens_equal']}/{check['greedy_tokens']} greedy tokens equal "
             "through stock `generate()`.",
         ]
-    lines += [
-        "",
-        "Serving engines: the latent norm is made exact through a `kv_a_proj_with_mqa` bias (`attention_bias: true`).",
-        "vLLM's and SGLang's DeepSeek code builds these projections without biases, and vLLM rewrites a non-default",
-        "rope type to DeepSeek YaRN: check the engine table in mla-convert's docs/export.md before serving there.",
-        "",
-    ]
-    return "\n".join(lines)
+    return "\n".join([*lines, ""])
 
 
 def export_manifest(ckpt: Path, plan: ExportPlan, check: dict[str, Any] | None) -> dict[str, Any]:
@@ -207,6 +198,7 @@ def export_checkpoint(
     check: bool = True,
     note: Callable[[str], None] | None = None,
     dtype: str = "auto",
+    target: str = "transformers",
 ) -> dict[str, Any]:
     """Write the DeepSeek-V3 export of the converted checkpoint ``ckpt`` into ``out``.
 
@@ -217,7 +209,8 @@ def export_checkpoint(
         max_shard_size: largest shard (``"2GB"``, bytes...).
         check: measure parity (:func:`parity`) when the model is small enough (:data:`PARITY_MAX_BYTES`).
         note: called with progress lines.
-        dtype: dtype of the written tensors: ``auto`` (the checkpoint's), ``float32``, ``bfloat16``, ``float16``.
+        dtype: dtype of the written tensors: ``auto`` (the checkpoint's), ``float32``, ``bfloat16``.
+        target: the engine shape (:data:`~mla_convert.export.deepseek_v3.TARGETS`).
 
     Returns:
         The manifest written (``export`` holds the mapping and the parity).
@@ -249,7 +242,7 @@ def export_checkpoint(
     check_output(out, overwrite, source_dir=ckpt)
     config = MLAConfig.from_pretrained(str(ckpt))
     out_dtype: torch.dtype = getattr(torch, checkpoint_dtype(ckpt) if dtype == "auto" else dtype)
-    plan = plan_export(config, out_dtype)
+    plan = plan_export(config, out_dtype, target)
     tensors = _reader(ckpt)
     layout = layout_of(plan, config, tensors)
     params = sum(t.numel() for t in layout.values())
