@@ -159,9 +159,9 @@ def _lattice(logs: list[float]) -> float | None:
     for k in range(1, 257):
         lam = positive[0] / k
         steps = [round(x / lam) for x in positive]
-        if all(abs(x / lam - j) < 1e-4 for x, j in zip(positive, steps)):
+        if all(abs(x / lam - j) < 1e-4 for x, j in zip(positive, steps, strict=True)):
             # least squares over every kept frequency: the float32 rounding of one does not set the ratio
-            return sum(j * x for j, x in zip(steps, positive)) / sum(j * j for j in steps)
+            return sum(j * x for j, x in zip(steps, positive, strict=True)) / sum(j * j for j in steps)
     return None
 
 
@@ -194,7 +194,7 @@ def rope_slots(inv_freq: list[list[list[float]]], n_slots: int | None = None) ->
             "the kept RoPE frequencies are not powers of one ratio (a scaled source RoPE: llama3, YaRN, longrope); "
             "serving engines apply only a plain rope_theta to DeepSeek models, so no export is exact"
         )
-    steps = {f: round(x / lam) if lam else 0 for f, x in zip(union, logs)}
+    steps = {f: round(x / lam) if lam else 0 for f, x in zip(union, logs, strict=True)}
     need = max(steps.values()) + 1
     n = n_slots or need
     if need > n:

@@ -25,8 +25,6 @@ import time
 from typing import Any
 
 
-
-
 def main(folder: str, request_path: str, result_path: str) -> None:
     """Load ``folder`` in vLLM, score and generate what ``request_path`` asks, write ``result_path``."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: the engine's config is readable
@@ -57,7 +55,7 @@ def main(folder: str, request_path: str, result_path: str) -> None:
         use_tqdm=False,
     )
     prompt_logprobs = []
-    for ids, out in zip(request["score"], score):
+    for ids, out in zip(request["score"], score, strict=True):
         row = []
         for pos, entry in enumerate(out.prompt_logprobs or []):
             if entry is None:  # the first token has no prediction
@@ -74,9 +72,10 @@ def main(folder: str, request_path: str, result_path: str) -> None:
         comp = out.outputs[0]
         generated.append({
             "tokens": list(comp.token_ids),
-            "logprobs": [float(step[tok].logprob) for tok, step in zip(comp.token_ids, comp.logprobs or [])],
+            "logprobs": [float(step[tok].logprob) for tok, step in zip(comp.token_ids, comp.logprobs or [], strict=False)],
         })
     mc = llm.llm_engine.vllm_config.model_config
+    cache = _kv_cache(llm)
     result = {
         "vllm": vllm.__version__,
         "prompt_logprobs": prompt_logprobs,
@@ -88,12 +87,35 @@ def main(folder: str, request_path: str, result_path: str) -> None:
             "num_kv_heads": int(mc.get_total_num_kv_heads()),
             "dtype": str(mc.dtype).replace("torch.", ""),
         },
+        "kv_cache": cache,
         "custom_ops": bool(request.get("custom_ops", False)),
         "load_s": round(loaded - started, 1),
         "wall_s": round(time.perf_counter() - started, 1),
     }
     with open(result_path, "w") as f:
         json.dump(result, f, indent=1)
+
+
+def _kv_cache(llm: Any) -> dict[str, Any] | None:
+    """The KV cache vLLM allocated, from the in-process engine's scheduler (None where this vLLM has no such
+    attribute): each group's spec class, heads, head size, dtype and bytes per token per layer."""
+    try:
+        config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+    except AttributeError:
+        return None
+    groups = []
+    for group in config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        groups.append({
+            "spec": type(spec).__name__,
+            "layers": len(group.layer_names),
+            "num_kv_heads": int(spec.num_kv_heads),
+            "head_size": int(spec.head_size),
+            "dtype": str(spec.dtype).replace("torch.", ""),
+            "block_size": int(spec.block_size),
+            "bytes_per_token_per_layer": int(spec.page_size_bytes) // int(spec.block_size),
+        })
+    return {"num_blocks": int(config.num_blocks), "groups": groups}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# A real engine on the reference export: build (once) the vLLM CPU venv, convert the bundled SmolLM2 with the
+# README's defaults (or take CKPT), export it with --target vllm-cpu, serve it with vLLM's offline LLM and compare
+# with our model (mla_convert/export/engine_check.py). Writes benchmarks/results/vllm_parity.{json,md} and the
+# README's "Serve" table; exits 1 when vLLM does not compute what our model computes.
+#
+#   bash scripts/serve_check.sh [CKPT] [--no-readme]
+#
+# About 4 minutes here without CKPT (the conversion is 2 of them), plus 90 s the first time for the venv.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || bash scripts/setup.sh
+ckpt="" readme=1
+for arg in "$@"; do
+    case "$arg" in
+        --no-readme) readme=0 ;;
+        *) ckpt="$arg" ;;
+    esac
+done
+vpy=$(bash scripts/vllm_env.sh)
+work=$(mktemp -d "${TMPDIR:-/tmp}/mla-serve-check.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+if [ -z "$ckpt" ]; then
+    ckpt="$work/smollm2-mla"
+    echo "serve_check: converting the reference (mla-convert factor smollm2-135m, --device cpu)"
+    .venv/bin/mla-convert --quiet factor smollm2-135m "$ckpt" --device cpu
+fi
+echo "serve_check: exporting $ckpt with --target vllm-cpu"
+.venv/bin/mla-convert export "$ckpt" "$work/export" --target vllm-cpu
+echo "serve_check: vLLM's CPU rotary kernel on DeepSeek's shapes (the fault the workaround avoids):"
+"$vpy" scripts/vllm_rotary_check.py 2>/dev/null | tail -1
+mkdir -p benchmarks/results
+status=0
+.venv/bin/python -m mla_convert.export.engine_check "$ckpt" "$work/export" --vllm-python "$vpy" \
+    --json benchmarks/results/vllm_parity.json --table benchmarks/results/vllm_parity.md \
+    --what "bash scripts/serve_check.sh" || status=$?
+if [ "$readme" = 1 ] && [ "$status" = 0 ]; then
+    .venv/bin/python - <<'PY'
+from pathlib import Path
+readme, table = Path("README.md"), Path("benchmarks/results/vllm_parity.md").read_text()
+text = readme.read_text()
+start, end = "<!-- vllm-parity:start -->", "<!-- vllm-parity:end -->"
+if start in text and end in text:
+    head, rest = text.split(start, 1)
+    readme.write_text(head + start + "\n" + table + end + rest.split(end, 1)[1])
+    print("serve_check: README.md Serve table updated")
+PY
+fi
+exit $status

