@@ -9,7 +9,7 @@ from typing import Any
 import typer
 
 from mla_convert.adapt.options import AdaptOptions
-from mla_convert.cli.export_cmds import EXPORT_HELP, check_export, export_after
+from mla_convert.cli.export_cmds import EXPORT_HELP, TARGET_HELP, check_export, export_after
 from mla_convert.cli.flags import build_options, options_from
 from mla_convert.cli.render import (
     console,
@@ -42,6 +42,7 @@ def adapt(
     stop_after: int = typer.Option(None, help="Stop (resumably) after this many steps of this invocation."),
     overwrite: bool = typer.Option(False, help="Replace a non-empty OUT."),
     export: str = typer.Option(None, "--export", help=EXPORT_HELP),
+    target: str = typer.Option("transformers", "--target", help="With --export: " + TARGET_HELP),
     **values: Any,
 ) -> None:
     """Fine-tune a converted checkpoint (LM loss, distillation from the source, a mix, or attention transfer).
@@ -62,13 +63,16 @@ def adapt(
     if stop_after is not None and stop_after < 1:
         fail("--stop-after must be at least 1")
     with user_errors():  # wrong folders and paths, before the training libraries are imported
-        ckpt_config = read_checkpoint_config(ckpt, require_mla=True)
-        check_export(out, export, overwrite)
-        if export and ckpt_config.get("num_rope_heads", 1) != 1:
-            fail(
-                f"--export {export}: {ckpt} has {ckpt_config['num_rope_heads']} rope heads (a per-head conversion); "
-                "DeepSeek-V3 has one: adapt a --rope-mode shared conversion to export it"
-            )
+        read_checkpoint_config(ckpt, require_mla=True)
+        check_export(out, export, overwrite, target)
+        if export:  # the checkpoint's geometry is what adapt keeps: the export's plan, before any training
+            import torch
+
+            from mla_convert.export.deepseek_v3 import plan_export
+            from mla_convert.mla.checkpoint import checkpoint_dtype
+            from mla_convert.mla.configuration import MLAConfig
+
+            plan_export(MLAConfig.from_pretrained(str(ckpt)), getattr(torch, checkpoint_dtype(ckpt)), target)
         if options.source:
             locate_source(options.source)
     from mla_convert.adapt.train import run_adapt
@@ -101,4 +105,4 @@ def adapt(
         markup=False,
     )
     if export:
-        export_after(out, export, overwrite)
+        export_after(out, export, overwrite, target)

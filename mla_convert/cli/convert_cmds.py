@@ -7,7 +7,7 @@ from typing import Any
 
 import typer
 
-from mla_convert.cli.export_cmds import EXPORT_HELP, check_export, export_after
+from mla_convert.cli.export_cmds import EXPORT_HELP, TARGET_HELP, check_export, export_after
 from mla_convert.cli.flags import build_options, options_from
 from mla_convert.cli.render import (
     STATE,
@@ -71,6 +71,11 @@ def inspect(
     console.print(source_table(source, src.describe()))
     console.print(cache_table(src, suggestions(src, MEASURED_SPLITS)))
     estimate_lines(options, max_shard_size, factor_lines(options, src, max_shard_size))
+    from mla_convert.export.precheck import export_lines
+
+    console.print("\nexport of a conversion with these options (checked before any work):", highlight=False)
+    for line in export_lines(src, options):
+        console.print(line, highlight=False, markup=False)
 
 
 @options_from(ConvertOptions)
@@ -88,6 +93,7 @@ def factor(
         "2GB", help="Largest output shard (e.g. 500MB, 5GB); one shard is held in memory while it is written."
     ),
     export: str = typer.Option(None, "--export", help=EXPORT_HELP),
+    target: str = typer.Option("transformers", "--target", help="With --export: " + TARGET_HELP),
     **values: Any,
 ) -> None:
     """Partial RoPE + low-rank K/V -> MLA checkpoint + report + manifest in OUT, streamed layer by layer.
@@ -106,7 +112,7 @@ def factor(
         check_options(options, None)  # every rule that needs no source, before any I/O
         shard_size = shard_size_of(max_shard_size)
         check_output(out, overwrite)  # refuse an occupied OUT before the source is read
-        check_export(out, export, overwrite)
+        check_export(out, export, overwrite, target)
         locate_source(source)  # a wrong path, before the checkpoint libraries are imported
     from mla_convert.artifacts.report import layer_table, summary_table
     from mla_convert.convert.job import run_factor
@@ -116,15 +122,11 @@ def factor(
         src = open_source(source)
         check_options(options, src)  # the source's shapes: before anything is loaded
         if export:
-            from mla_convert.convert.options import geometry
+            from mla_convert.export.precheck import export_problems
 
-            geo = geometry(options, src)
-            if geo.rope_heads != 1 or geo.rope_width == 0:
-                fail(
-                    f"--export {export} needs one shared rope head with at least one pair; these options give "
-                    f"{geo.rope_heads} rope heads and {geo.rope_width // max(geo.rope_heads, 1) // 2} pairs each: "
-                    "use --rope-mode shared and --rope-pairs >= 1"
-                )
+            problems = export_problems(src, options, target)
+            if problems:
+                fail(f"--export {export} --target {target} would not be exact: " + "; ".join(problems))
         say(
             f"source: {src.origin} ({src.family.name}, {src.num_layers} layers, {src.num_heads}/{src.num_kv_heads} heads)"
         )
@@ -168,4 +170,4 @@ def factor(
         highlight=False,
     )
     if export:
-        export_after(out, export, overwrite)
+        export_after(out, export, overwrite, target)

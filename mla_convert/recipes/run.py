@@ -193,5 +193,6 @@ def _export(
         overwrite=overwrite or stage.replaces,
         note=say,
         dtype=recipe.export.dtype,
+        target=recipe.export.target,
     )
     done["export"] = "ran"

@@ -58,7 +58,10 @@ class ExportSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
     format: Literal["deepseek-v3"] = Field("deepseek-v3", description="target format (docs/export.md)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="written dtype (auto: the checkpoint's)"
+        "auto", description="written dtype (auto: the checkpoint's; float16 is refused: it cannot hold the latent norm)"
+    )
+    target: Literal["transformers", "vllm", "vllm-cpu"] = Field(
+        "transformers", description="engine shape: transformers | vllm (GPU, 512 + 64) | vllm-cpu (512 + 64, 128/128)"
     )
 
 

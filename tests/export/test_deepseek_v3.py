@@ -1,8 +1,10 @@
-"""DeepSeek-V3 export (issue 13): stock transformers' DeepseekV3ForCausalLM computes what our MLA model computes.
+"""DeepSeek-V3 export (issues 13, 26): stock transformers' DeepseekV3ForCausalLM computes what our MLA model computes,
+from a file with no attention bias, a plain rope_theta and an explicit lm_head (what vLLM and SGLang read).
 
-Oracle: our MLA model (itself tested against the source and its own oracles) on real text; at full keep the
-source itself. Tiny random Llama (GQA and MHA), Mistral and Qwen2 (random q/k/v biases) sources show the
-mapping of each family; the bundled SmolLM2 shows it on real weights, through the CLI and a clean process.
+Oracle: our MLA model (itself tested against the source and its own oracles) on real text; at full keep of a
+one-KV-head source, the source itself. Tiny random Llama (GQA, MHA, MQA) and Mistral sources show the mapping of
+each family and each ``--target``; the bundled SmolLM2 shows it on real weights, through the CLI and a clean
+process. ``tests/export/test_vllm.py`` serves the reference export in vLLM.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import convert
+from tiny import convert, write_tiny_llama
 from tiny import write_tiny_family as _write
 from typer.testing import CliRunner
 
@@ -23,31 +25,39 @@ import mla_convert  # noqa: F401
 from mla_convert.cli.commands import app
 from mla_convert.export.deepseek_v3 import (
     DS_NORM_EPS,
+    LINEAR_MARGIN,
+    TARGETS,
     ExportError,
     export_state_dict,
     latent_bound,
-    norm_constants,
+    latent_scale,
     plan_export,
+    rope_slots,
 )
 from mla_convert.sources.checkpoint import load_source_model, open_source
 
 TOL = 1e-4  # float32 logits
-FULL = dict(rope_mode="shared", rope_strategy="rotation", rope_pairs=16, cache_budget=None, kv_lora_rank=32)
 LOSSY = dict(cache_budget=24, rope_pairs=4)  # the default strategy (2-norm, per-layer ranks) at a small cache
 
 
-@pytest.fixture(scope="module", params=["llama", "mha", "mistral", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "mha", "mqa", "mistral"])
 def tiny(request, tmp_path_factory, calib_windows):
-    folder = _write(tmp_path_factory.mktemp(request.param), request.param)
+    root = tmp_path_factory.mktemp(request.param)
+    if request.param == "mqa":
+        folder = write_tiny_llama(root, num_key_value_heads=1)
+    else:
+        folder = _write(root, request.param)
     src = open_source(folder)
     model = load_source_model(src)
     return request.param, src, model, calib_windows[:2]
 
 
-def _stock(model, dtype=torch.float32):
+def _stock(model, dtype=torch.float32, target="transformers"):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    plan, state = export_state_dict(model, dtype)
+    plan, state = export_state_dict(model, dtype, target)
+    assert not any(k.endswith(".bias") for k in state)  # engines drop biases silently: there are none
+    assert "lm_head.weight" in state and plan.config["rope_parameters"]["rope_type"] == "default"
     stock = DeepseekV3ForCausalLM(DeepseekV3Config(**plan.config)).eval()
     result = stock.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
     assert not result.missing_keys and not result.unexpected_keys
@@ -59,29 +69,45 @@ def _logits(model, ids):
         return model(input_ids=ids).logits
 
 
-@pytest.mark.parametrize("options", [FULL, LOSSY], ids=["full-keep", "lossy-default"])
-def test_stock_deepseek_equals_our_model(tiny, options, eval_ids):
+@pytest.mark.parametrize("target", TARGETS)
+def test_stock_deepseek_equals_our_model(tiny, target, eval_ids):
     family, src, source_model, calib = tiny
-    if options is FULL:  # every (frequency, component) of every KV head, full rank
-        g, half = src.num_kv_heads, src.head_dim // 2
-        options = {**FULL, "rope_pairs": g * half, "kv_lora_rank": min(src.hidden_size, g * src.head_dim), "x": 1}
-    full = options.pop("x", None) is not None
-    mla = convert(src, calib, **options).model
-    plan, _, stock = _stock(mla.eval())
-    ours = _logits(mla, eval_ids)
-    assert (_logits(stock, eval_ids) - ours).abs().max().item() < TOL
-    if full:  # full keep: the export is the source
-        assert (_logits(source_model, eval_ids) - ours).abs().max().item() < TOL
-    assert (plan.q_lora_rank is not None) == (family == "qwen2")  # the query bias goes through q_a/q_b
+    mla = convert(src, calib, **LOSSY).model
+    plan, _, stock = _stock(mla.eval(), target=target)
+    assert (_logits(stock, eval_ids) - _logits(mla, eval_ids)).abs().max().item() < TOL
     assert plan.config["num_key_value_heads"] == plan.config["num_attention_heads"]
     assert plan.config["first_k_dense_replace"] == src.num_layers  # dense MLPs everywhere
+    assert plan.config["rms_norm_eps"] == DS_NORM_EPS and plan.config["tie_word_embeddings"] is False
     assert plan.query_scale == pytest.approx(mla.config.softmax_scale * math.sqrt(
         plan.qk_nope_head_dim + plan.config["qk_rope_head_dim"]))
+    if target != "transformers":  # the shapes vLLM's MLA kernels take
+        assert plan.config["kv_lora_rank"] == 512 and plan.config["qk_rope_head_dim"] == 64
+        want = (128, 128) if target == "vllm-cpu" else (64, 128)
+        assert (plan.config["qk_nope_head_dim"], plan.config["v_head_dim"]) == want
+        assert plan.cache_values_per_token["deepseek_v3"] == 576
 
 
-def test_latent_rms_is_constant_on_real_hidden_states(tiny, eval_ids):
-    """The constant channel makes kv_a_layernorm's RMS constant to < 1e-6 relative on every token (the bound
-    from the weights guarantees it for any input)."""
+def test_full_keep_export_is_the_source(tiny, eval_ids):
+    """One KV head, every RoPE pair, full rank: stock DeepSeek-V3 = our MLA model = the source (float32)."""
+    family, src, source_model, calib = tiny
+    if src.num_kv_heads != 1:
+        with pytest.raises(ExportError, match="keeps the same RoPE frequency"):  # one rope head: each frequency once
+            opts = dict(rope_mode="shared", rope_strategy="rotation", cache_budget=None,
+                        rope_pairs=src.num_kv_heads * src.head_dim // 2, kv_lora_rank=16)
+            plan_export(convert(src, calib, **opts).model.config, torch.float32)
+        return
+    opts = dict(rope_mode="shared", rope_strategy="high", rope_pairs=src.head_dim // 2, cache_budget=None,
+                kv_lora_rank=src.head_dim)
+    mla = convert(src, calib, **opts).model.eval()
+    _, _, stock = _stock(mla)
+    got = _logits(stock, eval_ids)
+    assert (got - _logits(mla, eval_ids)).abs().max().item() < TOL
+    assert (got - _logits(source_model, eval_ids)).abs().max().item() < TOL
+
+
+def test_latent_norm_is_linear_on_real_hidden_states(tiny, eval_ids):
+    """kv_a_layernorm sees mean(c^2) <= 2^-24 eps on every token (the bound from the weights guarantees it for any
+    input), so it is the linear map c / sqrt(eps) to 2^-25 relative."""
     _, src, source_model, calib = tiny
     mla = convert(src, calib, **LOSSY).model
     plan, _, stock = _stock(mla.eval())
@@ -92,10 +118,8 @@ def test_latent_rms_is_constant_on_real_hidden_states(tiny, eval_ids):
     hook.remove()
     x, out = seen[0]
     latent = out[..., : plan.kv_lora_rank].double()
-    rms = latent.pow(2).mean(-1).add(DS_NORM_EPS).sqrt()
-    k, _ = plan.latent_norm
-    want = math.sqrt(k * k / plan.kv_lora_rank + DS_NORM_EPS)
-    assert (rms / want - 1).abs().max().item() < 1e-6
+    assert latent.abs().max().item() > 0
+    assert latent.pow(2).mean(-1).max().item() <= 2 * LINEAR_MARGIN * DS_NORM_EPS
     c = mla.model.layers[1].self_attn.kv_a_proj_with_mqa
     r = mla.config.kv_lora_rank[1]
     norms = (x @ c.weight[:r].T).norm(dim=-1)
@@ -103,60 +127,88 @@ def test_latent_rms_is_constant_on_real_hidden_states(tiny, eval_ids):
     assert norms.max().item() <= latent_bound(c.weight[:r].detach(), None, gamma.detach())  # the bound holds on real tokens
 
 
-def test_bf16_export_rounds_to_the_stored_weights(tiny, eval_ids):
-    """In 16-bit dtypes every folded factor is a power of two (or within 1e-4 of one): the exported tensors
-    are the stored MLA tensors times powers of two, so the export adds no rounding of its own."""
+def test_bf16_export_rounds_only_what_it_must(tiny, eval_ids):
+    """bfloat16: the latent rows are the stored ones times a power of two and the query rows too (``rho`` a power of
+    two); only the residual writers (times sqrt(1e-6 / eps)) and kv_b_proj (times the norm weight's rounding)
+    round again, which keeps the logits within bf16 precision of our model's."""
     family, src, source_model, calib = tiny
     mla = convert(src, calib, **LOSSY).model
     mla = mla.to(torch.bfloat16).eval()
-    for layer in mla.model.layers:  # rope frequencies stay float32 in a checkpoint
-        layer.self_attn.rope_inv_freq = layer.self_attn.rope_inv_freq.float()
     plan, state, stock = _stock(mla, torch.bfloat16)
     assert math.log2(plan.query_scale) == round(math.log2(plan.query_scale))
-    kv_b = state["model.layers.0.self_attn.kv_b_proj.weight"].float()
-    ours = mla.model.layers[0].self_attn.kv_b_proj.weight.float()
-    r, g, h = mla.config.kv_lora_rank[0], mla.config.num_key_value_heads, mla.config.num_attention_heads
-    blocks = kv_b[:, :r].view(h, -1, r)
-    first = blocks[0][: mla.config.qk_nope_head_dim]
-    scale = first.abs().max() / ours[: mla.config.qk_nope_head_dim].abs().max()
-    assert math.log2(scale.item()) == round(math.log2(scale.item()))
-    assert torch.equal(first, ours[: mla.config.qk_nope_head_dim] * scale)
-    assert (_logits(stock, eval_ids) - _logits(mla.float(), eval_ids)).abs().max().item() < TOL
-    del g
+    r = mla.config.kv_lora_rank[0]
+    kv_a = state["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"][:r].float()
+    ours = mla.model.layers[0].self_attn.kv_a_proj_with_mqa.weight[:r].float()
+    scale = kv_a.abs().max() / ours.abs().max()
+    assert math.log2(scale.item()) == round(math.log2(scale.item())) and torch.equal(kv_a, ours * scale)
+    ref = _logits(mla.float(), eval_ids)
+    assert (_logits(stock, eval_ids) - ref).abs().max().item() < 0.05 * ref.abs().max().item()
 
 
-def test_rope_table(tiny):
-    """shared/high keeps the same geometric frequencies in every layer: a plain rope_theta (what vLLM reads);
-    the data-driven default keeps different pairs per layer: their union, exact through longrope factors."""
+def test_latent_scale_is_exact_in_its_dtype():
+    for dtype, tol in ((torch.float32, 1e-7), (torch.bfloat16, 2.0**-8)):
+        for bound, width in ((3.0, 17), (250.0, 512), (1e4, 93)):
+            beta, w, fold = latent_scale(bound, width, dtype)
+            assert math.log2(beta) == round(math.log2(beta))
+            assert beta * beta * bound * bound / width <= 2 * LINEAR_MARGIN * DS_NORM_EPS
+            assert torch.tensor(w).to(dtype).item() == w and abs(fold - 1) < tol
+
+
+def _table(theta: float, d: int) -> list[float]:
+    return [float(torch.tensor(theta ** (-2 * i / d), dtype=torch.float32)) for i in range(d // 2)]
+
+
+def test_rope_slots_take_one_plain_theta_or_refuse():
+    full = _table(100000.0, 64)
+    rope = rope_slots([[full[:24]], [full[8:]]])  # two layers, different pairs: the union, one theta
+    assert rope.parameters == {"rope_type": "default", "rope_theta": pytest.approx(100000.0, rel=1e-5)}
+    assert len(rope.inv_freq) == 32 and rope.slots[1][0] == 8 and rope.max_rel_error < 1e-6
+    rope = rope_slots([[full[0::2]]])  # every other frequency: 16 slots of theta^(-j/16), the same theta
+    assert len(rope.inv_freq) == 16 and rope.parameters["rope_theta"] == pytest.approx(1e5, rel=1e-5)
+    rope = rope_slots([[full[2:12:3]]], n_slots=32)  # a sub-lattice padded to the engine's 32 slots
+    assert len(rope.inv_freq) == 32 and rope.used == 4
+    wide = _table(500000.0, 128)
+    with pytest.raises(ExportError, match="span 41 steps"):  # steps 0, 1, 40 of one table: 41 slots
+        rope_slots([[[wide[0], wide[1], wide[40]]]], n_slots=32)
+    scaled = [f / (8.0 if f < 0.01 else 1.0) for f in _table(500000.0, 128)]  # llama3-style: not one ratio
+    with pytest.raises(ExportError, match="not powers of one ratio"):
+        rope_slots([[scaled]])
+    with pytest.raises(ExportError, match="keeps the same RoPE frequency"):
+        rope_slots([[full[:4] + full[:4]]])
+
+
+def test_rope_table_of_conversions(tiny):
+    """shared/high keeps the same geometric frequencies in every layer: a plain rope_theta, no padding; the
+    data-driven default keeps different pairs per layer: their union's slots."""
     _, src, source_model, calib = tiny
     theta = src.config.rope_theta if hasattr(src.config, "rope_theta") else src.config.rope_parameters["rope_theta"]
     mla = convert(src, calib, rope_strategy="high", rope_pairs=4, cache_budget=None, kv_lora_rank=16).model
     plan = plan_export(mla.config, torch.float32)
-    assert plan.rope.kind == "default" and len(plan.rope.inv_freq) == 4
+    assert len(plan.rope.inv_freq) == 4
     assert plan.rope.parameters["rope_theta"] == pytest.approx(theta ** (8 / 16), rel=1e-6)
-    assert plan.rope.max_rel_error < 1e-6
-    assert plan.cache_values_per_token == {"mla": 24.0, "deepseek_v3": 25.0}  # + the constant channel
+    assert plan.cache_values_per_token["mla"] == 24.0 and plan.cache_values_per_token["deepseek_v3"] == 24.0
+    assert plan.cache_values_per_token["source"] == 2 * src.num_kv_heads * src.head_dim
     mla = convert(src, calib, **LOSSY).model
     plan = plan_export(mla.config, torch.float32)
     kept = {f for layer in mla.config.rope_inv_freq for f in layer[0]}
     assert len(plan.rope.inv_freq) >= len(kept) and plan.rope.max_rel_error < 1e-6
 
 
-def test_norm_constants_are_exact_in_their_dtype():
-    for dtype, tol in ((torch.float32, 1e-7), (torch.bfloat16, 1e-4), (torch.float16, 1e-6)):
-        for width in (17, 93, 513):
-            k, w = norm_constants(width, dtype)
-            assert torch.tensor(k).to(dtype).item() == k and torch.tensor(w).to(dtype).item() == w
-            assert abs(math.sqrt(k * k / width + DS_NORM_EPS) / w - 1) < tol
-
-
-def test_per_head_checkpoint_is_refused(tiny):
+def test_unexportable_checkpoints_are_refused(tiny, tmp_path_factory, calib_windows):
     _, src, source_model, calib = tiny
+    mla = convert(src, calib, **LOSSY).model
+    with pytest.raises(ExportError, match="export as bfloat16 or float32"):
+        plan_export(mla.config, torch.float16)
+    with pytest.raises(ExportError, match="--target 'sglang' is not one of"):
+        plan_export(mla.config, torch.float32, "sglang")
     opts = dict(rope_mode="per-head", rope_strategy="high", rope_pairs=2, cache_budget=None, kv_lora_rank=8)
     mla = convert(src, calib, **opts).model
-    if mla.config.num_rope_heads == 1:
-        pytest.skip("one KV head: per-head is shared")
-    with pytest.raises(ExportError, match="convert with --rope-mode shared"):
+    if mla.config.num_rope_heads > 1:
+        with pytest.raises(ExportError, match="convert with --rope-mode shared"):
+            plan_export(mla.config, torch.float32)
+    qwen2 = open_source(_write(tmp_path_factory.mktemp("qwen2"), "qwen2"))
+    mla = convert(qwen2, calib_windows[:2], **LOSSY).model
+    with pytest.raises(ExportError, match="attention biases"):
         plan_export(mla.config, torch.float32)
 
 
@@ -257,47 +309,50 @@ SMALL_FLAGS = ["--calib-windows", "2", "--window", "64", "--eval-windows", "1", 
 
 
 @pytest.fixture(scope="module")
-def tiny_qwen2(tmp_path_factory):
+def tiny_llama(tmp_path_factory):
     from tiny import copy_tokenizer
 
-    folder = _write(tmp_path_factory.mktemp("qwen2-src"), "qwen2")
+    folder = _write(tmp_path_factory.mktemp("llama-src"), "llama")
     copy_tokenizer(folder)
     return folder
 
 
-def test_factor_ends_with_an_export(tiny_qwen2, tmp_path):
+def test_factor_ends_with_an_export(tiny_llama, tmp_path):
     out = tmp_path / "mla"
     runner = CliRunner()
-    res = runner.invoke(app, ["--quiet", "factor", str(tiny_qwen2), str(out), *SMALL_FLAGS, "--export", "deepseek-v3"])
+    res = runner.invoke(app, ["--quiet", "factor", str(tiny_llama), str(out), *SMALL_FLAGS, "--export", "deepseek-v3",
+                              "--target", "vllm-cpu"])
     assert res.exit_code == 0, res.output + str(res.exception)
     dest = tmp_path / "mla-deepseek-v3"
     manifest = json.loads((dest / "mla_manifest.json").read_text())
     parent = json.loads((out / "mla_manifest.json").read_text())
     assert manifest["parent"]["canonical_id"] == parent["canonical_id"]
-    assert manifest["export"]["parity"]["max_abs_logit_diff"] < 1e-2  # bfloat16 weights run in float32 both sides
-    assert manifest["export"]["q_lora_rank"] == 65  # the Qwen2 query bias
-    assert f"wrote {dest}" in res.output
+    assert manifest["export"]["parity"]["max_abs_logit_diff"] < 0.05  # bf16 weights: residual writers round again
+    assert manifest["export"]["target"] == "vllm-cpu" and manifest["export"]["kv_lora_rank"] == 512
+    assert f"wrote {dest}" in res.output and "vllm serve" in res.output and "custom_ops" in res.output
+    card = (dest / "README.md").read_text()
+    assert "values per token per layer" in card and "of the source" in card and "vllm serve" in card
     # the export folder is checked before any work: occupied -> refused, OUT untouched
-    res = runner.invoke(app, ["factor", str(tiny_qwen2), str(tmp_path / "ph"), *SMALL_FLAGS, "--rope-mode", "per-head",
+    res = runner.invoke(app, ["factor", str(tiny_llama), str(tmp_path / "ph"), *SMALL_FLAGS, "--rope-mode", "per-head",
                               "--export", "deepseek-v3"])
-    assert res.exit_code == 2 and "needs one shared rope head" in res.output and not (tmp_path / "ph").exists()
+    assert res.exit_code == 2 and "has one shared rope head" in res.output and not (tmp_path / "ph").exists()
     res = runner.invoke(app, ["export", str(out), str(tmp_path / "x"), "--dtype", "int8"])
     assert res.exit_code == 2 and "--dtype 'int8' is not one of" in res.output
-    res = runner.invoke(app, ["factor", str(tiny_qwen2), str(tmp_path / "third"), *SMALL_FLAGS, "--export", "onnx"])
+    res = runner.invoke(app, ["factor", str(tiny_llama), str(tmp_path / "third"), *SMALL_FLAGS, "--export", "onnx"])
     assert res.exit_code == 2 and "--export 'onnx' is not one of deepseek-v3" in res.output
     (tmp_path / "fourth-deepseek-v3").mkdir()
     (tmp_path / "fourth-deepseek-v3" / "x").write_text("keep")
-    res = runner.invoke(app, ["factor", str(tiny_qwen2), str(tmp_path / "fourth"), *SMALL_FLAGS, "--export",
+    res = runner.invoke(app, ["factor", str(tiny_llama), str(tmp_path / "fourth"), *SMALL_FLAGS, "--export",
                               "deepseek-v3"])
     assert res.exit_code == 2 and "pass --overwrite" in res.output and not (tmp_path / "fourth").exists()
 
 
-def test_recipe_export_stage_runs_then_skips(tiny_qwen2, tmp_path):
+def test_recipe_export_stage_runs_then_skips(tiny_llama, tmp_path):
     import yaml
 
     recipe = {
         "name": "tiny-export",
-        "source": str(tiny_qwen2),
+        "source": str(tiny_llama),
         "output": str(tmp_path / "job"),
         "factor": {"calib_windows": 2, "window": 64, "eval_windows": 1, "cache_budget": 24, "rope_pairs": 4},
         "validate": {"enabled": False},
@@ -312,14 +367,3 @@ def test_recipe_export_stage_runs_then_skips(tiny_qwen2, tmp_path):
     assert m["export"]["dtype"] == "float32" and m["export"]["parity"]["max_abs_logit_diff"] < TOL
     res = CliRunner().invoke(app, ["run", str(path)])
     assert res.exit_code == 0 and "export skipped" in res.output, res.output
-
-
-def test_smollm2_full_keep_export_is_the_source(smol_st, smol_model, smol_windows, eval_ids):
-    """Real weights, every RoPE component and full rank: stock DeepSeek-V3 = our MLA model = SmolLM2 (float32)."""
-    opts = dict(rope_mode="shared", rope_strategy="rotation", rope_pairs=96, cache_budget=None, kv_lora_rank=192)
-    mla = convert(smol_st, *smol_windows, **opts).model
-    plan, _, stock = _stock(mla.eval())
-    got = _logits(stock, eval_ids)
-    assert (got - _logits(mla, eval_ids)).abs().max().item() < TOL
-    assert (got - _logits(smol_model, eval_ids)).abs().max().item() < TOL
-    assert plan.rope.kind == "longrope"  # 96 components of 32 frequencies: repeated frequencies

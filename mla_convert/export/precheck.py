@@ -1,0 +1,74 @@
+"""Before any work: will a conversion with these options export exactly (``--export deepseek-v3 --target T``)?
+
+:func:`export_problems` reads only the source's config and the options (no weights), so ``factor --export``,
+``inspect`` and ``run --dry-run`` answer before a tensor is read. Each problem names what breaks exactness and the
+options that fix it. What depends on the data (which RoPE pairs a data-driven strategy keeps) is checked again on
+the finished checkpoint by :func:`~mla_convert.export.deepseek_v3.plan_export`; here a selection that *could* need
+more rope slots than an engine target holds is refused with the options that guarantee it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mla_convert.export.deepseek_v3 import TARGETS, VLLM_CPU_HEAD_DIMS, VLLM_GPU_HEAD_DIMS, VLLM_KV_LORA_RANK
+
+
+def export_problems(src: Any, options: Any, target: str = "transformers") -> list[str]:
+    """Reasons a conversion of ``src`` with ``options`` would not export exactly to ``target`` (empty: it will).
+
+    Args:
+        src: a :class:`~mla_convert.sources.checkpoint.SourceModel` (config and shapes only).
+        options: the :class:`~mla_convert.convert.options.ConvertOptions`.
+        target: one of :data:`~mla_convert.export.deepseek_v3.TARGETS`.
+    """
+    from mla_convert.convert.options import geometry
+    from mla_convert.sources.checkpoint import rope_parameters
+
+    if target not in TARGETS:
+        return [f"--target {target!r} is not one of {', '.join(TARGETS)}"]
+    out: list[str] = []
+    geo = geometry(options, src)
+    half = src.head_dim // 2
+    if geo.rope_heads != 1 or geo.rope_pairs == 0:
+        out.append(f"these options give {geo.rope_heads} rope heads with {geo.rope_pairs} pairs each; DeepSeek-V3 has "
+                   "one shared rope head: use --rope-mode shared and --rope-pairs >= 1")
+    elif geo.rope_pairs > half:
+        out.append(f"--rope-pairs {geo.rope_pairs} keeps some of the {half} frequencies for several KV heads; DeepSeek's "
+                   f"one rope head holds each once: use --rope-pairs {half} or fewer")
+    biased = [p for p in ("q", "k", "v", "o") if src.family.has_bias(p, src.config)]
+    if biased:
+        out.append(f"the source has attention biases ({', '.join(p + '_proj' for p in biased)}): vLLM and SGLang build "
+                   "DeepSeek attention without biases and drop them silently; no DeepSeek-V3 export is exact there")
+    if getattr(src.config, "mlp_bias", False):
+        out.append("the source MLP has biases; DeepSeek-V3's dense MLP has none")
+    rope = rope_parameters(src.config)
+    if rope.get("rope_type", "default") != "default":
+        out.append(f"the source's RoPE is scaled ({rope.get('rope_type')}); serving engines apply only a plain "
+                   "rope_theta (or their own DeepSeek scalings) to DeepSeek models, so no export is exact")
+    if options.dtype == "float16":
+        out.append("--dtype float16 cannot hold the bias-free latent norm of the export; use --dtype bfloat16")
+    if target != "transformers":
+        slots = VLLM_GPU_HEAD_DIMS[0][1] // 2
+        if half > slots and not (options.rope_strategy == "high" and geo.rope_pairs <= slots):
+            out.append(f"--target {target}'s rope head holds {slots} frequencies of one table and this source has "
+                       f"{half}: a per-layer selection can span more; use --rope-strategy high --rope-pairs "
+                       f"{min(slots, max(geo.rope_pairs, 1))} (or --target transformers)")
+        shapes = VLLM_GPU_HEAD_DIMS if target == "vllm" else VLLM_CPU_HEAD_DIMS
+        if not any(src.head_dim <= nope and src.head_dim <= v for nope, _, v in shapes):
+            out.append(f"head_dim {src.head_dim} is wider than every head shape --target {target} accepts "
+                       f"({', '.join(f'{a}/{c}' for a, _, c in shapes)}); use --target transformers")
+        if options.kv_lora_rank is not None and options.kv_lora_rank > VLLM_KV_LORA_RANK:
+            out.append(f"--kv-lora-rank {options.kv_lora_rank} is over {VLLM_KV_LORA_RANK}, the latent vLLM's MLA "
+                       "backends take")
+    return out
+
+
+def export_lines(src: Any, options: Any) -> list[str]:
+    """One line per target: ``exact`` or the first reason it is not (``inspect``, ``run --dry-run``)."""
+    lines = []
+    for target in TARGETS:
+        problems = export_problems(src, options, target)
+        lines.append(f"  --export deepseek-v3 --target {target}: "
+                     + ("exact" if not problems else "not exact: " + problems[0]))
+    return lines
