@@ -95,7 +95,9 @@ def export(
         help="Measure parity against CKPT (float32 logits and greedy tokens on real text; models up to 2 GiB).",
     ),
     dtype: str = typer.Option(
-        "auto", help="Written dtype: auto (the checkpoint's) | float32 | bfloat16 (float16 cannot hold the latent norm)."
+        "auto",
+        help="Written dtype: auto (the checkpoint's; bfloat16 for --target vllm/vllm-cpu) | float32 | bfloat16 "
+        "(float16 cannot hold the latent norm).",
     ),
     target: str = typer.Option("transformers", "--target", help=TARGET_HELP),
 ) -> None:

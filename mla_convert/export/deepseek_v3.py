@@ -20,8 +20,9 @@ rewritten to their own DeepSeek scalings), ``rms_norm_eps`` for every norm (tran
   input (a bound from the weights, :func:`latent_bound`): RMSNorm is then linear, ``c / sqrt(eps)`` to a relative
   ``2^-25``; ``kv_a_layernorm.weight`` and the ``kv_b_proj`` columns undo ``beta / sqrt(eps)``.
 * **One epsilon.** Every norm uses ``rms_norm_eps = 1e-6`` (the value transformers applies to ``kv_a_layernorm``);
-  the residual stream is scaled by ``s = sqrt(1e-6 / eps_source)`` (embeddings, ``o_proj``, ``down_proj``), so
-  ``RMSNorm(s h; 1e-6) = RMSNorm(h; eps_source)`` exactly; ``lm_head`` is written unscaled.
+  the residual stream is scaled by ``s`` (embeddings, ``o_proj``, ``down_proj``; :func:`residual_scale`), so
+  ``RMSNorm(s h; 1e-6) = RMSNorm(h; 1e-6 / s^2)``: the source's epsilon exactly in float32, the nearest power of
+  two's in 16-bit (no second rounding); ``lm_head`` is written unscaled.
 * **Engine shapes** (:data:`TARGETS`). ``transformers``: the checkpoint's widths. ``vllm``: ``kv_lora_rank`` 512,
   rope 64 (FlashMLA) and a (qk_nope, v_head) pair vLLM's GPU prefill accepts. ``vllm-cpu``: 512 + 64 with qk_nope
   and v_head 128 (``AMX_MLA``). Padding is zero rows and columns (cached zeros in the latent).
@@ -100,9 +101,10 @@ class ExportPlan:
         rope: the rope slots.
         kv_lora_rank: DeepSeek's latent width (``>= max`` of the checkpoint's per-layer ranks).
         query_scale: ``rho``, folded into the query rows.
-        residual_scale: ``s = sqrt(DS_NORM_EPS / eps_source)`` of the residual stream.
+        residual_scale: ``s`` of the residual stream (:func:`residual_scale`).
         dtype: torch dtype the tensors are written in.
         ranks: the checkpoint's per-layer ``kv_lora_rank``.
+        source_norm_eps: the checkpoint's ``rms_norm_eps``.
         qk_nope_head_dim / v_head_dim: DeepSeek's widths (the checkpoint's, zero-padded).
         cache_values_per_token: ``source`` (K and V), ``mla`` (the checkpoint, mean over layers) and
             ``deepseek_v3`` (what the engine allocates) values per token per layer.
@@ -118,7 +120,13 @@ class ExportPlan:
     ranks: list[int]
     qk_nope_head_dim: int
     v_head_dim: int
+    source_norm_eps: float = DS_NORM_EPS
     cache_values_per_token: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def norm_eps(self) -> float:
+        """The epsilon the exported hidden-state norms apply in the source's units: ``DS_NORM_EPS / s^2``."""
+        return DS_NORM_EPS / self.residual_scale**2
 
     def record(self) -> dict[str, Any]:
         """The mapping choices as JSON (manifest ``export`` field)."""
@@ -130,6 +138,7 @@ class ExportPlan:
             "latent_padding": [self.kv_lora_rank - r for r in self.ranks],
             "latent_norm": {"kind": "linear", "eps": DS_NORM_EPS, "margin": LINEAR_MARGIN},
             "residual_scale": self.residual_scale,
+            "norm_eps": {"config": DS_NORM_EPS, "effective": self.norm_eps, "source": self.source_norm_eps},
             "qk_nope_head_dim": self.qk_nope_head_dim,
             "v_head_dim": self.v_head_dim,
             "query_scale": self.query_scale,
@@ -332,7 +341,8 @@ def plan_export(config: Any, dtype: torch.dtype, target: str = "transformers") -
         rope=rope,
         kv_lora_rank=d_lat,
         query_scale=float(c.softmax_scale) * math.sqrt(d_nope + d_r),
-        residual_scale=math.sqrt(DS_NORM_EPS / float(c.rms_norm_eps)),
+        residual_scale=residual_scale(float(c.rms_norm_eps), dtype),
+        source_norm_eps=float(c.rms_norm_eps),
         dtype=dtype,
         ranks=ranks,
         qk_nope_head_dim=d_nope,
@@ -343,6 +353,18 @@ def plan_export(config: Any, dtype: torch.dtype, target: str = "transformers") -
             "deepseek_v3": float(d_lat + d_r),
         },
     )
+
+
+def residual_scale(source_eps: float, dtype: torch.dtype) -> float:
+    """``s`` scaling the residual stream so that ``RMSNorm(s h; DS_NORM_EPS) = RMSNorm(h; DS_NORM_EPS / s^2)``.
+
+    float32: ``sqrt(DS_NORM_EPS / source_eps)``, the source's epsilon exactly (the scaled writers round once, at
+    float32 precision). 16-bit: the power of two nearest to it (log scale), so no weight is rounded a second time;
+    the norms then apply ``DS_NORM_EPS / s^2`` (SmolLM2's 1e-5 -> 1.6e-5; measured on the reference conversion:
+    max |Δlogit| 0.077 in float32, against 0.33 for rounding its weights to bfloat16).
+    """
+    exact = math.sqrt(DS_NORM_EPS / source_eps)
+    return exact if dtype == torch.float32 else 2.0 ** round(math.log2(exact))
 
 
 # ------------------------------------------------------------------------------------------------ tensors
@@ -412,7 +434,9 @@ def export_attention(
     r = c.kv_lora_rank[layer]
     slots, n_slots = plan.rope.slots[layer], len(plan.rope.inv_freq)
     d_lat, pad, v_pad = plan.kv_lora_rank, plan.qk_nope_head_dim - d_n, plan.v_head_dim - d_v
-    f64 = {k: v.double() for k, v in t.items()}
+    # 16-bit: start from the tensors as the export's dtype holds them, so that factors within half a unit of 1
+    # (the norm weight's rounding in kv_b_proj) round back to them instead of moving some weights by one unit
+    f64 = {k: (v if dt == torch.float32 else v.to(dt)).double() for k, v in t.items()}
 
     # queries: [nope | zero pad | interleaved rope slots] per head, times rho
     wq = f64["q_proj.weight"].view(h, d_n + d_r, dim)
@@ -461,7 +485,8 @@ RESIDUAL_WRITERS = ("model.embed_tokens.weight", ".mlp.down_proj.weight")
 def export_other(plan: ExportPlan, name: str, tensor: torch.Tensor) -> torch.Tensor:
     """A non-attention tensor as exported: the residual stream's writers times ``residual_scale``, the rest as
     stored, in ``plan.dtype``."""
-    t = tensor.double() * plan.residual_scale if name.endswith(RESIDUAL_WRITERS) else tensor
+    stored = tensor.to(plan.dtype)  # 16-bit: rounded first, then times a power of two (exact)
+    t = stored.double() * plan.residual_scale if name.endswith(RESIDUAL_WRITERS) else stored
     return t.to(plan.dtype).contiguous()
 
 
