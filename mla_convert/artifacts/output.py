@@ -52,7 +52,29 @@ def check_output(out: Path, overwrite: bool, source_dir: Path | None = None) -> 
             f"output {out} is the root, home or current folder, or contains the current folder; replacing it "
             "would delete what is there: choose a new folder for OUT"
         )
+    check_writable(out)
     return out
+
+
+def check_writable(path: Path) -> None:
+    """``path`` (a file or folder to create) can be created: its nearest existing parent is a folder we can write
+    in (tried by creating and removing an empty temporary folder there).
+
+    Raises:
+        OutputError: a parent is a file, or the nearest existing folder does not take new entries.
+    """
+    import tempfile
+
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise OutputError(f"{path} cannot be created: {parent} is a file, not a folder; choose another path")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".mla-write-check-", dir=parent))
+    except OSError as exc:
+        raise OutputError(f"{path} cannot be created: {parent} does not take new files ({exc.strerror}); "
+                          "choose a folder you can write in") from None
 
 
 def current_umask() -> int:

@@ -49,6 +49,8 @@ def eval_cmd(
 
     Example: mla-convert eval out/smollm2-mla --against smollm2-135m --window 2048 --windows 4
     """
+    if window < 2 or windows < 1:
+        fail(f"--window {window} / --windows {windows}: need at least 2 tokens per window and 1 window")
     with user_errors():  # wrong folders and paths, before the model libraries are imported
         read_checkpoint_config(ckpt, require_mla=False)
         if against:

@@ -194,6 +194,10 @@ def init_recipe_cmd(
         target = target / f"{stem}.yaml"
     if target.exists() and not overwrite:
         fail(f"{target} exists; pass --overwrite to replace it")
+    from mla_convert.artifacts.output import check_writable
+
+    with user_errors():
+        check_writable(target)
     atomic_write_text(target, src.read_text())
     if stem in launch:
         plain(

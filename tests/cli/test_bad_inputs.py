@@ -332,6 +332,19 @@ def test_out_is_a_file(src: Path, good_text: Path, tmp_path: Path) -> None:
     assert out.read_bytes() == b"\x00\x01"
 
 
+def test_out_that_cannot_be_created(src: Path, good_text: Path, tmp_path: Path) -> None:
+    """A parent that is a file, or a folder that takes no new entries: one line, before any work."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    assert_user_error(invoke(factor_args(src, blocker / "out", good_text)), f"{blocker} is a file, not a folder")
+    assert blocker.read_text() == "x"
+    assert_user_error(invoke(factor_args(src, Path("/proc/mla-out"), good_text)), "/proc does not take new files")
+    res = CliRunner().invoke(app, ["init-recipe", "smollm2-135m-quickstart", str(blocker / "r.yaml")])
+    assert res.exit_code == 2 and "is a file, not a folder" in res.output, res.output
+    res = CliRunner().invoke(app, ["eval", str(src), "--windows", "0"])
+    assert res.exit_code == 2 and "--windows 0" in res.output, res.output
+
+
 @pytest.mark.parametrize("where", ["subfolder", "source-itself"])
 def test_out_inside_source(where: str, src: Path, good_text: Path) -> None:
     out = src / "mla" if where == "subfolder" else src
