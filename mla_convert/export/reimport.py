@@ -4,7 +4,8 @@ paged/Triton decode run on exactly the geometry the export serves.
 The inverse of :mod:`mla_convert.export.deepseek_v3`, for folders it wrote (their manifest has ``export``):
 ``kv_a_layernorm`` becomes our latent norm (``latent_norm: true``, same weights); the interleaved rope rows go
 back to rotate_half; the query scale ``rho`` is divided out of the query rows so ``softmax_scale`` is the source
-model's again; a query path ``q_a -> q_a_layernorm -> q_b`` with a constant channel folds into ``q_proj`` with a
+model's again. Exports written before the bias-free mapping (a constant latent channel held by biases, a query
+path ``q_a -> q_a_layernorm -> q_b``) are still read: that query path folds into ``q_proj`` with a
 bias (its RMS is constant to < 1e-6 by construction). ``kv_b_proj``'s per-query-head blocks fold back into the
 fewest KV heads whose repeats reproduce them exactly (the source's, for a GQA source).
 """
