@@ -10,7 +10,7 @@ import typer
 
 from mla_convert.adapt.options import AdaptOptions
 from mla_convert.cli.export_cmds import EXPORT_HELP, TARGET_HELP, check_export, export_after
-from mla_convert.cli.flags import build_options, options_from
+from mla_convert.cli.flags import build_options, given_on_command_line, options_from
 from mla_convert.cli.render import (
     console,
     fail,
@@ -19,15 +19,6 @@ from mla_convert.cli.render import (
 )
 from mla_convert.mla.checkpoint import read_checkpoint_config
 from mla_convert.sources.locate import locate_source
-
-
-def given_on_command_line(name: str) -> bool:
-    """Whether the option ``name`` was typed (not its default)."""
-    from typer._click.core import ParameterSource
-    from typer._click.globals import get_current_context
-
-    ctx = get_current_context(silent=True)
-    return ctx is not None and ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE
 
 
 @options_from(AdaptOptions)

@@ -8,7 +8,7 @@ from typing import Any
 import typer
 
 from mla_convert.cli.export_cmds import EXPORT_HELP, TARGET_HELP, check_export, export_after
-from mla_convert.cli.flags import build_options, options_from
+from mla_convert.cli.flags import build_options, given_on_command_line, options_from
 from mla_convert.cli.render import (
     STATE,
     cache_table,
@@ -60,16 +60,20 @@ def inspect(
         fail(
             f"--max-shard-size {max_shard_size!r} is not a size; write it like 500MB or 5GB (KB, MB, GB, TB)"
         )
+    from mla_convert.convert.suggest import follow_budget
     from mla_convert.sources.checkpoint import open_source
 
     with user_errors():
         src = open_source(source)
+        options, why = follow_budget(options, src, given_on_command_line("rope_pairs"))
         check_options(options, src)
     from mla_convert.convert.estimate import factor_lines
     from mla_convert.convert.suggest import MEASURED_SPLITS, suggestions
 
     console.print(source_table(source, src.describe()))
     console.print(cache_table(src, suggestions(src, MEASURED_SPLITS)))
+    if why:
+        console.print(f"\nfactor with these options takes {why}", highlight=False, markup=False)
     estimate_lines(options, max_shard_size, factor_lines(options, src, max_shard_size))
     from mla_convert.export.precheck import export_lines
 
@@ -116,11 +120,15 @@ def factor(
         locate_source(source)  # a wrong path, before the checkpoint libraries are imported
     from mla_convert.artifacts.report import layer_table, summary_table
     from mla_convert.convert.job import run_factor
+    from mla_convert.convert.suggest import follow_budget
     from mla_convert.sources.checkpoint import open_source
 
     with user_errors():
         src = open_source(source)
+        options, why = follow_budget(options, src, given_on_command_line("rope_pairs"))
         check_options(options, src)  # the source's shapes: before anything is loaded
+        if why:
+            say(f"rope split: {why}")
         if export:
             from mla_convert.export.precheck import export_problems
 

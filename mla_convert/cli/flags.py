@@ -126,3 +126,12 @@ def build_options(model: type[M], values: dict[str, Any]) -> M:
 
         fail(options_error(exc, model))
         raise  # unreachable: fail exits
+
+
+def given_on_command_line(name: str) -> bool:
+    """Whether the option ``name`` was typed (not its default)."""
+    from typer._click.core import ParameterSource
+    from typer._click.globals import get_current_context
+
+    ctx = get_current_context(silent=True)
+    return ctx is not None and ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE

@@ -54,3 +54,43 @@ def suggestions(src: SourceShape, path: Path | None = None) -> list[Suggestion]:
             pairs = geo.rope_pairs
         out.append(Suggestion(frac, size, pairs, model if m is not None else None))
     return out
+
+
+def measured_rope_pairs(options: ConvertOptions, src: SourceShape, path: Path | None = None) -> tuple[int, str] | None:
+    """The RoPE pairs of the split measured best at ``options.cache_budget`` on ``src``, and why (one sentence).
+
+    The measured RoPE share of the cache row (``measured_splits.json``) is interpolated linearly in the cache
+    fraction between the measured sizes (clamped outside them) and turned into pairs of ``options``' rope heads.
+    None when nothing is measured or the options fix the latent width (``kv_lora_rank``: the split is then moot).
+    """
+    if options.cache_budget is None or options.kv_lora_rank is not None:
+        return None
+    model, measured = measured_splits(path)
+    if not measured:
+        return None
+    frac = options.cache_budget / (2 * src.num_kv_heads * src.head_dim)
+    points = sorted((f, float(m["rope_share"])) for f, m in measured.items())
+    if frac <= points[0][0]:
+        share = points[0][1]
+    elif frac >= points[-1][0]:
+        share = points[-1][1]
+    else:
+        (f0, s0), (f1, s1) = next((a, b) for a, b in zip(points, points[1:], strict=False) if a[0] <= frac <= b[0])
+        share = s0 + (s1 - s0) * (frac - f0) / (f1 - f0)
+    heads = geometry(options, src).rope_heads
+    want = max(1, round(share * options.cache_budget / (2 * heads)))
+    pairs = geometry(options.model_copy(update={"rope_pairs": want}), src).rope_pairs
+    why = (f"--rope-pairs {pairs}: the RoPE share measured best at {100 * frac:.2f} % of the source's cache "
+           f"({share:.2f} of the row; {model}, dev windows, measured_splits.json); pass --rope-pairs to choose")
+    return pairs, why
+
+
+def follow_budget(options: ConvertOptions, src: SourceShape, given: bool) -> tuple[ConvertOptions, str | None]:
+    """``options`` with the measured split for its budget when ``--rope-pairs`` was not ``given``; and why."""
+    if given:
+        return options, None
+    found = measured_rope_pairs(options, src)
+    if found is None:
+        return options, None
+    pairs, why = found
+    return options.model_copy(update={"rope_pairs": pairs}), why

@@ -253,6 +253,11 @@ def load_recipe(
     source = raw.get("source")
     if check_source and isinstance(source, str) and source and ("source",) not in failed:
         src = _open(doc, ("source",), source)
+    if fo is not None and src is not None and recipe is not None:  # no rope_pairs: the split measured for the budget
+        from mla_convert.convert.suggest import follow_budget
+
+        fo, _ = follow_budget(fo, src, "rope_pairs" in fo.model_fields_set)
+        recipe.factor = fo
     if fo is not None:
         bad = _failed_factor_keys(failed)
         for key, msg in problems(fo, src):  # the conversion's own option rules, each at its key

@@ -50,3 +50,26 @@ def test_inspect_prints_memory_disk_and_time_for_the_factor_options():
     assert "factor with the default options would need" in res.output
     res = CliRunner().invoke(cli.app, ["inspect", "smollm2-135m", "--max-shard-size", "lots"])
     assert res.exit_code == 2 and "--max-shard-size 'lots' is not a size" in res.output
+
+
+def test_the_rope_split_follows_the_budget():
+    """Without --rope-pairs, factor/inspect/recipes take the split measured best for the budget (interpolated
+    between the measured cache fractions); --rope-pairs or a fixed kv_lora_rank keep what is given."""
+    from mla_convert.convert.options import ConvertOptions
+    from mla_convert.sources.checkpoint import open_source
+
+    src = open_source("smollm2-135m")
+    pairs = {b: suggest.follow_budget(ConvertOptions(cache_budget=b), src, False)[0].rope_pairs
+             for b in (120, 96, 72, 48, 30)}
+    assert pairs == {120: 24, 96: 20, 72: 16, 48: 12, 30: 8}  # 0.40, 0.42, 0.44, 0.50, 0.50 of the row
+    kept, why = suggest.follow_budget(ConvertOptions(cache_budget=72, rope_pairs=24), src, True)
+    assert kept.rope_pairs == 24 and why is None
+    assert suggest.follow_budget(ConvertOptions(kv_lora_rank=64), src, False)[0].rope_pairs == 24
+    res = CliRunner().invoke(cli.app, ["inspect", "smollm2-135m", "--cache-budget", "72"], env={"COLUMNS": "400"})
+    assert res.exit_code == 0 and "takes --rope-pairs 16: the RoPE share measured best at 18.75 %" in res.output
+    from mla_convert.recipes.load import load_recipe
+
+    text = "name: t\nsource: smollm2-135m\noutput: /tmp/mla-recipe-split-test\nfactor: {cache_budget: 72}\n"
+    assert load_recipe("t.yaml", text=text).recipe.factor.rope_pairs == 16
+    text = text.replace("{cache_budget: 72}", "{cache_budget: 72, rope_pairs: 20}")
+    assert load_recipe("t.yaml", text=text).recipe.factor.rope_pairs == 20
