@@ -52,7 +52,11 @@ class ConvertOptions(BaseModel):
     rope_strategy: RopeStrategy = Field(
         "2-norm", description="which pairs/frequencies keep RoPE (rotation: weighted by how far they rotate)"
     )
-    rope_pairs: int = Field(24, description="RoPE pairs kept per rope head (per KV head in per-head mode)")
+    rope_pairs: int = Field(
+        24,
+        description="RoPE pairs kept per rope head (per KV head in per-head mode); not given on factor/inspect/a "
+        "recipe with a cache budget: the split measured best for the budget (measured_splits.json)",
+    )
     rope_basis: RopeBasis = Field("complex", description="basis of the shared-mode PCA across KV heads")
     rope_context: int = Field(2048, description="context T in tokens of the rotation strategy")
     factorization: Factorization = Field("joint", description="one latent for K and V, or separate halves")
