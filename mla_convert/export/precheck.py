@@ -64,11 +64,31 @@ def export_problems(src: Any, options: Any, target: str = "transformers") -> lis
     return out
 
 
+def served_cache(src: Any, options: Any, target: str) -> tuple[float, float]:
+    """``(MLA checkpoint, engine)`` cache values per token per layer of a conversion with ``options`` exported to
+    ``target``: the engine targets allocate ``512 + 64``; ``transformers`` at least the checkpoint's (per-layer ranks
+    are padded to the largest, known only after the conversion)."""
+    from mla_convert.convert.options import geometry
+
+    geo = geometry(options, src)
+    mla = float(options.kv_lora_rank + geo.rope_width) if options.kv_lora_rank is not None else float(options.cache_budget)
+    if target == "transformers":
+        return mla, mla
+    return mla, float(VLLM_KV_LORA_RANK + VLLM_GPU_HEAD_DIMS[0][1])
+
+
 def export_lines(src: Any, options: Any) -> list[str]:
-    """One line per target: ``exact`` or the first reason it is not (``inspect``, ``run --dry-run``)."""
+    """One line per target: ``exact`` or the first reason it is not, and the cache the engine allocates against
+    the MLA checkpoint's and the source's (``inspect``, ``run --dry-run``)."""
+    from mla_convert.convert.options import geometry
+
+    source = geometry(options, src).source_width
     lines = []
     for target in TARGETS:
         problems = export_problems(src, options, target)
+        mla, served = served_cache(src, options, target)
+        cache = (f"engine cache {served:g}{'+' if target == 'transformers' else ''} values/token/layer (MLA {mla:g}, "
+                 f"source {source})")
         lines.append(f"  --export deepseek-v3 --target {target}: "
-                     + ("exact" if not problems else "not exact: " + problems[0]))
+                     + (f"exact; {cache}" if not problems else "not exact: " + problems[0]))
     return lines

@@ -373,3 +373,25 @@ def test_recipe_export_stage_runs_then_skips(tiny_llama, tmp_path):
     assert m["export"]["dtype"] == "float32" and m["export"]["parity"]["max_abs_logit_diff"] < TOL
     res = CliRunner().invoke(app, ["run", str(path)])
     assert res.exit_code == 0 and "export skipped" in res.output, res.output
+
+
+def test_precheck_answers_before_any_work(tmp_path):
+    """From the config and the options alone: exact or not per target, the reason and the fix, the engine cache."""
+    from mla_convert.convert.options import ConvertOptions
+    from mla_convert.export.precheck import export_lines, export_problems
+
+    smol = open_source("smollm2-135m")
+    assert export_problems(smol, ConvertOptions(), "vllm-cpu") == []
+    lines = export_lines(smol, ConvertOptions())
+    assert "--target vllm-cpu: exact; engine cache 576 values/token/layer (MLA 120, source 384)" in lines[2]
+    per_head = export_problems(smol, ConvertOptions(rope_mode="per-head"), "transformers")
+    assert per_head and "--rope-mode shared" in per_head[0]
+    twice = export_problems(smol, ConvertOptions(rope_strategy="rotation", rope_pairs=40, cache_budget=200))
+    assert twice and "--rope-pairs 32 or fewer" in twice[0]
+    assert "--dtype bfloat16" in export_problems(smol, ConvertOptions(dtype="float16"))[0]
+    qwen2 = open_source(_write(tmp_path / "qwen2", "qwen2"))
+    assert any("attention biases" in p for p in export_problems(qwen2, ConvertOptions(cache_budget=24, rope_pairs=4)))
+    wide = open_source(write_tiny_llama(tmp_path / "wide", head_dim=160, num_attention_heads=2,
+                                        num_key_value_heads=1, hidden_size=320))
+    problems = export_problems(wide, ConvertOptions(cache_budget=200, rope_pairs=40), "vllm-cpu")
+    assert any("--rope-strategy high" in p for p in problems) and any("head_dim 160" in p for p in problems)

@@ -1,0 +1,114 @@
+"""Calibration that spans the text (issue 27): which calibration windows the conversion sees, measured on
+evaluation windows only (Wikipedia's evaluation split and the news corpus's, never calibrated on).
+
+The default takes the first windows of the calibration stream: 16 x 512 tokens, all of them from one article
+(the split's first). ``spread`` takes the same number of windows evenly across the whole calibration split (every
+document in turn), ``spread-64`` four times as many. The held-out windows (the refit's keep check) are the
+default's in every row, so only the statistics' text changes. Rows at 120 and 72 values per token per layer with
+the split measured best for each (24 and 16 RoPE pairs).
+
+    .venv/bin/python benchmarks/calibration.py [--eval 16] [--sizes 120:24,72:16]
+
+Each finished row is appended to ``benchmarks/results/calibration.jsonl`` (a rerun skips rows already there);
+the table goes to ``benchmarks/results/calibration.md``. About 3 minutes per row on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from mla_convert.convert.build import convert_windows
+from mla_convert.convert.job import HELD_OUT_WINDOWS
+from mla_convert.convert.options import ConvertOptions
+from mla_convert.metrics import evaluate
+from mla_convert.sources.checkpoint import load_source_model, open_source
+from mla_convert.text.corpora import load_documents
+from mla_convert.text.windows import split_documents, token_windows
+
+RESULTS = Path(__file__).parent / "results"
+WINDOW, CALIB = 512, 16
+
+
+def spread(stream: torch.Tensor, count: int) -> torch.Tensor:
+    """``count`` windows of ``stream`` ``[N, T]`` evenly spaced over all ``N`` (the middle of each stretch)."""
+    idx = [int((i + 0.5) * stream.shape[0] / count) for i in range(count)]
+    return stream[idx]
+
+
+def documents_of(tok, docs, rows: torch.Tensor, every: torch.Tensor) -> int:
+    """How many documents the windows ``rows`` (taken from ``every``, the whole split's windows) touch."""
+    eos = int(tok.eos_token_id)
+    flat = every.reshape(-1)
+    doc_id = torch.cumsum((flat == eos).long(), 0).view(every.shape)
+    picked = {tuple(r.tolist()) for r in rows}
+    touched: set[int] = set()
+    for r, d in zip(every, doc_id, strict=True):
+        if tuple(r.tolist()) in picked:
+            touched.update(int(x) for x in d.unique())
+    return len(touched)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--eval", type=int, default=16, help="evaluation windows per text")
+    ap.add_argument("--sizes", default="120:24,72:16")
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    src = open_source("smollm2-135m")
+    model = load_source_model(src)
+    tok = AutoTokenizer.from_pretrained(str(src.path))
+    wiki = split_documents(load_documents("wikipedia"))
+    every = token_windows(tok, wiki["calibration"], WINDOW, None, bos=False)
+    held = every[CALIB : CALIB + HELD_OUT_WINDOWS]
+    rest = torch.cat([every[:CALIB], every[CALIB + HELD_OUT_WINDOWS :]])  # never the held-out windows
+    selections = {"first-16 (default)": every[:CALIB], "spread-16": spread(rest, CALIB), "spread-64": spread(rest, 64)}
+    evals = {
+        "wikipedia": token_windows(tok, wiki["evaluation"], WINDOW, a.eval, bos=False),
+        "news": token_windows(tok, split_documents(load_documents("news"))["evaluation"], WINDOW, a.eval, bos=False),
+    }
+    base = {name: evaluate(model, ids).perplexity for name, ids in evals.items()}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    log = RESULTS / "calibration.jsonl"
+    done = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+    for spec in a.sizes.split(","):
+        budget, pairs = (int(v) for v in spec.split(":"))
+        for name, calib in selections.items():
+            if any(r["budget"] == budget and r["selection"] == name and r["eval_windows"] == a.eval for r in done):
+                continue
+            t0 = time.perf_counter()
+            opts = ConvertOptions(dtype="float32", cache_budget=budget, rope_pairs=pairs, device="cpu")
+            mla = convert_windows(src, opts, calib, held).model
+            row = {
+                "budget": budget, "rope_pairs": pairs, "selection": name, "eval_windows": a.eval,
+                "calib_tokens": int(calib.numel()), "calib_documents": documents_of(tok, wiki["calibration"], calib, every),
+                **{f"{t} ratio": evaluate(mla, ids).perplexity / base[t] for t, ids in evals.items()},
+                "source ppl": base, "seconds": round(time.perf_counter() - t0),
+            }
+            print(row, flush=True)
+            done.append(row)
+            with log.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+    lines = [
+        f"SmolLM2-135M-Instruct, default options but the calibration windows; perplexity ratio to the source on "
+        f"{a.eval} x {WINDOW} tokens of each text's evaluation split (never calibrated on). Written by "
+        "`python benchmarks/calibration.py`.",
+        "",
+        "| cache | rope pairs | calibration | tokens | documents | wikipedia x source | news x source |",
+        "|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in done:
+        if r["eval_windows"] == a.eval:
+            lines.append(f"| {r['budget']} | {r['rope_pairs']} | {r['selection']} | {r['calib_tokens']} | "
+                         f"{r['calib_documents']} | {r['wikipedia ratio']:.2f} | {r['news ratio']:.2f} |")
+    (RESULTS / "calibration.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
