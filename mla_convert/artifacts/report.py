@@ -75,8 +75,10 @@ def to_markdown(report: dict[str, Any]) -> str:
         "",
         f"Measured on {e['tokens']} held-out tokens ({e['windows']} windows of {e['window']}) of "
         f"{report['text']['name']} evaluation documents ({len(report['text']['evaluation'])} documents); "
-        f"calibration on {report['text']['calibration_tokens']} tokens of {len(report['text']['calibration'])} "
-        "other documents; per-layer attention error on held-out calibration tokens.",
+        f"calibration on {report['text']['calibration_tokens']} tokens from "
+        f"{report['text'].get('calibration_documents_used') or '?'} of the {len(report['text']['calibration'])} "
+        "calibration documents (disjoint from the evaluation ones); per-layer attention error on held-out "
+        "calibration tokens.",
         "",
         "| measure | source | converted |",
         "|---|---:|---:|",

@@ -148,6 +148,7 @@ def factor(
                     progress=cb,
                     resume=resume,
                     max_shard_size=shard_size,
+                    rope_split=why,
                 )
         except KeyboardInterrupt:
             from mla_convert.convert.workdir import work_dir

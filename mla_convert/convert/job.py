@@ -81,6 +81,14 @@ def prepare_text(tokenizer: Any, options: ConvertOptions) -> TextSplit:
     )
 
 
+def documents_in(windows: torch.Tensor, eos: int | None) -> int | None:
+    """How many documents the consecutive windows ``[N, T]`` of a document stream (:func:`token_windows`: documents
+    joined by ``eos``) touch: one plus the separators inside them. None without an ``eos`` id."""
+    if eos is None or windows.numel() == 0:
+        return None
+    return 1 + int((windows == eos).sum())
+
+
 def peak_rss_mb() -> float:
     """Peak resident memory of this process in MiB: ``VmHWM`` of ``/proc/self/status`` on Linux (this program's own
     high-water mark; ``ru_maxrss`` would carry a forking parent's resident set over ``exec``), else ``ru_maxrss``."""
@@ -182,6 +190,7 @@ def run_factor(
     sample_prompt: str | None = "The capital of France is",
     resume: bool = False,
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    rope_split: str | None = None,
 ) -> dict[str, Any]:
     """Convert ``src`` into an MLA checkpoint in ``out`` with report and manifest, layer by layer
     (:mod:`mla_convert.convert.stream`) in the work folder ``.OUT.factor`` (:mod:`mla_convert.convert.workdir`).
@@ -189,6 +198,8 @@ def run_factor(
     Args:
         resume: continue the stopped job of the same source, options and shard size after its last layer.
         max_shard_size: largest output shard (``"2GB"``, bytes); one shard is held in memory while written.
+        rope_split: why ``options.rope_pairs`` is what it is, when a rule chose it
+            (:func:`~mla_convert.convert.suggest.follow_budget`); recorded in the report's ``run``.
 
     Returns:
         The report dict (also written to ``out/report.json``).
@@ -276,6 +287,7 @@ def run_factor(
             "calibration": text.records["calibration"],
             "evaluation": text.records["evaluation"],
             "calibration_tokens": res.calib_tokens,
+            "calibration_documents_used": documents_in(text.calibration, tokenizer.eos_token_id),
             "held_out_tokens": int(text.held_out.numel()),
             "window": options.window,
         },
@@ -315,6 +327,7 @@ def run_factor(
             "torch": torch.__version__,
             "python": platform.python_version(),
             "threads": torch.get_num_threads(),
+            "rope_pairs_chosen_by": rope_split or "given (--rope-pairs, or a fixed --kv-lora-rank)",
         },
     }
     manifest = conversion_manifest(src, options, res, ev, text.name, text.records, report["run"])

@@ -295,3 +295,16 @@ def test_manifest_verify_names_files_it_does_not_cover(tmp_path):
     (tmp_path / "validation.json").write_text("{}")
     res = verify(tmp_path)
     assert res["files"] == 1 and res["uncovered"] == ["validation.json"]
+
+
+def test_calibration_documents_are_counted_not_assumed():
+    """The report says how many documents the calibration windows come from (separators inside them + 1),
+    not the size of the calibration split."""
+    import torch
+
+    from mla_convert.convert.job import documents_in
+
+    eos = 2
+    stream = torch.tensor([[5, 6, 7, 8], [9, 2, 4, 4], [4, 2, 3, 2]])
+    assert documents_in(stream[:1], eos) == 1 and documents_in(stream[:2], eos) == 2 and documents_in(stream, eos) == 4
+    assert documents_in(stream, None) is None
