@@ -33,7 +33,7 @@ def adapt(
     stop_after: int = typer.Option(None, help="Stop (resumably) after this many steps of this invocation."),
     overwrite: bool = typer.Option(False, help="Replace a non-empty OUT."),
     export: str = typer.Option(None, "--export", help=EXPORT_HELP),
-    target: str = typer.Option("transformers", "--target", help="With --export: " + TARGET_HELP),
+    target: str = typer.Option("transformers", "--target", help="With --export: the " + TARGET_HELP),
     **values: Any,
 ) -> None:
     """Fine-tune a converted checkpoint (LM loss, distillation from the source, a mix, or attention transfer).

@@ -97,7 +97,7 @@ def factor(
         "2GB", help="Largest output shard (e.g. 500MB, 5GB); one shard is held in memory while it is written."
     ),
     export: str = typer.Option(None, "--export", help=EXPORT_HELP),
-    target: str = typer.Option("transformers", "--target", help="With --export: " + TARGET_HELP),
+    target: str = typer.Option("transformers", "--target", help="With --export: the " + TARGET_HELP),
     **values: Any,
 ) -> None:
     """Partial RoPE + low-rank K/V -> MLA checkpoint + report + manifest in OUT, streamed layer by layer.

@@ -18,8 +18,9 @@ from mla_convert.mla.checkpoint import read_checkpoint_config
 
 EXPORT_HELP = "Also write OUT in a serving format (deepseek-v3) into the sibling folder OUT-FORMAT."
 TARGET_HELP = (
-    "Engine shape of the export: transformers (the checkpoint's widths) | vllm (GPU: kv_lora_rank 512 + rope 64, "
-    "FlashMLA) | vllm-cpu (512 + 64, qk_nope and v_head 128, AMX_MLA)."
+    "engine shape of the export: transformers (the checkpoint's widths, per-layer ranks padded to the largest) | "
+    "vllm (GPU and SGLang: kv_lora_rank 512 + rope 64 for FlashMLA, qk_nope/v_head 64/128, 128/128 or 192/256) | "
+    "vllm-cpu (512 + 64, qk_nope and v_head 128, AMX_MLA)."
 )
 
 
@@ -28,7 +29,7 @@ def check_target(target: str) -> None:
     from mla_convert.export.deepseek_v3 import TARGETS
 
     if target not in TARGETS:
-        fail(f"--target {target!r} is not one of {', '.join(TARGETS)}")
+        fail(f"--target {target!r} is not one of {', '.join(TARGETS)} (SGLang takes the vllm shapes: --target vllm)")
 
 
 def check_export(out: Path, fmt: str | None, overwrite: bool, target: str = "transformers") -> None:
@@ -36,6 +37,8 @@ def check_export(out: Path, fmt: str | None, overwrite: bool, target: str = "tra
     from mla_convert.artifacts.output import check_output
 
     if fmt is None:
+        if target != "transformers":
+            fail(f"--target {target} shapes an export: add --export deepseek-v3 (or run mla-convert export later)")
         return
     if fmt != "deepseek-v3":
         fail(f"--export {fmt!r} is not one of deepseek-v3")
@@ -99,7 +102,7 @@ def export(
         help="Written dtype: auto (the checkpoint's; bfloat16 for --target vllm/vllm-cpu) | float32 | bfloat16 "
         "(float16 cannot hold the latent norm).",
     ),
-    target: str = typer.Option("transformers", "--target", help=TARGET_HELP),
+    target: str = typer.Option("transformers", "--target", help=TARGET_HELP[0].upper() + TARGET_HELP[1:]),
 ) -> None:
     """Write CKPT in a format serving engines load: DeepSeek-V3 (transformers, vLLM, SGLang).
 

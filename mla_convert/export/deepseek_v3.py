@@ -266,7 +266,7 @@ def plan_export(config: Any, dtype: torch.dtype, target: str = "transformers") -
     """
     c = config
     if target not in TARGETS:
-        raise ExportError(f"--target {target!r} is not one of {', '.join(TARGETS)}")
+        raise ExportError(f"--target {target!r} is not one of {', '.join(TARGETS)} (SGLang: --target vllm)")
     if c.num_rope_heads != 1:
         raise ExportError(
             f"this checkpoint has {c.num_rope_heads} rope heads (a per-head conversion); DeepSeek-V3 has one shared "

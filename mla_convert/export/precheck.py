@@ -26,13 +26,13 @@ def export_problems(src: Any, options: Any, target: str = "transformers") -> lis
     from mla_convert.sources.checkpoint import rope_parameters
 
     if target not in TARGETS:
-        return [f"--target {target!r} is not one of {', '.join(TARGETS)}"]
+        return [f"--target {target!r} is not one of {', '.join(TARGETS)} (SGLang: --target vllm)"]
     out: list[str] = []
     geo = geometry(options, src)
     half = src.head_dim // 2
     if geo.rope_heads != 1 or geo.rope_pairs == 0:
         out.append(f"these options give {geo.rope_heads} rope heads with {geo.rope_pairs} pairs each; DeepSeek-V3 has "
-                   "one shared rope head: use --rope-mode shared and --rope-pairs >= 1")
+                   "one shared rope head: use --rope-mode shared (with --rope-pairs of at least 1)")
     elif geo.rope_pairs > half:
         out.append(f"--rope-pairs {geo.rope_pairs} keeps some of the {half} frequencies for several KV heads; DeepSeek's "
                    f"one rope head holds each once: use --rope-pairs {half} or fewer")
@@ -87,8 +87,9 @@ def export_lines(src: Any, options: Any) -> list[str]:
     for target in TARGETS:
         problems = export_problems(src, options, target)
         mla, served = served_cache(src, options, target)
-        cache = (f"engine cache {served:g}{'+' if target == 'transformers' else ''} values/token/layer (MLA {mla:g}, "
-                 f"source {source})")
+        at_least = "at least " if target == "transformers" else ""
+        cache = (f"engine cache {at_least}{served:g} values/token/layer (MLA {mla:g}, source {source}"
+                 + ("; per-layer ranks are padded to the largest)" if at_least else ")"))
         lines.append(f"  --export deepseek-v3 --target {target}: "
                      + (f"exact; {cache}" if not problems else "not exact: " + problems[0]))
     return lines

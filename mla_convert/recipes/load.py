@@ -219,6 +219,18 @@ def _check_output(output: str, src: SourceModel | None, doc: _Doc) -> None:
             doc.add(("output",), f"{out} is inside the source folder {sdir}; write it somewhere else")
 
 
+def _recipe_words(msg: str) -> str:
+    """A message written for the command line in a recipe's keys: ``--rope-mode`` -> ``factor.rope_mode``,
+    ``--target`` -> ``export.target``."""
+    import re
+
+    def key(m: re.Match[str]) -> str:
+        name = m.group(1)
+        return "export.target" if name == "target" else "factor." + name.replace("-", "_")
+
+    return re.sub(r"--([a-z][a-z-]*)", key, msg)
+
+
 def load_recipe(
     path: Path | str,
     overrides: list[str] | tuple[str, ...] = (),
@@ -263,6 +275,11 @@ def load_recipe(
         for key, msg in problems(fo, src):  # the conversion's own option rules, each at its key
             if key not in bad:
                 doc.add(("factor", key), msg)
+    if recipe is not None and recipe.export is not None and src is not None:  # exact or not, before any work
+        from mla_convert.export.precheck import export_problems
+
+        for msg in export_problems(src, recipe.factor, recipe.export.target):
+            doc.add(("export", "target"), _recipe_words(msg))
     if recipe is not None:
         _check_stages(recipe, doc)
         a = recipe.adapt

@@ -395,3 +395,21 @@ def test_precheck_answers_before_any_work(tmp_path):
                                         num_key_value_heads=1, hidden_size=320))
     problems = export_problems(wide, ConvertOptions(cache_budget=200, rope_pairs=40), "vllm-cpu")
     assert any("--rope-strategy high" in p for p in problems) and any("head_dim 160" in p for p in problems)
+
+
+def test_recipe_export_problems_are_listed_with_the_rest(tmp_path):
+    """A recipe whose export would not be exact is refused at load, with the other problems, in its own keys."""
+    from mla_convert.recipes.load import load_recipe
+    from mla_convert.recipes.schema import RecipeError
+
+    text = ("name: t\nsource: smollm2-135m\noutput: " + str(tmp_path / "job") + "\n"
+            "factor: {rope_mode: per-head, rope_pairs: 8, calib_windows: 0}\n"
+            "export: {format: deepseek-v3, target: vllm-cpu}\n")
+    with pytest.raises(RecipeError) as exc:
+        load_recipe("t.yaml", text=text)
+    problems = exc.value.problems
+    assert any(p.startswith("factor.calib_windows") for p in problems)
+    export = next(p for p in problems if p.startswith("export.target"))
+    assert "use factor.rope_mode shared" in export and "--" not in export and "(line 5)" in export
+    res = CliRunner().invoke(app, ["factor", "smollm2-135m", str(tmp_path / "z"), "--target", "vllm-cpu"])
+    assert res.exit_code == 2 and "add --export deepseek-v3" in res.output and not (tmp_path / "z").exists()
