@@ -104,7 +104,7 @@ def export(
     ),
     target: str = typer.Option("transformers", "--target", help=TARGET_HELP[0].upper() + TARGET_HELP[1:]),
 ) -> None:
-    """Write CKPT in a format serving engines load: DeepSeek-V3 (transformers, vLLM, SGLang).
+    """Write CKPT in a format serving engines load: DeepSeek-V3 (transformers and vLLM, both checked; SGLang not run).
 
     No attention bias, rope_type default, lm_head written: the mapping is exact (docs/export.md); --target pads
     to the shapes an engine's MLA kernels take. The parity measured is printed and recorded in OUT's manifest,
