@@ -7,7 +7,7 @@ document in turn), ``spread-64`` four times as many. The held-out windows (the r
 default's in every row, so only the statistics' text changes. Rows at 120 and 72 values per token per layer with
 the split measured best for each (24 and 16 RoPE pairs).
 
-    .venv/bin/python benchmarks/calibration.py [--eval 16] [--sizes 120:24,72:16]
+    .venv/bin/python benchmarks/calibration.py [--eval 16] [--sizes 120:24,72:16] [--readme]
 
 Each finished row is appended to ``benchmarks/results/calibration.jsonl`` (a rerun skips rows already there);
 the table goes to ``benchmarks/results/calibration.md``. About 3 minutes per row on 2 cores.
@@ -58,6 +58,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--eval", type=int, default=16, help="evaluation windows per text")
     ap.add_argument("--sizes", default="120:24,72:16")
+    ap.add_argument("--readme", action="store_true", help="also replace README.md's calibration block")
     a = ap.parse_args()
     torch.manual_seed(0)
     src = open_source("smollm2-135m")
@@ -108,6 +109,11 @@ def main() -> None:
                          f"{r['calib_documents']} | {r['wikipedia ratio']:.2f} | {r['news ratio']:.2f} |")
     (RESULTS / "calibration.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    if a.readme:
+        from readme import replace_block
+
+        replace_block("calibration", "\n".join(lines).replace("`python benchmarks/calibration.py`",
+                                                             "`python benchmarks/calibration.py --readme`"))
 
 
 if __name__ == "__main__":
