@@ -19,20 +19,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
+import protocol
 from readme import replace_block
-from transformers import AutoTokenizer
 
 from mla_convert.convert.build import convert_windows
 from mla_convert.convert.job import HELD_OUT_WINDOWS
 from mla_convert.convert.options import ConvertOptions
 from mla_convert.metrics import evaluate
-from mla_convert.sources.checkpoint import load_source_model, open_source
-from mla_convert.text.corpora import load_documents
-from mla_convert.text.windows import split_documents, token_windows
 
 DEV_WINDOWS = 8
-SPLITS = Path(__file__).resolve().parents[1] / "mla_convert" / "measured_splits.json"
+SPLITS = Path(__file__).resolve().parents[1] / "mla_convert" / "convert" / "measured_splits.json"
 SIZES = {120: "31.25 %", 72: "18.75 %", 48: "12.5 %"}
 ANCHORS: dict[str, dict[str, Any]] = {
     "MHA2MLA-style (per-head 2-norm r=4, weight SVD, joint)": dict(
@@ -55,7 +51,7 @@ ANCHORS: dict[str, dict[str, Any]] = {
 def ours(size: int) -> dict[str, dict[str, Any]]:
     """mla-convert rows: shared complex-PCA rope head chosen by 2-norm, output-aware joint SVD, o_proj refit;
     the split between RoPE pairs and latent rank is swept at each cache size."""
-    pairs = {120: (20, 24, 28), 72: (12, 16, 20), 48: (4, 8, 12)}[size]
+    pairs = {120: (20, 24, 28), 72: (12, 16, 20), 48: (8, 12, 16)}[size]
     return {
         f"mla-convert: shared 2-norm r={p}, output-aware, joint, o_proj refit": dict(
             rope_mode="shared",
@@ -89,8 +85,8 @@ def full_grid(size: int, refit: str) -> dict[str, dict[str, Any]]:
     return rows
 
 
-#: Training-free targets of issue 10 (ratio to the source's perplexity, 40 Wikipedia windows of 512).
-TARGETS = {120: 2.0, 72: 5.0, 48: 12.0}
+#: Training-free targets of issue 27 (ratio to the source's perplexity, 40 Wikipedia windows of 512).
+TARGETS = {120: 2.0, 72: 4.0, 48: 9.0}
 
 
 def summarize(lines: list[str]) -> tuple[list[str], list[dict[str, Any]]]:
@@ -135,14 +131,15 @@ def summarize(lines: list[str]) -> tuple[list[str], list[dict[str, Any]]]:
     return out, splits
 
 
-def header(described: str, calib_tokens: int, dev_windows: int, held_windows: int) -> list[str]:
+def header(described: str, calib_tokens: int, documents: int | None, dev_windows: int, held_windows: int) -> list[str]:
     """The table's caption and column header (``described``: the source's perplexity on each window set)."""
     return [
         f"Source SmolLM2-135M-Instruct: perplexity {described}; wiki = the Wikipedia evaluation split, news = the "
-        f"news corpus's evaluation split (never calibrated on), dev = {dev_windows} windows of the calibration "
-        f"split that no conversion uses (they choose the suggested split; evaluation windows never choose). "
-        f"Calibration: {calib_tokens} tokens of the disjoint Wikipedia calibration split; the o_proj refit is "
-        f"kept only if it lowers the mean loss on {held_windows} further held-out calibration windows. Cells: "
+        f"news corpus's evaluation split (never calibrated on), dev = {dev_windows} windows spread across the "
+        f"Wikipedia adaptation split, which no conversion reads (they choose the suggested split; evaluation "
+        f"windows never choose). Calibration: `factor`'s default, {calib_tokens} tokens spread across "
+        f"{documents} documents of the disjoint Wikipedia calibration split; the o_proj refit is kept only if it "
+        f"lowers the mean loss on {held_windows} held-out calibration windows spread the same way. Cells: "
         f"perplexity ratio to the source (`python benchmarks/perplexity.py --readme`).",
         "",
         "| cache (values/token/layer) | method | x dev @512 | x wiki @512 | x wiki @2048 | x news @512 | refit kept "
@@ -157,7 +154,8 @@ def header_from_log(log: Path) -> list[str] | None:
         if line.startswith("calibration: ") and "; source perplexity " in line:
             tokens = int(line.split()[1])
             described = line.split("; source perplexity ", 1)[1].strip()
-            return header(described, tokens, DEV_WINDOWS, HELD_OUT_WINDOWS)
+            docs = line.split(" tokens from ")[1].split()[0] if " tokens from " in line else None
+            return header(described, tokens, int(docs) if docs else None, DEV_WINDOWS, HELD_OUT_WINDOWS)
     return None
 
 
@@ -190,7 +188,7 @@ def publish(lines: list[str], readme: bool) -> None:
             {
                 "model": "SmolLM2-135M-Instruct",
                 "measured_by": "benchmarks/perplexity.py --readme: per cache size the mla-convert row with the "
-                "lowest perplexity ratio on the dev windows (calibration split, unused by the conversion)",
+                "lowest perplexity ratio on the dev windows (Wikipedia adaptation split, unused by the conversion)",
                 "splits": splits,
             },
             indent=2,
@@ -202,7 +200,7 @@ def publish(lines: list[str], readme: bool) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--full", action="store_true", help="the whole strategy x objective x factorization grid")
-    ap.add_argument("--calib-windows", type=int, default=16)
+    ap.add_argument("--calib-tokens", type=int, default=None, help="calibration budget (default: factor's)")
     ap.add_argument("--refit", default="teacher", choices=["none", "teacher"], help="o_proj refit in --full")
     ap.add_argument("--windows-512", type=int, default=40, help="Wikipedia evaluation windows of 512 tokens")
     ap.add_argument("--windows-2048", type=int, default=2, help="Wikipedia evaluation windows of 2048 tokens")
@@ -237,23 +235,13 @@ def main() -> None:
         publish(lines, args.readme)
         print("\n".join(lines))
         return
-    torch.manual_seed(0)
-    src = open_source("smollm2-135m")
-    model = load_source_model(src)
-    tok = AutoTokenizer.from_pretrained(str(src.path))
-    splits = split_documents(load_documents("wikipedia"))
-    n_cal = args.calib_windows + HELD_OUT_WINDOWS
-    calib = token_windows(tok, splits["calibration"], 512, n_cal + DEV_WINDOWS, bos=False)
-    # calibration | refit check | dev: the dev windows (calibration split, never used by a conversion) choose
-    # the suggested split; the evaluation columns are reported, never used to choose.
-    calib, held, dev = calib[: args.calib_windows], calib[args.calib_windows : n_cal], calib[n_cal:]
-    news = split_documents(load_documents("news"))["evaluation"]
-    evals = {
-        "dev@512": dev,
-        "wiki@512": token_windows(tok, splits["evaluation"], 512, args.windows_512, bos=False),
-        "wiki@2048": token_windows(tok, splits["evaluation"], 2048, args.windows_2048, bos=False),
-        "news@512": token_windows(tok, news, 512, args.news_windows, bos=False),
-    }
+    proto = protocol.load(args.calib_tokens, DEV_WINDOWS, {
+        "wiki@512": args.windows_512, "wiki@2048": args.windows_2048, "news@512": args.news_windows,
+    })  # fmt: skip
+    src, model, calib, held = proto.src, proto.model, proto.calibration, proto.held_out
+    # dev windows (adaptation split, never read by a conversion) choose the suggested split; the evaluation
+    # columns are reported, never used to choose.
+    evals = {"dev@512": proto.dev, **proto.evals}
     t0 = time.perf_counter()
     tokens = int(calib.numel())
     base = {ctx: evaluate(model, ids).perplexity for ctx, ids in evals.items()}
@@ -261,9 +249,9 @@ def main() -> None:
         f"{base[k]:.2f} on {k} ({ids.shape[0]} windows, {ids.numel():,} tokens)" for k, ids in evals.items()
     )
     print(
-        f"calibration: {tokens} tokens; source scored in {time.perf_counter() - t0:.0f} s; source perplexity {described}"
+        f"calibration: {tokens} tokens from {proto.documents} documents; source scored in {time.perf_counter() - t0:.0f} s; source perplexity {described}"
     )
-    lines = header(described, tokens, dev.shape[0], held.shape[0])
+    lines = header(described, tokens, proto.documents, proto.dev.shape[0], held.shape[0])
     for size in [int(x) for x in args.sizes.split(",")]:
         label = SIZES[size]
         rows = full_grid(size, args.refit) if args.full else {**ANCHORS, **ours(size)}

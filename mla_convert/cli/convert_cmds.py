@@ -7,7 +7,7 @@ from typing import Any
 
 import typer
 
-from mla_convert.cli.export_cmds import EXPORT_HELP, TARGET_HELP, check_export, export_after
+from mla_convert.cli.export_cmds import EXPORT_HELP, TARGET_HELP, check_export, check_target, export_after
 from mla_convert.cli.flags import build_options, given_on_command_line, options_from
 from mla_convert.cli.render import (
     STATE,
@@ -24,9 +24,25 @@ from mla_convert.cli.render import (
 from mla_convert.convert.options import ConvertOptions, shard_size_of
 from mla_convert.sources.locate import locate_source
 
+SHAPE_HELP = (
+    "The engine the conversion is for: vllm and vllm-cpu shape it to the row they serve (one shared rope head of "
+    "64, one kv_lora_rank <= 512 in every layer) and, with --export, the export too. "
+)
 SOURCE_HELP = (
     "A HF folder (safetensors), a .gguf file, or 'smollm2-135m' (the bundled SmolLM2-135M-Instruct)."
 )
+
+
+def shape_options(options: ConvertOptions, src: Any, target: str) -> tuple[ConvertOptions, str | None]:
+    """The options ``factor``/``inspect`` run: shaped for an engine ``target`` (:mod:`mla_convert.convert.engine`),
+    else with the RoPE split measured best for the budget when ``--rope-pairs`` was not given; and why."""
+    from mla_convert.convert.engine import ENGINE_ROWS, shape_for_engine
+    from mla_convert.convert.suggest import follow_budget
+
+    if target in ENGINE_ROWS:
+        given = [k for k in ConvertOptions.model_fields if given_on_command_line(k)]
+        return shape_for_engine(options, src, target, given)
+    return follow_budget(options, src, given_on_command_line("rope_pairs"))
 
 
 @options_from(ConvertOptions)
@@ -35,6 +51,7 @@ def inspect(
     max_shard_size: str = typer.Option(
         "2GB", help="Largest output shard of the conversion the estimate is for (as for factor)."
     ),
+    target: str = typer.Option("transformers", "--target", help=SHAPE_HELP + TARGET_HELP),
     **values: Any,
 ) -> None:
     """Show the architecture, the KV cache per token now, what conversions would give, and the peak memory, disk
@@ -51,6 +68,7 @@ def inspect(
     options = build_options(ConvertOptions, values)
     with user_errors():
         check_options(options, None)
+        check_target(target)
         locate_source(source)
     from mla_convert.convert.estimate import parse_size
 
@@ -60,12 +78,11 @@ def inspect(
         fail(
             f"--max-shard-size {max_shard_size!r} is not a size; write it like 500MB or 5GB (KB, MB, GB, TB)"
         )
-    from mla_convert.convert.suggest import follow_budget
     from mla_convert.sources.checkpoint import open_source
 
     with user_errors():
         src = open_source(source)
-        options, why = follow_budget(options, src, given_on_command_line("rope_pairs"))
+        options, why = shape_options(options, src, target)
         check_options(options, src)
     from mla_convert.convert.estimate import factor_lines
     from mla_convert.convert.suggest import MEASURED_SPLITS, suggestions
@@ -97,7 +114,7 @@ def factor(
         "2GB", help="Largest output shard (e.g. 500MB, 5GB); one shard is held in memory while it is written."
     ),
     export: str = typer.Option(None, "--export", help=EXPORT_HELP),
-    target: str = typer.Option("transformers", "--target", help="With --export: the " + TARGET_HELP),
+    target: str = typer.Option("transformers", "--target", help=SHAPE_HELP + TARGET_HELP),
     **values: Any,
 ) -> None:
     """Partial RoPE + low-rank K/V -> MLA checkpoint + report + manifest in OUT, streamed layer by layer.
@@ -107,6 +124,8 @@ def factor(
       mla-convert factor smollm2-135m out/smollm2-mla
 
       mla-convert factor ./Llama-3.2-1B out/l1b --rope-mode per-head --rope-strategy 2-norm --rope-pairs 4 --kv-lora-rank 256
+
+      mla-convert factor smollm2-135m out/smollm2-vllm --target vllm-cpu --export deepseek-v3
     """
     from mla_convert.artifacts.output import check_output
     from mla_convert.convert.options import check_options
@@ -120,12 +139,11 @@ def factor(
         locate_source(source)  # a wrong path, before the checkpoint libraries are imported
     from mla_convert.artifacts.report import layer_table, summary_table
     from mla_convert.convert.job import run_factor
-    from mla_convert.convert.suggest import follow_budget
     from mla_convert.sources.checkpoint import open_source
 
     with user_errors():
         src = open_source(source)
-        options, why = follow_budget(options, src, given_on_command_line("rope_pairs"))
+        options, why = shape_options(options, src, target)
         check_options(options, src)  # the source's shapes: before anything is loaded
         if why:
             say(f"rope split: {why}")

@@ -37,8 +37,7 @@ def check_export(out: Path, fmt: str | None, overwrite: bool, target: str = "tra
     from mla_convert.artifacts.output import check_output
 
     if fmt is None:
-        if target != "transformers":
-            fail(f"--target {target} shapes an export: add --export deepseek-v3 (or run mla-convert export later)")
+        check_target(target)  # without --export it shapes the conversion alone
         return
     if fmt != "deepseek-v3":
         fail(f"--export {fmt!r} is not one of deepseek-v3")

@@ -247,7 +247,7 @@ def factor_shape(options: ConvertOptions, src: Any) -> FactorShape:
         intermediate=inter,
         vocab=vocab,
         window=options.window,
-        calib=options.calib_windows,
+        calib=options.calibration_windows(),
         held=HELD_OUT_WINDOWS,
         evaluation=options.eval_windows,
         probe=min(PROBE_TOKENS, options.window),

@@ -28,29 +28,68 @@ from mla_convert.errors import UserError
 from mla_convert.metrics import EvalResult
 from mla_convert.sources.checkpoint import SourceModel
 from mla_convert.sources.integrity import preflight
-from mla_convert.text.corpora import TextError, load_documents, parse_text_spec
-from mla_convert.text.windows import documents_record, split_documents, token_windows
+from mla_convert.text.corpora import Document, TextError, load_documents, parse_text_spec
+from mla_convert.text.windows import (
+    SpreadWindows,
+    documents_record,
+    split_documents,
+    spread_windows,
+    token_windows,
+)
 
 #: Held-out calibration windows: per-layer attention error and the o_proj refit's keep/revert check
 #: (several, so one window's noise cannot decide it; every window's loss is recorded).
 HELD_OUT_WINDOWS = 4
 
 
+#: How far calibration windows are spread: the calibration split is tokenized up to this many times the windows
+#: taken (all of the bundled texts' splits), and the windows are drawn evenly across what was tokenized.
+CALIBRATION_SPAN = 64
+
+
 @dataclass
 class TextSplit:
-    """Token windows for each role, and the documents behind them."""
+    """Token windows for each role, and the documents behind them.
+
+    Attributes:
+        name: the text's name (``wikipedia``, ``news``, ``local files``...).
+        calibration: ``[N, T]`` statistics windows, spread across the calibration documents.
+        held_out: ``[M, T]`` held-out calibration windows (attention error, ``o_proj`` refit check), ``M <= 4``.
+        evaluation: ``[E, T]`` evaluation windows (the first of the evaluation split).
+        records: role -> the documents' ids, hashes and lengths.
+        calibration_documents: distinct documents the calibration windows touch (None without an EOS id).
+    """
 
     name: str
-    calibration: torch.Tensor  # [N, T] statistics windows
-    held_out: (
-        torch.Tensor
-    )  # [M, T] held-out calibration windows (attention error, o_proj refit check), M <= 4
-    evaluation: torch.Tensor  # [M, T]
+    calibration: torch.Tensor
+    held_out: torch.Tensor
+    evaluation: torch.Tensor
     records: dict[str, list[dict[str, Any]]]
+    calibration_documents: int | None = None
+
+
+def calibration_windows(tokenizer: Any, docs: list[Document], window: int, count: int) -> SpreadWindows:
+    """The calibration and held-out windows ``factor`` uses: ``count`` (and up to :data:`HELD_OUT_WINDOWS`
+    held-out) windows of ``window`` tokens spread evenly across the calibration documents ``docs``.
+
+    Raises:
+        TextError: the documents give fewer than 2 windows.
+    """
+    every = token_windows(tokenizer, docs, window, CALIBRATION_SPAN * (count + HELD_OUT_WINDOWS), bos=False)
+    if every.shape[0] < 2:
+        raise TextError(
+            f"calibration text gives {every.shape[0]} window(s) of {window} tokens; need at least 2 "
+            "(use more text or a shorter --window)"
+        )
+    return spread_windows(every, count, HELD_OUT_WINDOWS, getattr(tokenizer, "eos_token_id", None))
 
 
 def prepare_text(tokenizer: Any, options: ConvertOptions) -> TextSplit:
     """Load, split by document and tokenize calibration/evaluation text.
+
+    The calibration windows (``options.calibration_windows()`` of ``options.window`` tokens: the token budget)
+    and up to :data:`HELD_OUT_WINDOWS` held-out windows are drawn evenly across the calibration split
+    (:func:`~mla_convert.text.windows.spread_windows`), so they span its documents, not the first few.
 
     Raises:
         TextError: missing/empty text, or too short for the requested windows.
@@ -58,35 +97,19 @@ def prepare_text(tokenizer: Any, options: ConvertOptions) -> TextSplit:
     spec = parse_text_spec(options.text)
     docs = load_documents(spec)
     splits = split_documents(docs)
-    calib = token_windows(
-        tokenizer, splits["calibration"], options.window, options.calib_windows + HELD_OUT_WINDOWS, bos=False
-    )
-    if calib.shape[0] < 2:
-        raise TextError(
-            f"calibration text gives {calib.shape[0]} window(s) of {options.window} tokens; need at least 2 "
-            "(use more text or a shorter --window)"
-        )
-    # Up to HELD_OUT_WINDOWS windows after the calibration ones are held out (at least 1).
-    held = min(HELD_OUT_WINDOWS, max(1, calib.shape[0] - options.calib_windows))
+    picked = calibration_windows(tokenizer, splits["calibration"], options.window, options.calibration_windows())
     evaluation = token_windows(
         tokenizer, splits["evaluation"], options.window, options.eval_windows, bos=False
     )
     name = spec if isinstance(spec, str) else "local files"
     return TextSplit(
         name,
-        calib[:-held],
-        calib[-held:],
+        picked.calibration,
+        picked.held_out,
         evaluation,
         {role: documents_record(d) for role, d in splits.items()},
+        picked.documents,
     )
-
-
-def documents_in(windows: torch.Tensor, eos: int | None) -> int | None:
-    """How many documents the consecutive windows ``[N, T]`` of a document stream (:func:`token_windows`: documents
-    joined by ``eos``) touch: one plus the separators inside them. None without an ``eos`` id."""
-    if eos is None or windows.numel() == 0:
-        return None
-    return 1 + int((windows == eos).sum())
 
 
 def peak_rss_mb() -> float:
@@ -221,7 +244,7 @@ def run_factor(
         warnings.append(
             f"only {text.calibration.numel()} calibration tokens for hidden size {src.hidden_size}: the statistics "
             "cannot describe the activations (energies near 1 and errors near 0 mean nothing); use more "
-            "--calib-windows or a longer --window"
+            "--calib-tokens or a longer --window"
         )
     probe = text.evaluation[:1, :128]
     texts = Texts(text.calibration, text.held_out, text.evaluation, probe)
@@ -287,7 +310,7 @@ def run_factor(
             "calibration": text.records["calibration"],
             "evaluation": text.records["evaluation"],
             "calibration_tokens": res.calib_tokens,
-            "calibration_documents_used": documents_in(text.calibration, tokenizer.eos_token_id),
+            "calibration_documents_used": text.calibration_documents,
             "held_out_tokens": int(text.held_out.numel()),
             "window": options.window,
         },

@@ -79,7 +79,11 @@ class ConvertOptions(BaseModel):
         "wikipedia",
         description="calibration/evaluation text: wikipedia | news | shakespeare | comma-separated files or folders",
     )
-    calib_windows: int = Field(16, description="calibration windows")
+    calib_tokens: int = Field(
+        16384,
+        description="calibration tokens, drawn as windows spread evenly across all the calibration documents",
+    )
+    calib_windows: int | None = Field(None, description="calibration windows (replaces --calib-tokens)")
     window: int = Field(512, description="tokens per calibration/evaluation window")
     eval_windows: int = Field(8, description="held-out evaluation windows for perplexity")
     dtype: OutputDtype = Field(
@@ -90,6 +94,13 @@ class ConvertOptions(BaseModel):
     device: str = Field(
         "auto", description="where layers run for calibration and evaluation: auto (a GPU when present) | cpu | cuda[:N]"
     )
+
+    def calibration_windows(self) -> int:
+        """Calibration windows of ``window`` tokens: ``calib_windows`` when given, else ``ceil(calib_tokens /
+        window)`` (at least 1)."""
+        if self.calib_windows is not None:
+            return self.calib_windows
+        return max(1, -(-self.calib_tokens // max(1, self.window)))
 
     @model_validator(mode="after")
     def _rank_replaces_budget(self) -> ConvertOptions:
@@ -178,8 +189,8 @@ def problems(options: ConvertOptions, src: SourceShape | None) -> list[tuple[str
     Without a source only the source-independent rules are checked.
     """
     out: list[tuple[str, str]] = []
-    for key in ("calib_windows", "window", "eval_windows", "rope_context"):
-        if getattr(options, key) < 1:
+    for key in ("calib_tokens", "calib_windows", "window", "eval_windows", "rope_context"):
+        if getattr(options, key) is not None and getattr(options, key) < 1:
             out.append((key, f"{getattr(options, key)} is too small: must be at least 1"))
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", options.device):
         out.append(("device", f"{options.device!r} is not one of auto, cpu, cuda, cuda:N"))

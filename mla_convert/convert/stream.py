@@ -44,7 +44,7 @@ from mla_convert.convert.layers import (
     run_mla,
 )
 from mla_convert.convert.options import ConvertOptions, geometry
-from mla_convert.convert.refit import refit_o_proj
+from mla_convert.convert.refit import refit_o_proj, refit_stride
 from mla_convert.convert.steps import (
     LayerRecord,
     is_lossless,
@@ -232,11 +232,17 @@ class StreamedConversion:
         kept_x: list[torch.Tensor] = []
         kept_out: list[torch.Tensor] = []
 
+        stride = refit_stride(*s["src_calib"].shape[:2])
+        seen = [0]  # calibration windows before this chunk
+
         def calib(x: torch.Tensor, out: torch.Tensor) -> None:
             acc.add(x)
-            if self.refit:
-                kept_x.append(x.detach().float().cpu())
-                kept_out.append(out.detach().float().cpu())
+            if self.refit:  # every stride-th calibration window: REFIT_TOKENS spread like the statistics
+                rows = [j for j in range(x.shape[0]) if (seen[0] + j) % stride == 0]
+                seen[0] += x.shape[0]
+                if rows:
+                    kept_x.append(x[rows].detach().float().cpu())
+                    kept_out.append(out[rows].detach().float().cpu())
 
         held_x: list[torch.Tensor] = []
         held_out: list[torch.Tensor] = []

@@ -8,6 +8,7 @@ manifest.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +18,7 @@ from mla_convert.text.corpora import Document, TextError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DEFAULT_FRACTIONS", "documents_record", "split_documents", "token_windows"]
+__all__ = ["DEFAULT_FRACTIONS", "SpreadWindows", "documents_record", "split_documents", "spread_windows", "token_windows"]
 
 #: Default split: fractions of total characters per role, assigned in this order.
 DEFAULT_FRACTIONS: Mapping[str, float] = MappingProxyType(
@@ -209,6 +210,62 @@ def token_windows(
     if prefix:
         rows = torch.cat([torch.full((count, 1), prefix[0], dtype=torch.long), rows], dim=1)
     return rows
+
+
+@dataclass(frozen=True)
+class SpreadWindows:
+    """Windows drawn evenly across a document stream (:func:`spread_windows`).
+
+    Attributes:
+        calibration: ``[N, T]`` token ids, the statistics windows, in stream order.
+        held_out: ``[M, T]`` token ids, held-out windows interleaved with them (disjoint rows).
+        documents: how many distinct documents the calibration windows touch (None without an EOS id).
+    """
+
+    calibration: torch.Tensor
+    held_out: torch.Tensor
+    documents: int | None
+
+
+def spread_windows(every: torch.Tensor, count: int, held: int, eos: int | None) -> SpreadWindows:
+    """Pick ``count`` calibration and ``held`` held-out windows evenly across all windows of a stream.
+
+    ``every`` are the consecutive windows of one document stream (:func:`token_windows` with ``bos=False``:
+    documents joined by ``eos``). The ``count + held`` picks are the middles of equal stretches of ``every``
+    (window ``floor((i + 1/2) N / (count + held))``), so a token budget spans every document of the split
+    rather than the first few; every ``(count + held) / held``-th pick is held out, so the held-out windows
+    span the text too. Deterministic: the same stream gives the same windows.
+
+    Args:
+        every: ``[N, T]`` token ids, consecutive windows of the stream.
+        count: calibration windows wanted (>= 1); fewer are taken when ``N < count + held``.
+        held: held-out windows wanted (>= 0), taken first from what ``N`` allows (at least one when ``N >= 2``).
+        eos: the separator id between documents, to count the documents the calibration windows touch.
+
+    Returns:
+        :class:`SpreadWindows` with ``calibration [min(count, N - held), T]`` and ``held_out [held', T]``.
+
+    Raises:
+        ValueError: ``count < 1``, ``held < 0`` or an empty ``every``.
+    """
+    import torch
+
+    n = int(every.shape[0])
+    if count < 1 or held < 0 or n < 1:
+        raise ValueError(f"need count >= 1, held >= 0 and windows; got count={count}, held={held}, {n} windows")
+    held = min(held, max(0, n - 1), max(1, n - count)) if n >= 2 else 0
+    count = min(count, n - held)
+    total = count + held
+    picks = [int((i + 0.5) * n / total) for i in range(total)]
+    held_at = {int((k + 0.5) * total / held) for k in range(held)} if held else set()
+    calib_rows = [p for j, p in enumerate(picks) if j not in held_at]
+    held_rows = [p for j, p in enumerate(picks) if j in held_at]
+    documents = None
+    if eos is not None:
+        sep = (every.reshape(-1) == eos).long()
+        doc = (torch.cumsum(sep, 0) - sep).view(every.shape)  # a separator belongs to the document it ends
+        documents = int(torch.unique(doc[calib_rows]).numel())
+    return SpreadWindows(every[calib_rows], every[held_rows], documents)
 
 
 def documents_record(docs: Sequence[Document]) -> list[dict[str, Any]]:

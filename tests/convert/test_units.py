@@ -297,14 +297,26 @@ def test_manifest_verify_names_files_it_does_not_cover(tmp_path):
     assert res["files"] == 1 and res["uncovered"] == ["validation.json"]
 
 
-def test_calibration_documents_are_counted_not_assumed():
-    """The report says how many documents the calibration windows come from (separators inside them + 1),
-    not the size of the calibration split."""
+def test_calibration_windows_spread_across_documents():
+    """The calibration windows are spread evenly across the whole split, the held-out ones interleaved and
+    disjoint from them, and the report's document count is the distinct documents the windows touch (a separator
+    belongs to the document it ends), not the size of the split."""
     import torch
 
-    from mla_convert.convert.job import documents_in
+    from mla_convert.text.windows import spread_windows
 
     eos = 2
     stream = torch.tensor([[5, 6, 7, 8], [9, 2, 4, 4], [4, 2, 3, 2]])
-    assert documents_in(stream[:1], eos) == 1 and documents_in(stream[:2], eos) == 2 and documents_in(stream, eos) == 4
-    assert documents_in(stream, None) is None
+    one = spread_windows(stream, 1, 0, eos)
+    assert one.calibration.tolist() == [stream[1].tolist()] and one.documents == 2  # [9, 2 | 4, 4]: docs 0 and 1
+    assert spread_windows(stream[:1], 1, 0, eos).documents == 1
+    assert spread_windows(stream, 3, 0, eos).documents == 3  # the final separator opens no document
+    assert spread_windows(stream, 3, 0, None).documents is None
+    every = torch.arange(100 * 4).view(100, 4)
+    s = spread_windows(every, 16, 4, None)
+    rows = [int(r[0]) // 4 for r in s.calibration]
+    held = [int(r[0]) // 4 for r in s.held_out]
+    assert len(rows) == 16 and len(held) == 4 and not set(rows) & set(held)
+    assert rows[0] < 5 and rows[-1] > 90 and held[0] < 25 and held[-1] > 75  # both span the stream
+    few = spread_windows(every[:3], 16, 4, None)  # 3 windows: 1 held out, 2 calibration
+    assert few.calibration.shape[0] == 2 and few.held_out.shape[0] == 1

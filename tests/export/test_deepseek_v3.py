@@ -23,6 +23,8 @@ from typer.testing import CliRunner
 
 import mla_convert  # noqa: F401
 from mla_convert.cli.commands import app
+from mla_convert.convert.engine import shape_for_engine
+from mla_convert.convert.options import ConvertOptions, OptionsError
 from mla_convert.export.deepseek_v3 import (
     DS_NORM_EPS,
     LINEAR_MARGIN,
@@ -353,6 +355,40 @@ def test_factor_ends_with_an_export(tiny_llama, tmp_path):
     assert res.exit_code == 2 and "pass --overwrite" in res.output and not (tmp_path / "fourth").exists()
 
 
+def test_factor_target_shapes_the_conversion_for_the_engine(tiny_llama, tmp_path):
+    """``--target vllm-cpu`` with no budget: one shared rope head keeping every frequency (head_dim 16: 8 <= 32, so
+    ``high`` keeps all), one kv_lora_rank in every layer, the widest useful (2 x 16 - 16 NoPE + 2 x 16 values = 48),
+    recorded with the reason; the export fills the engine's row and is exact. An explicit budget keeps its shape."""
+    out = tmp_path / "mla"
+    flags = ["--calib-windows", "2", "--window", "64", "--eval-windows", "1"]
+    res = CliRunner().invoke(app, ["factor", str(tiny_llama), str(out), *flags, "--target", "vllm-cpu",
+                                   "--export", "deepseek-v3"])
+    assert res.exit_code == 0, res.output + str(res.exception)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["kv_lora_rank"] in (48, [48, 48]) and cfg["num_rope_heads"] == 1 and cfg["qk_rope_head_dim"] == 16
+    report = json.loads((out / "report.json").read_text())
+    assert report["run"]["rope_pairs_chosen_by"].startswith("--target vllm-cpu: one shared rope head of 8")
+    assert report["options"]["rope_strategy"] == "high" and report["options"]["cache_budget"] is None
+    export = json.loads((tmp_path / "mla-deepseek-v3" / "mla_manifest.json").read_text())["export"]
+    assert export["kv_lora_rank"] == 512 and export["parity"]["max_abs_logit_diff"] < 0.25
+    with pytest.raises(OptionsError, match="the rope head holds 8"):
+        shape_for_engine(ConvertOptions(rope_pairs=9), open_source(tiny_llama), "vllm", ["rope_pairs"])
+    kept, why = shape_for_engine(ConvertOptions(cache_budget=24), open_source(tiny_llama), "vllm", ["cache_budget"])
+    assert kept.cache_budget == 24 and kept.rope_mode == "shared" and why and "pads the latent" in why
+
+
+def test_engine_shape_of_a_head_dim_128_source():
+    """head_dim 128 (Llama-3-8B's 8 KV heads): 32 of the 64 frequencies, the first ones (a plain-theta table of its
+    own, so the export places them exactly), and the latent capped at the engine's 512."""
+    from types import SimpleNamespace
+
+    src = SimpleNamespace(head_dim=128, num_kv_heads=8, hidden_size=4096, num_layers=32, num_heads=32)
+    shaped, why = shape_for_engine(ConvertOptions(), src, "vllm")
+    assert (shaped.rope_mode, shaped.rope_strategy, shaped.rope_pairs, shaped.kv_lora_rank) == ("shared", "high", 32, 512)
+    assert shaped.cache_budget is None and why and "512 + 64" in why
+    assert shape_for_engine(ConvertOptions(), src, "transformers") == (ConvertOptions(), None)
+
+
 def test_recipe_export_stage_runs_then_skips(tiny_llama, tmp_path):
     import yaml
 
@@ -411,5 +447,5 @@ def test_recipe_export_problems_are_listed_with_the_rest(tmp_path):
     assert any(p.startswith("factor.calib_windows") for p in problems)
     export = next(p for p in problems if p.startswith("export.target"))
     assert "use factor.rope_mode shared" in export and "--" not in export and "(line 5)" in export
-    res = CliRunner().invoke(app, ["factor", "smollm2-135m", str(tmp_path / "z"), "--target", "vllm-cpu"])
-    assert res.exit_code == 2 and "add --export deepseek-v3" in res.output and not (tmp_path / "z").exists()
+    res = CliRunner().invoke(app, ["factor", "smollm2-135m", str(tmp_path / "z"), "--target", "sglang"])
+    assert res.exit_code == 2 and "--target vllm" in res.output and not (tmp_path / "z").exists()

@@ -1,0 +1,84 @@
+"""The conversion an engine serves best (issue 27, ``factor --target vllm|vllm-cpu``).
+
+vLLM's MLA kernels allocate one fixed row per token per layer whatever the checkpoint holds: ``kv_lora_rank`` 512
+plus one shared rope head of 64 dims (FlashMLA on GPU, ``AMX_MLA`` on CPU; its GPU prefill needs a rope head of
+64), and one ``kv_lora_rank`` for every layer. A conversion made for such an engine therefore keeps
+
+- one shared rope head (``--rope-mode shared``) of ``min(32, head_dim / 2)`` frequencies chosen as a plain-theta
+  set from the first one (``--rope-strategy high``: the frequencies ``theta^(-2k/d)``, k < 32, are themselves a
+  plain table, so the export places them exactly; docs/export.md), and
+- the widest latent the engine row holds, the same in every layer (``--kv-lora-rank min(512, widest useful)``):
+  a per-layer rank allocation under a smaller budget would only be padded to 512 there.
+
+At the served cache (what the engine allocates) this uses every cached value; ``benchmarks/export.py`` measures
+it against the default conversion at the same served cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from mla_convert.convert.options import ConvertOptions, OptionsError, SourceShape, geometry
+
+#: Engine targets that fix the served row: target -> (kv_lora_rank, qk_rope_head_dim) the engine allocates.
+ENGINE_ROWS = {"vllm": (512, 64), "vllm-cpu": (512, 64)}
+#: Explicit options that choose another shape: with one of them the conversion is left as asked (the export pads
+#: it to the engine row), and the reason says what the row would hold instead.
+OWN_SHAPE = ("rope_mode", "cache_budget")
+
+
+def shape_for_engine(
+    options: ConvertOptions, src: SourceShape, target: str, given: Collection[str] = ()
+) -> tuple[ConvertOptions, str | None]:
+    """``options`` shaped for ``target``'s served row, and why (one sentence); unchanged for ``transformers``.
+
+    Args:
+        options: the conversion options as parsed.
+        src: the source's shape (head_dim, KV heads, hidden size).
+        target: ``transformers`` | ``vllm`` | ``vllm-cpu``.
+        given: option names the user gave explicitly: ``--rope-pairs`` (up to the rope head), ``--kv-lora-rank``
+            (up to 512) and ``--rope-strategy`` are kept in the shape; ``--rope-mode`` or ``--cache-budget`` keep the
+            options as given (the export pads them; ``why`` says so).
+
+    Returns:
+        ``(options, why)``; ``why`` is None for ``transformers``.
+
+    Raises:
+        OptionsError: more rope pairs than the rope head holds, or a rank over 512.
+    """
+    if target not in ENGINE_ROWS:
+        return options, None
+    rank_cap, rope_width = ENGINE_ROWS[target]
+    own = [f"--{k.replace('_', '-')}" for k in OWN_SHAPE if k in given]
+    if own:
+        return options, (
+            f"--target {target} with {' and '.join(own)}: converted as asked; the engine allocates {rank_cap} + "
+            f"{rope_width} values per token per layer and the export pads the latent to it (drop {' and '.join(own)} "
+            "for the shape that fills the row)"
+        )
+    bad = []
+    slots = min(rope_width // 2, src.head_dim // 2)
+    pairs = options.rope_pairs if "rope_pairs" in given else slots
+    if pairs > slots:
+        bad.append(f"--rope-pairs {pairs} (the rope head holds {slots})")
+    if "kv_lora_rank" in given and options.kv_lora_rank is not None and options.kv_lora_rank > rank_cap:
+        bad.append(f"--kv-lora-rank {options.kv_lora_rank} (the engine row holds {rank_cap})")
+    if bad:
+        raise OptionsError(
+            f"--target {target} serves one shared rope head of {rope_width} dims and one kv_lora_rank <= {rank_cap}; "
+            f"drop {', '.join(bad)} (or use --target transformers for any shape)"
+        )
+    strategy = options.rope_strategy if "rope_strategy" in given else "high"
+    shaped = options.model_copy(
+        update={"rope_mode": "shared", "rope_strategy": strategy, "rope_pairs": pairs, "cache_budget": None,
+                "kv_lora_rank": 1}
+    )  # fmt: skip
+    widest = geometry(shaped, src).max_rank
+    rank = options.kv_lora_rank if "kv_lora_rank" in given and options.kv_lora_rank else min(rank_cap, widest)
+    shaped = shaped.model_copy(update={"kv_lora_rank": rank})
+    why = (
+        f"--target {target}: one shared rope head of {pairs} frequencies ({strategy}) and kv_lora_rank {rank} in "
+        f"every layer (the widest useful is {widest}); the engine allocates {rank_cap} + {rope_width} values per "
+        "token per layer whatever the conversion, so this shape uses the row a per-layer budget would pad"
+    )
+    return shaped, why
