@@ -1,10 +1,11 @@
 """Calibration that spans the text (issue 27): which calibration windows the conversion sees, measured on
 evaluation windows only (Wikipedia's evaluation split and the news corpus's, never calibrated on).
 
-The default takes the first windows of the calibration stream: 16 x 512 tokens, all of them from one article
+The old default took the first windows of the calibration stream: 16 x 512 tokens, all of them from one article
 (the split's first). ``spread`` takes the same number of windows evenly across the whole calibration split (every
-document in turn), ``spread-64`` four times as many. The held-out windows (the refit's keep check) are the
-default's in every row, so only the statistics' text changes. Rows at 120 and 72 values per token per layer with
+document in turn), ``spread-64`` four times as many; those rows keep the old default's held-out windows (the
+refit's keep check), so only the statistics' text changes. ``default`` is today's ``factor``: 16384 tokens spread
+across the split, held-out windows interleaved, the refit on 8192 of the tokens. Rows at 120 and 72 values per token per layer with
 the split measured best for each (24 and 16 RoPE pairs).
 
     .venv/bin/python benchmarks/calibration.py [--eval 16] [--sizes 120:24,72:16] [--readme]
@@ -24,7 +25,7 @@ import torch
 from transformers import AutoTokenizer
 
 from mla_convert.convert.build import convert_windows
-from mla_convert.convert.job import HELD_OUT_WINDOWS
+from mla_convert.convert.job import HELD_OUT_WINDOWS, calibration_windows
 from mla_convert.convert.options import ConvertOptions
 from mla_convert.metrics import evaluate
 from mla_convert.sources.checkpoint import load_source_model, open_source
@@ -68,7 +69,11 @@ def main() -> None:
     every = token_windows(tok, wiki["calibration"], WINDOW, None, bos=False)
     held = every[CALIB : CALIB + HELD_OUT_WINDOWS]
     rest = torch.cat([every[:CALIB], every[CALIB + HELD_OUT_WINDOWS :]])  # never the held-out windows
-    selections = {"first-16 (default)": every[:CALIB], "spread-16": spread(rest, CALIB), "spread-64": spread(rest, 64)}
+    picked = calibration_windows(tok, wiki["calibration"], WINDOW, ConvertOptions().calibration_windows())
+    selections = {  # name -> (calibration, held-out windows)
+        "first-16 (old default)": (every[:CALIB], held), "spread-16": (spread(rest, CALIB), held),
+        "spread-64": (spread(rest, 64), held), "default: 16384 spread": (picked.calibration, picked.held_out),
+    }  # fmt: skip
     evals = {
         "wikipedia": token_windows(tok, wiki["evaluation"], WINDOW, a.eval, bos=False),
         "news": token_windows(tok, split_documents(load_documents("news"))["evaluation"], WINDOW, a.eval, bos=False),
@@ -79,12 +84,13 @@ def main() -> None:
     done = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
     for spec in a.sizes.split(","):
         budget, pairs = (int(v) for v in spec.split(":"))
-        for name, calib in selections.items():
-            if any(r["budget"] == budget and r["selection"] == name and r["eval_windows"] == a.eval for r in done):
+        for name, (calib, held_windows) in selections.items():
+            old = name.replace("(old default)", "(default)")
+            if any(r["budget"] == budget and r["selection"] in (name, old) and r["eval_windows"] == a.eval for r in done):
                 continue
             t0 = time.perf_counter()
             opts = ConvertOptions(dtype="float32", cache_budget=budget, rope_pairs=pairs, device="cpu")
-            mla = convert_windows(src, opts, calib, held).model
+            mla = convert_windows(src, opts, calib, held_windows).model
             row = {
                 "budget": budget, "rope_pairs": pairs, "selection": name, "eval_windows": a.eval,
                 "calib_tokens": int(calib.numel()), "calib_documents": documents_of(tok, wiki["calibration"], calib, every),
@@ -105,7 +111,7 @@ def main() -> None:
     ]
     for r in done:
         if r["eval_windows"] == a.eval:
-            lines.append(f"| {r['budget']} | {r['rope_pairs']} | {r['selection']} | {r['calib_tokens']} | "
+            lines.append(f"| {r['budget']} | {r['rope_pairs']} | {r['selection'].replace('(default)', '(old default)')} | {r['calib_tokens']} | "
                          f"{r['calib_documents']} | {r['wikipedia ratio']:.2f} | {r['news ratio']:.2f} |")
     (RESULTS / "calibration.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -1,16 +1,16 @@
 """Training-free quality levers for the lossy conversion, measured on dev windows only (issue 10).
 
 Each row converts SmolLM2-135M with the default options except one change, and scores perplexity on
-8 dev windows: 512-token windows of the Wikipedia *calibration* split that no conversion uses (after
-the 16 calibration and 4 refit-check windows). Evaluation windows are never looked at here, so these
-rows can choose defaults without tuning on what the README reports.
+8 dev windows: 512-token windows spread across the Wikipedia *adaptation* split, which no conversion reads
+(``benchmarks/protocol.py``). Evaluation windows are never looked at here, so these rows can choose defaults
+without tuning on what the README reports.
 
     .venv/bin/python benchmarks/levers.py [--sizes 72:20,120:24] [--only a,b] [--readme]
 
 Rows:
   none            no o_proj refit
   teacher         the default: ridge refit of o_proj to the source attention output on source inputs
-  seq-a           o_proj refit on the *converted* model's own layer inputs, layer after layer; target =
+  seq-a           o_proj refit on the *converted* model's own layer inputs (the refit's windows), layer after layer; target =
                   source attention output + a x (source residual - converted residual), a in {0, 0.5, 1}
   q-refit         default + least-squares refit of the NoPE queries on the reconstructed keys
                   (k ~ P k_hat with P = E[k k_hatᵀ] E[k_hat k_hatᵀ]⁻¹; queries become Pᵀ q)
@@ -18,7 +18,7 @@ Rows:
   rotation        RoPE components chosen by the rotation strategy instead of 2-norm
   activation      activation-weighted SVD instead of output-aware
   no-kv-balance   joint SVD without the K/V energy balance
-  calib-64        64 calibration windows (32,768 tokens) for the statistics and the refit instead of 16
+  calib-32k       32,768 calibration tokens (spread the same way) instead of the default 16,384
 """
 
 from __future__ import annotations
@@ -28,24 +28,21 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import protocol
 import torch
 from readme import replace_block
-from transformers import AutoTokenizer
 
 from mla_convert.convert.assemble import pad_plan
 from mla_convert.convert.build import convert_windows
 from mla_convert.convert.calibration import LayerStats
-from mla_convert.convert.job import HELD_OUT_WINDOWS
-from mla_convert.convert.options import ConvertOptions
+from mla_convert.convert.options import ConvertOptions, refit_stride
 from mla_convert.convert.rope import RopePlan
 from mla_convert.metrics import evaluate
 from mla_convert.mla.algebra import causal_mask
 from mla_convert.mla.modeling import MLAForCausalLM
-from mla_convert.sources.checkpoint import SourceModel, load_source_model, open_source
-from mla_convert.text.corpora import load_documents
-from mla_convert.text.windows import split_documents, token_windows
+from mla_convert.sources.checkpoint import SourceModel
 
-CALIB, DEV, EXTRA = 16, 8, 48  # windows: calibration | refit check | dev | extra calibration (calib-64 row)
+DEV = 8  # dev windows (adaptation split)
 
 
 @torch.no_grad()
@@ -129,19 +126,14 @@ def merge(lines: list[str], previous: Path) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="120:24,72:20", help="cache budget:rope pairs, comma separated")
+    ap.add_argument("--sizes", default="72:16", help="cache budget:rope pairs, comma separated")
     ap.add_argument("--only", default="", help="comma-separated row names")
     ap.add_argument("--readme", action="store_true", help="also replace the README block")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "levers.md")
     args = ap.parse_args()
-    torch.manual_seed(0)
-    src = open_source("smollm2-135m")
-    model = load_source_model(src)
-    tok = AutoTokenizer.from_pretrained(str(src.path))
-    splits = split_documents(load_documents("wikipedia"))
-    w = token_windows(tok, splits["calibration"], 512, CALIB + HELD_OUT_WINDOWS + DEV + EXTRA, bos=False)
-    n = CALIB + HELD_OUT_WINDOWS
-    calib, held, dev = w[:CALIB], w[CALIB:n], w[n : n + DEV]
+    proto = protocol.load(None, DEV, {})
+    src, model, calib, held, dev = proto.src, proto.model, proto.calibration, proto.held_out, proto.dev
+    refit_ids = calib[:: refit_stride(*calib.shape)]  # the windows the refit fits on (stats.x / stats.out)
     # the source's calibration statistics with its layer inputs/outputs (the sequential and query refits)
     stats = convert_windows(src, ConvertOptions(dtype="float32", kv_lora_rank=8, cache_budget=None, refit_o_proj="teacher"),
                             calib, keep_stats=True).stats  # fmt: skip
@@ -149,20 +141,20 @@ def main() -> None:
     rows: dict[str, tuple[dict, Callable | None]] = {
         "none": ({"refit_o_proj": "none"}, None),
         "teacher": ({}, None),
-        "seq-0": ({"refit_o_proj": "none"}, lambda m, p: sequential_refit(m, model, stats, calib, 0.0)),
-        "seq-0.5": ({"refit_o_proj": "none"}, lambda m, p: sequential_refit(m, model, stats, calib, 0.5)),
-        "seq-1": ({"refit_o_proj": "none"}, lambda m, p: sequential_refit(m, model, stats, calib, 1.0)),
+        "seq-0": ({"refit_o_proj": "none"}, lambda m, p: sequential_refit(m, model, stats, refit_ids, 0.0)),
+        "seq-0.5": ({"refit_o_proj": "none"}, lambda m, p: sequential_refit(m, model, stats, refit_ids, 0.5)),
+        "seq-1": ({"refit_o_proj": "none"}, lambda m, p: sequential_refit(m, model, stats, refit_ids, 1.0)),
         "q-refit": ({}, lambda m, p: query_refit(m, src, p, stats)),
         "uniform-ranks": ({"uniform": True}, None),
         "rotation": ({"rope_strategy": "rotation"}, None),
         "activation": ({"objective": "activation"}, None),
         "no-kv-balance": ({"kv_balance": False}, None),
-        "calib-64": ({"calib64": True}, None),
+        "calib-32k": ({"calib32k": True}, None),
     }
     only = [x for x in args.only.split(",") if x]
     lines = [
         f"SmolLM2-135M-Instruct, default conversion with one change per row; perplexity on {dev.shape[0]} dev "
-        f"windows of 512 tokens (Wikipedia calibration split, unused by every conversion; source {base:.2f}). "
+        f"windows of 512 tokens (Wikipedia adaptation split, read by no conversion; source {base:.2f}). "
         "Written by `python benchmarks/levers.py --readme`.",
         "",
         "| cache | rope pairs | row | dev ppl | x source | note |",
@@ -177,7 +169,7 @@ def main() -> None:
             opts = dict(cache_budget=budget, rope_pairs=pairs)
             if kw.pop("uniform", False):
                 opts = dict(cache_budget=None, kv_lora_rank=budget - 2 * pairs, rope_pairs=pairs)
-            use = torch.cat([calib, w[n + DEV :]]) if kw.pop("calib64", False) else calib
+            use = protocol.calibration(proto, 32768) if kw.pop("calib32k", False) else calib
             t0 = time.perf_counter()
             conv = convert_windows(src, ConvertOptions(dtype="float32", **opts, **kw), use, held)
             mla, cfg, plans = conv.model, conv.config, conv.plans

@@ -208,6 +208,8 @@ def main() -> None:
         "--news-windows", type=int, default=8, help="news evaluation windows of 512 (never calibrated on)"
     )
     ap.add_argument("--sizes", default="120,72,48", help="cache sizes (values per token per layer)")
+    ap.add_argument("--pairs", default="", help="only these splits of ours, e.g. 120:24,72:16 (default: the sweep)")
+    ap.add_argument("--anchors", default="", help="only the anchor rows whose name contains one of these (comma-separated)")
     ap.add_argument(
         "--readme", action="store_true", help="also replace the table between the README's markers"
     )
@@ -255,6 +257,13 @@ def main() -> None:
     for size in [int(x) for x in args.sizes.split(",")]:
         label = SIZES[size]
         rows = full_grid(size, args.refit) if args.full else {**ANCHORS, **ours(size)}
+        keep = {tuple(int(v) for v in x.split(":")) for x in args.pairs.split(",") if x}
+        picks = [x for x in args.anchors.split(",") if x]
+        rows = {
+            k: v for k, v in rows.items()
+            if (not k.startswith("mla-convert") and (not picks or any(p in k for p in picks)))
+            or (k.startswith("mla-convert") and (not keep or (size, v["rope_pairs"]) in keep))
+        }  # fmt: skip
         for name, kw in rows.items():
             if kw["rope_mode"] == "shared" and 2 * kw["rope_pairs"] >= size:
                 kw = {**kw, "rope_pairs": {72: 16, 48: 8}.get(size, kw["rope_pairs"])}

@@ -33,6 +33,7 @@ class Protocol:
     src: SourceModel
     model: Any
     tokenizer: Any
+    calibration_documents: list[Any]
     calibration: torch.Tensor
     held_out: torch.Tensor
     documents: int | None
@@ -64,6 +65,12 @@ def load(calib_tokens: int | None = None, dev: int = 8, evals: dict[str, int] | 
         text, width = name.split("@")
         windows[name] = token_windows(tok, texts[text], int(width), count, bos=False)
     return Protocol(
-        src, model, tok, picked.calibration, picked.held_out, picked.documents,
+        src, model, tok, wiki["calibration"], picked.calibration, picked.held_out, picked.documents,
         spread_windows(every_dev, dev, 0, None).calibration, windows,
     )  # fmt: skip
+
+
+def calibration(proto: Protocol, tokens: int) -> torch.Tensor:
+    """``factor``'s calibration windows ``[N, 512]`` for another token budget (same spread, same split)."""
+    count = ConvertOptions(calib_tokens=tokens).calibration_windows()
+    return calibration_windows(proto.tokenizer, proto.calibration_documents, WINDOW, count).calibration

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mla_convert.convert.estimate import factor_disk, factor_shape
-from mla_convert.convert.options import ConvertOptions
+from mla_convert.convert.options import ConvertOptions, refit_stride
 
 # ---- throughput of the reference machine (the 2-core CPU the README's timings come from) ----
 # Measured with torch 2.13 CPU while other jobs loaded the machine (load average ~4 on 2 cores), one thread:
@@ -107,7 +107,8 @@ def factor_time(options: ConvertOptions, src: Any) -> TimeEstimate:
         plan_la += SVDVALS_S_PER_M2N * m_ * m_ * n_
     factor64 = 4 * weighted + (2.0 / 3.0) * r**3  # L W R, spectrum, the two error traces; solve(L, U)
     factor_la = (SVD_S_PER_M2N + SVDVALS_S_PER_M2N) * m_ * m_ * n_
-    nt = tok["calib"] if s.refit else 0
+    windows_calib = tok["calib"] // max(1, t)
+    nt = -(-windows_calib // refit_stride(windows_calib, t)) * t if s.refit else 0  # REFIT_TOKENS at most
     refit_fwd = n_l * nt * f_conv(t, attention_only=True)
     refit64 = n_l * (2.0 * nt * hq * hq + 4.0 * nt * hq * d + (2.0 / 3.0 + 2.0) * hq**3) if s.refit else 0.0
     assemble64 = n_l * 2.0 * h * (d_n + d_r) * hd * d

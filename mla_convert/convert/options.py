@@ -33,6 +33,19 @@ OBJECTIVES: tuple[str, ...] = get_args(Objective)
 REFITS: tuple[str, ...] = get_args(Refit)
 
 
+#: Calibration tokens the ``o_proj`` refit fits on, at most (the default budget: all of them): its time, memory and
+#: disk grow with them. On SmolLM2 at 120 values fitting on all 16384 default tokens rather than every other window
+#: lowered the held-out loss after the refit from 3.914 to 3.836 nats (the statistics identical).
+REFIT_TOKENS = 16384
+
+
+def refit_stride(windows: int, window: int) -> int:
+    """Every how many calibration windows (of ``windows`` x ``window`` tokens) one is kept for the refit, so that at
+    most :data:`REFIT_TOKENS` tokens are (at least one window), spread across the calibration text like the
+    statistics' windows."""
+    return max(1, -(-windows * window // REFIT_TOKENS))
+
+
 class OptionsError(UserError):
     """Options impossible for this source (one line per problem, each naming the option and the allowed range)."""
 

@@ -10,17 +10,6 @@ from mla_convert.convert import linalg
 from mla_convert.mla.algebra import causal_mask
 from mla_convert.mla.modeling import MLAAttention, MLAForCausalLM
 
-#: Calibration tokens the ``o_proj`` refit fits on, at most: its cost (the converted attention run over them, the
-#: kept inputs and outputs on disk) grows with them, and 8192 tokens already give ~8k equations per weight row.
-REFIT_TOKENS = 8192
-
-
-def refit_stride(windows: int, window: int) -> int:
-    """Every how many calibration windows (of ``windows`` x ``window`` tokens) one is kept for the refit, so that at
-    most :data:`REFIT_TOKENS` tokens are (at least one window), spread across the calibration text like the
-    statistics' windows."""
-    return max(1, -(-windows * window // REFIT_TOKENS))
-
 
 @torch.no_grad()
 def lm_losses(model: MLAForCausalLM, ids: torch.Tensor) -> list[float]:

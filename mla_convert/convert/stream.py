@@ -43,8 +43,8 @@ from mla_convert.convert.layers import (
     run_attention,
     run_mla,
 )
-from mla_convert.convert.options import ConvertOptions, geometry
-from mla_convert.convert.refit import refit_o_proj, refit_stride
+from mla_convert.convert.options import ConvertOptions, geometry, refit_stride
+from mla_convert.convert.refit import refit_o_proj
 from mla_convert.convert.steps import (
     LayerRecord,
     is_lossless,

@@ -45,7 +45,7 @@ def test_inspect_prints_memory_disk_and_time_for_the_factor_options():
     memory, disk, time = lines[head + 1 : head + 4]
     assert memory.startswith("  peak memory: ~1.9 GB resident, in sample") and "its float32 copy 0.58" in memory
     assert disk.startswith("  disk: output ~0.29 GB;") and ".OUT.factor" in disk
-    assert time.startswith("  time: ~2 min, an estimate for the reference CPU")
+    assert time.startswith("  time: ~3 min, an estimate for the reference CPU")
     res = CliRunner().invoke(cli.app, ["inspect", "smollm2-135m"], env={"COLUMNS": "400"})
     assert "factor with the default options would need" in res.output
     res = CliRunner().invoke(cli.app, ["inspect", "smollm2-135m", "--max-shard-size", "lots"])
@@ -73,3 +73,19 @@ def test_the_rope_split_follows_the_budget():
     assert load_recipe("t.yaml", text=text).recipe.factor.rope_pairs == 16
     text = text.replace("{cache_budget: 72}", "{cache_budget: 72, rope_pairs: 20}")
     assert load_recipe("t.yaml", text=text).recipe.factor.rope_pairs == 20
+
+
+def test_inspect_target_shows_the_engine_shaped_conversion():
+    """``inspect --target vllm-cpu``: the options factor would take for vLLM's 512 + 64 row (SmolLM2: all 32
+    frequencies in one rope head, the widest useful latent 3 x 64 - 64 + 3 x 64 = 320 in every layer), why, and the
+    served cache next to the checkpoint's; an explicit budget keeps its own shape and says the export pads it."""
+    res = CliRunner().invoke(cli.app, ["inspect", "smollm2-135m", "--target", "vllm-cpu"], env={"COLUMNS": "400"})
+    assert res.exit_code == 0, res.output
+    assert "--target vllm-cpu: one shared rope head of 32 frequencies (high) and kv_lora_rank 320" in res.output
+    assert "--rope-strategy high --rope-pairs 32 --kv-lora-rank 320" in res.output
+    assert "--target vllm-cpu: exact; engine cache 576 values/token/layer (MLA 384, source 384)" in res.output
+    res = CliRunner().invoke(cli.app, ["inspect", "smollm2-135m", "--target", "vllm", "--cache-budget", "72"],
+                             env={"COLUMNS": "400"})
+    assert res.exit_code == 0 and "converted as asked" in res.output and "pads the latent" in res.output
+    res = CliRunner().invoke(cli.app, ["inspect", "smollm2-135m", "--target", "vllm", "--rope-pairs", "33"])
+    assert res.exit_code == 2 and "the rope head holds 32" in res.output
