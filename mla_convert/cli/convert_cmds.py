@@ -21,12 +21,15 @@ from mla_convert.cli.render import (
     source_table,
     user_errors,
 )
+from mla_convert.convert.engine import ENGINE_ROWS
 from mla_convert.convert.options import ConvertOptions, shard_size_of
 from mla_convert.sources.locate import locate_source
 
 SHAPE_HELP = (
-    "The engine the conversion is for: vllm and vllm-cpu shape it to the row they serve (one shared rope head of "
-    "64, one kv_lora_rank <= 512 in every layer) and, with --export, the export too. "
+    "The engine the conversion is for: transformers (any shape) | vllm (GPU, and SGLang) | vllm-cpu. vllm and "
+    "vllm-cpu allocate 512 + 64 values per token per layer, so the conversion is shaped to fill that row (one "
+    "shared rope head of up to 32 frequencies, one kv_lora_rank up to 512 in every layer) unless --cache-budget or "
+    "--rope-mode is given."
 )
 SOURCE_HELP = (
     "A HF folder (safetensors), a .gguf file, or 'smollm2-135m' (the bundled SmolLM2-135M-Instruct)."
@@ -36,12 +39,17 @@ SOURCE_HELP = (
 def shape_options(options: ConvertOptions, src: Any, target: str) -> tuple[ConvertOptions, str | None]:
     """The options ``factor``/``inspect`` run: shaped for an engine ``target`` (:mod:`mla_convert.convert.engine`),
     else with the RoPE split measured best for the budget when ``--rope-pairs`` was not given; and why."""
-    from mla_convert.convert.engine import ENGINE_ROWS, shape_for_engine
+    from mla_convert.convert.engine import shape_for_engine
     from mla_convert.convert.suggest import follow_budget
 
     if target in ENGINE_ROWS:
         given = [k for k in ConvertOptions.model_fields if given_on_command_line(k)]
-        return shape_for_engine(options, src, target, given)
+        shaped, why = shape_for_engine(options, src, target, given)
+        if shaped is options:  # the user's own shape: the split measured best for its budget, as without --target
+            options, split = follow_budget(options, src, "rope_pairs" in given)
+            why = f"{why}; {split}" if split else why
+            return options, why
+        return shaped, why
     return follow_budget(options, src, given_on_command_line("rope_pairs"))
 
 
@@ -51,7 +59,7 @@ def inspect(
     max_shard_size: str = typer.Option(
         "2GB", help="Largest output shard of the conversion the estimate is for (as for factor)."
     ),
-    target: str = typer.Option("transformers", "--target", help=SHAPE_HELP + TARGET_HELP),
+    target: str = typer.Option("transformers", "--target", help=SHAPE_HELP),
     **values: Any,
 ) -> None:
     """Show the architecture, the KV cache per token now, what conversions would give, and the peak memory, disk
@@ -61,7 +69,7 @@ def inspect(
 
       mla-convert inspect smollm2-135m
 
-      mla-convert inspect ./Llama-3.1-8B --calib-windows 2 --window 256 --eval-windows 1 --dtype bfloat16
+      mla-convert inspect ./Llama-3.1-8B --calib-tokens 512 --window 256 --eval-windows 1 --dtype bfloat16
     """
     from mla_convert.convert.options import check_options
 
@@ -114,7 +122,7 @@ def factor(
         "2GB", help="Largest output shard (e.g. 500MB, 5GB); one shard is held in memory while it is written."
     ),
     export: str = typer.Option(None, "--export", help=EXPORT_HELP),
-    target: str = typer.Option("transformers", "--target", help=SHAPE_HELP + TARGET_HELP),
+    target: str = typer.Option("transformers", "--target", help=SHAPE_HELP + " With --export, the " + TARGET_HELP),
     **values: Any,
 ) -> None:
     """Partial RoPE + low-rank K/V -> MLA checkpoint + report + manifest in OUT, streamed layer by layer.
@@ -146,7 +154,7 @@ def factor(
         options, why = shape_options(options, src, target)
         check_options(options, src)  # the source's shapes: before anything is loaded
         if why:
-            say(f"rope split: {why}")
+            say(f"{'engine shape' if target in ENGINE_ROWS else 'rope split'}: {why}")
         if export:
             from mla_convert.export.precheck import export_problems
 

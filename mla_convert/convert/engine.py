@@ -44,11 +44,17 @@ def shape_for_engine(
         ``(options, why)``; ``why`` is None for ``transformers``.
 
     Raises:
-        OptionsError: more rope pairs than the rope head holds, or a rank over 512.
+        OptionsError: ``--rope-mode per-head`` (the engine serves one shared rope head), more rope pairs than the
+            rope head holds, or a rank over 512.
     """
     if target not in ENGINE_ROWS:
         return options, None
     rank_cap, rope_width = ENGINE_ROWS[target]
+    if options.rope_mode != "shared":
+        raise OptionsError(
+            f"--target {target} serves one shared rope head; --rope-mode {options.rope_mode} gives one per KV head: use "
+            "--rope-mode shared (or --target transformers for the MLA checkpoint alone)"
+        )
     own = [f"--{k.replace('_', '-')}" for k in OWN_SHAPE if k in given]
     if own:
         return options, (
@@ -81,4 +87,7 @@ def shape_for_engine(
         f"every layer (the widest useful is {widest}); the engine allocates {rank_cap} + {rope_width} values per "
         "token per layer whatever the conversion, so this shape uses the row a per-layer budget would pad"
     )
+    source = 2 * src.num_kv_heads * src.head_dim
+    if rank_cap + rope_width >= source:
+        why += f" (this source caches {source} values itself: served this way it saves no cache, it proves the function)"
     return shaped, why

@@ -84,8 +84,12 @@ def test_inspect_target_shows_the_engine_shaped_conversion():
     assert "--target vllm-cpu: one shared rope head of 32 frequencies (high) and kv_lora_rank 320" in res.output
     assert "--rope-strategy high --rope-pairs 32 --kv-lora-rank 320" in res.output
     assert "--target vllm-cpu: exact; engine cache 576 values/token/layer (MLA 384, source 384)" in res.output
+    assert "saves no cache, it proves the function" in res.output  # 576 > SmolLM2's own 384
     res = CliRunner().invoke(cli.app, ["inspect", "smollm2-135m", "--target", "vllm", "--cache-budget", "72"],
                              env={"COLUMNS": "400"})
     assert res.exit_code == 0 and "converted as asked" in res.output and "pads the latent" in res.output
+    assert "factor --rope-pairs 16 --cache-budget 72.0 would need" in res.output  # the measured split, as without it
+    res = CliRunner().invoke(cli.app, ["inspect", "smollm2-135m", "--target", "vllm-cpu", "--rope-mode", "per-head"])
+    assert res.exit_code == 2 and "serves one shared rope head; --rope-mode per-head" in res.output
     res = CliRunner().invoke(cli.app, ["inspect", "smollm2-135m", "--target", "vllm", "--rope-pairs", "33"])
     assert res.exit_code == 2 and "the rope head holds 32" in res.output

@@ -107,6 +107,11 @@ def test_reference_report_and_cli(reference):
     ev = report["model"]["eval"]
     assert ev["tokens"] == 8 * 511 and 1.0 < ev["perplexity"] / ev["reference_perplexity"] < 10
     assert len(report["layers"]) == 30 and all(r["attn_rel_error"] is not None for r in report["layers"])
+    # calibration spans the split: the 16384-token budget as 32 windows over 13 of its 18 documents, not one article
+    text = report["text"]
+    assert text["calibration_tokens"] == 16384 and text["calibration_documents_used"] == 13
+    assert len(text["calibration"]) == 18 and text["held_out_tokens"] == 4 * 512
+    assert "calibration on 16384 tokens from 13 of the 18 calibration documents" in (reference / "report.md").read_text()
     for name in ("config.json", "generation_config.json", "tokenizer.json", "README.md", "report.md"):
         assert (reference / name).exists(), name
     runner = CliRunner()

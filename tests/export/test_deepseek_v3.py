@@ -375,6 +375,8 @@ def test_factor_target_shapes_the_conversion_for_the_engine(tiny_llama, tmp_path
         shape_for_engine(ConvertOptions(rope_pairs=9), open_source(tiny_llama), "vllm", ["rope_pairs"])
     kept, why = shape_for_engine(ConvertOptions(cache_budget=24), open_source(tiny_llama), "vllm", ["cache_budget"])
     assert kept.cache_budget == 24 and kept.rope_mode == "shared" and why and "pads the latent" in why
+    with pytest.raises(OptionsError, match="serves one shared rope head"):
+        shape_for_engine(ConvertOptions(rope_mode="per-head"), open_source(tiny_llama), "vllm-cpu", ["rope_mode"])
 
 
 def test_engine_shape_of_a_head_dim_128_source():

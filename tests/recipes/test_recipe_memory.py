@@ -41,7 +41,10 @@ from mla_convert.sources.checkpoint import open_source
 
 TESTS = Path(__file__).resolve().parents[1]
 #: What the streamed reference run of the bundled model measured (module docstring).
-SMOLLM2 = {"peak_bytes": 1800 * 2**20, "wall_s": 133.0, "output_bytes": 292_083_824, "d_nope": 112}
+#: The bundled model's default conversion on the reference machine. wall_s: 133 s measured there with 8192 calibration
+#: tokens; the 16384-token default took 269 s where the old default took 194 s on one machine in the same
+#: conditions (issue 27), so 133 x 269 / 194 = 184 s there.
+SMOLLM2 = {"peak_bytes": 1800 * 2**20, "wall_s": 184.0, "output_bytes": 292_083_824, "d_nope": 112}
 #: Llama-3.1-8B's shape (benchmarks/scale_sources.py ``SHAPES["llama8b"]``).
 LLAMA8B = {
     "num_hidden_layers": 32,
@@ -130,7 +133,7 @@ def test_8b_shape_stays_below_5gb_with_the_benchmark_options():
     assert disk.work_peak == pytest.approx(disk.output + attn + per_layer["RoPE plans"] + per_layer["stream state"])
     assert disk.work_peak < disk.output + 32 * p1
     smol = factor_time(ConvertOptions(dtype="bfloat16"), open_source("smollm2-135m")).total
-    assert factor_time(options, src).total > 20 * smol  # float64 d x d algebra and 36x the layer work
+    assert factor_time(options, src).total > 15 * smol  # float64 d x d algebra and 36x the layer work (on 1/32 of the tokens)
     assert len(factor_lines(options, src)) == 3
 
 
