@@ -25,8 +25,8 @@ TARGET_HELP = (
 
 
 def check_target(target: str) -> None:
-    """``--target``: one of the export's engine shapes."""
-    from mla_convert.export.deepseek_v3 import TARGETS
+    """``--target``: one of the export's engine shapes (a light check: no torch)."""
+    from mla_convert.convert.engine import TARGETS
 
     if target not in TARGETS:
         fail(f"--target {target!r} is not one of {', '.join(TARGETS)} (SGLang takes the vllm shapes: --target vllm)")

@@ -22,6 +22,8 @@ from mla_convert.convert.options import ConvertOptions, OptionsError, SourceShap
 
 #: Engine targets that fix the served row: target -> (kv_lora_rank, qk_rope_head_dim) the engine allocates.
 ENGINE_ROWS = {"vllm": (512, 64), "vllm-cpu": (512, 64)}
+#: Every ``--target``: ``transformers`` (any shape) and the engine rows.
+TARGETS = ("transformers", *ENGINE_ROWS)
 #: Explicit options that choose another shape: with one of them the conversion is left as asked (the export pads
 #: it to the engine row), and the reason says what the row would hold instead.
 OWN_SHAPE = ("rope_mode", "cache_budget")

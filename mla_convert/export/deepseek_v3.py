@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from mla_convert.convert.engine import TARGETS
 from mla_convert.errors import UserError
 
 #: The epsilon every exported norm uses (``rms_norm_eps``): transformers' ``DeepseekV3RMSNorm`` default, which
@@ -53,7 +54,6 @@ LINEAR_MARGIN = 2.0**-25
 #: Largest relative difference between a kept frequency and the ``default`` rope's float32 table.
 GEOMETRIC_RTOL = 1e-6
 #: Shapes ``export --target`` writes.
-TARGETS = ("transformers", "vllm", "vllm-cpu")
 #: (qk_nope_head_dim, qk_rope_head_dim, v_head_dim) vLLM's GPU MLA prefill accepts on Hopper (smallest first).
 VLLM_GPU_HEAD_DIMS = ((64, 64, 128), (128, 64, 128), (192, 64, 256))
 #: (qk_nope_head_dim, qk_rope_head_dim, v_head_dim) of vLLM's CPU MLA backends (AMX_MLA, CPU_SDPA_MLA).
