@@ -366,10 +366,10 @@ def test_two_processes_follow_the_same_curve(one_process, tiny_ckpt, run, tmp_pa
     # gradient all-reduce), so the rest of the curve is compared for shape, not bits.
     assert abs(one[0] - two[0]) < 1e-5 * one[0] and abs(one[1] - two[1]) < 1e-5 * one[1], (one, two)
     assert max(abs(x - y) / abs(x) for x, y in zip(one, two, strict=True)) < 0.1, (one, two)
-    # Same ups and downs wherever the one-process curve moves by more than 1 % (a nearly flat step's sign is
-    # rounding noise, far inside the 10 % the curves may differ by).
+    # Same ups and downs wherever the one-process curve moves by more than 0.5 % (a nearly flat step's sign is
+    # rounding noise: the two curves differ by ~0.05 % per step here, far inside the 10 % they may differ by).
     steps = [
-        (a, b, c, d) for a, b, c, d in zip(one, one[1:], two, two[1:], strict=False) if abs(b - a) > 0.01 * a
+        (a, b, c, d) for a, b, c, d in zip(one, one[1:], two, two[1:], strict=False) if abs(b - a) > 0.005 * a
     ]
     assert len(steps) >= 3 and all((b > a) == (d > c) for a, b, c, d in steps), (one, two)
 
