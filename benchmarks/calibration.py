@@ -60,7 +60,12 @@ def main() -> None:
     ap.add_argument("--eval", type=int, default=16, help="evaluation windows per text")
     ap.add_argument("--sizes", default="120:24,72:16")
     ap.add_argument("--readme", action="store_true", help="also replace README.md's calibration block")
+    ap.add_argument("--collect", action="store_true", help="measure nothing: table the rows already logged")
     a = ap.parse_args()
+    if a.collect:
+        log = RESULTS / "calibration.jsonl"
+        publish([json.loads(x) for x in log.read_text().splitlines()], a.eval, a.readme)
+        return
     torch.manual_seed(0)
     src = open_source("smollm2-135m")
     model = load_source_model(src)
@@ -101,26 +106,29 @@ def main() -> None:
             done.append(row)
             with log.open("a") as f:
                 f.write(json.dumps(row) + "\n")
+    publish(done, a.eval, a.readme)
+
+
+def publish(done: list[dict], eval_windows: int, readme: bool) -> None:
+    """Write ``calibration.md`` (and with ``readme`` the README block) from the logged rows."""
     lines = [
         f"SmolLM2-135M-Instruct, default options but the calibration windows; perplexity ratio to the source on "
-        f"{a.eval} x {WINDOW} tokens of each text's evaluation split (never calibrated on). Written by "
-        "`python benchmarks/calibration.py`.",
+        f"{eval_windows} x {WINDOW} tokens of each text's evaluation split (never calibrated on). Written by "
+        "`python benchmarks/calibration.py --readme`.",
         "",
         "| cache | rope pairs | calibration | tokens | documents | wikipedia x source | news x source |",
         "|---:|---:|---|---:|---:|---:|---:|",
     ]
     for r in done:
-        if r["eval_windows"] == a.eval:
-            lines.append(f"| {r['budget']} | {r['rope_pairs']} | {r['selection'].replace('(default)', '(old default)')} | {r['calib_tokens']} | "
-                         f"{r['calib_documents']} | {r['wikipedia ratio']:.2f} | {r['news ratio']:.2f} |")
+        if r["eval_windows"] == eval_windows:
+            lines.append(f"| {r['budget']} | {r['rope_pairs']} | {r['selection'].replace('(default)', '(old default)')} | "
+                         f"{r['calib_tokens']} | {r['calib_documents']} | {r['wikipedia ratio']:.2f} | {r['news ratio']:.2f} |")
     (RESULTS / "calibration.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    if a.readme:
+    if readme:
         from readme import replace_block
 
-        replace_block("calibration", "\n".join(lines).replace("`python benchmarks/calibration.py`",
-                                                             "`python benchmarks/calibration.py --readme`"))
-
+        replace_block("calibration", "\n".join(lines))
 
 if __name__ == "__main__":
     main()
