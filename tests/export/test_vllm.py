@@ -47,7 +47,8 @@ def test_reference_export_is_exact_in_vllm(vllm_python, cpu_export, reference_ck
     assert record["passed"], record["reasons"]
     assert record["logprob_abs_diff"]["mean"] <= MEAN_MAX and record["logprob_abs_diff"]["max"] <= ABS_MAX
     assert record["greedy"]["max_margin"] <= GREEDY_MARGIN and record["greedy"]["count"] == 32
-    assert "AMX_MLA" in record["backends"]
+    # vLLM's CPU MLA decode backend for this CPU: AMX_MLA where the CPU has AMX (Intel Xeon), CPU_MLA elsewhere (AMD EPYC)
+    assert {"AMX_MLA", "CPU_MLA"} & set(record["backends"]), record["backends"]
     (group,) = record["kv_cache"]["groups"]  # one latent head of kv_lora_rank + rope per token per layer
     assert group["spec"] == "MLAAttentionSpec" and group["num_kv_heads"] == 1 and group["head_size"] == 576
     assert group["bytes_per_token_per_layer"] == 576 * 2 and group["layers"] == 30
