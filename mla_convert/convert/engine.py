@@ -10,7 +10,7 @@ plus one shared rope head of 64 dims (FlashMLA on GPU, ``AMX_MLA`` on CPU; its G
 - the widest latent the engine row holds, the same in every layer (``--kv-lora-rank min(512, widest useful)``):
   a per-layer rank allocation under a smaller budget would only be padded to 512 there.
 
-At the served cache (what the engine allocates) this uses every cached value; ``benchmarks/export.py`` measures
+At the served cache (what the engine allocates) this uses every cached value; ``benchmarks/engine_shape.py`` measures
 it against the default conversion at the same served cache.
 """
 

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from mla_convert.convert.engine import TARGETS
+from mla_convert.convert.engine import ENGINE_ROWS, TARGETS
 from mla_convert.errors import UserError
 
 #: The epsilon every exported norm uses (``rms_norm_eps``): transformers' ``DeepseekV3RMSNorm`` default, which
@@ -59,7 +59,7 @@ VLLM_GPU_HEAD_DIMS = ((64, 64, 128), (128, 64, 128), (192, 64, 256))
 #: (qk_nope_head_dim, qk_rope_head_dim, v_head_dim) of vLLM's CPU MLA backends (AMX_MLA, CPU_SDPA_MLA).
 VLLM_CPU_HEAD_DIMS = ((128, 64, 128),)
 #: The latent width vLLM's FlashMLA (GPU) and AMX_MLA (CPU) decode take.
-VLLM_KV_LORA_RANK = 512
+VLLM_KV_LORA_RANK = ENGINE_ROWS["vllm"][0]  # the latent width of the engine row (convert/engine.py)
 #: The decode backend each target expects.
 BACKENDS = {"transformers": "eager/SDPA (transformers)", "vllm": "FLASHMLA", "vllm-cpu": "AMX_MLA"}
 
