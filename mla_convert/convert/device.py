@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from mla_convert.sources.checkpoint import SourceModel
@@ -13,13 +17,27 @@ def trim_heap() -> None:
     """Hand freed heap pages back to the system (glibc ``malloc_trim``; a no-op elsewhere), so the resident
     set after a layer is what the next layer holds, not the high-water mark of the last one."""
     import ctypes
-    import gc
 
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+@contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Inside, :func:`trim_heap`'s ``gc.collect`` skips every Python object that existed on entry (``gc.freeze``):
+    a process holding a tokenizer and the transformers modules has ~375k of them, and a full collection over them
+    cost 0.25 s per layer on a 2-core CPU (25 s of a SmolLM2 conversion). On exit they are collectable again
+    (``gc.unfreeze``). Objects made inside are collected as before; frozen ones freed by reference count still are.
+    """
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def resolve_device(spec: str) -> torch.device:

@@ -29,21 +29,27 @@ EIGH_S_PER_N3 = 3.8e-10
 SVD_S_PER_M2N = 1.2e-9
 #: The same for ``torch.linalg.svdvals``: 0.025 s at 336 x 576 (3.9e-10), 10.0 s at 2000 x 4096 (6.1e-10).
 SVDVALS_S_PER_M2N = 6.1e-10
-# Fitted to the bundled model's streamed conversion with two threads (``mla-convert factor smollm2-135m OUT
-# --dtype bfloat16``, 133 s wall: setup 5 s, source forward 34 s, plan 4.6 s, factor 2.6 s, pass-1 files 2.3 s,
-# assemble + refit 29 s, held-out forward 23 s, evaluation forward 16 s, score 7 s, finish 4 s) with the FLOP
-# counts of :func:`factor_time`:
+# Fitted to the bundled model's default conversion with two threads (``mla-convert factor smollm2-135m OUT
+# --device cpu``: 16384 calibration tokens in bfloat16 autocast, SDPA prefill; 137 s wall on a 2-core AMD EPYC where
+# the 8192-token float32 default of commit 156b868 took 142 s, so each stage is scaled by 133/142 to the reference
+# machine's 133 s for that default): source forward 33 s, plan 4.3 s, factor 4.6 s, assemble + refit 34 s,
+# held-out forward 17 s, evaluation forward 10.5 s, score 5 s, with the FLOP counts of :func:`factor_time`:
 #: Fraction of the one-thread float64 predictions above that two threads took (plan 4.6 s of 7.2 s predicted,
 #: factor 2.6 s of 5.0 s).
 FLOAT64_TWO_THREADS = 0.6
-#: Effective GFLOP/s of the source layers' forward (3.58 TFLOP in 26 s besides the float64 statistics).
+#: Effective GFLOP/s of the source layers' float32 forward (held-out, evaluation and probe windows: 1.55 TFLOP
+#: in 11 s; also the float32 pair-norm projections of the statistics).
 SOURCE_FORWARD_GFLOPS = 137.0
-#: Effective GFLOP/s of the MLA layers' forward, absorbed path (1.80 TFLOP in 23 s, 1.21 in 16 s).
-CONVERTED_FORWARD_GFLOPS = 76.0
-#: Effective GFLOP/s of assemble + refit (1.62 TFLOP in 29 s; 19 s in a less loaded run).
-REFIT_GFLOPS = 56.0
-#: Effective GFLOP/s of the LM-head scoring (0.46 TFLOP of the evaluation windows in 7 s).
-SCORE_GFLOPS = 66.0
+#: Effective GFLOP/s of the source layers' forward over the calibration windows in bfloat16 autocast
+#: (``--calib-precision bfloat16``, the default: 4.06 TFLOP in 12.3 s).
+CALIB_BF16_GFLOPS = 330.0
+#: Effective GFLOP/s of the MLA layers' forward, absorbed path with the SDPA prefill (1.80 TFLOP in 16.8 s,
+#: 1.21 in 10.5 s).
+CONVERTED_FORWARD_GFLOPS = 110.0
+#: Effective GFLOP/s of assemble + refit (3.22 TFLOP in 34 s).
+REFIT_GFLOPS = 94.0
+#: Effective GFLOP/s of the LM-head scoring (0.69 TFLOP of the evaluation and held-out windows in 5 s).
+SCORE_GFLOPS = 139.0
 #: Bytes written per second to the work folder and the output (1.7 GB of pass-1 files in 2.3 s).
 IO_BYTES_PER_S = 0.73e9
 #: Seconds besides the layers: imports, source checks, text and embedding (5 s), shards, sample, report (4 s).
@@ -87,9 +93,11 @@ def factor_time(options: ConvertOptions, src: Any) -> TimeEstimate:
         params = s.conv_attn_params if attention_only else conv_layer
         return 2.0 * params + absorbed + 2.0 * ctx * h * (2 * d_c + d_r)
 
-    windows = tok["calib"] + tok["held"] + tok["eval"]
-    fwd_src = n_l * (windows * f_src(t) + tok["probe"] * f_src(tok["probe"]))
-    stats64 = n_l * tok["calib"] * (2.0 * d * d + 2.0 * d * (h + g) * hd)
+    fwd_calib = n_l * tok["calib"] * f_src(t)
+    fwd_src = n_l * ((tok["held"] + tok["eval"]) * f_src(t) + tok["probe"] * f_src(tok["probe"]))
+    calib_rate = CALIB_BF16_GFLOPS if options.calib_precision == "bfloat16" else SOURCE_FORWARD_GFLOPS
+    stats64 = n_l * tok["calib"] * 2.0 * d * d  # E[x xᵀ]; the pair norms' projections run in float32
+    stats32 = n_l * tok["calib"] * 2.0 * d * (h + g) * hd
     hq, gk = h * hd, g * hd
     plan64 = 2.0 * hq * d * d + 2.0 * hq * hq * d + 2.0 * gk * d * d + 2.0 * gk * gk * d
     plan_la = 0.0
@@ -127,7 +135,9 @@ def factor_time(options: ConvertOptions, src: Any) -> TimeEstimate:
     io = sum(b for what, b in disk.items if what != "stream state") + n_l * (state1 + 2 * state2)
     stages = {
         "setup and finish": SETUP_S,
-        "source forward": fwd_src / (SOURCE_FORWARD_GFLOPS * giga) + stats64 * f64,
+        "source forward": (fwd_src + stats32) / (SOURCE_FORWARD_GFLOPS * giga)
+        + fwd_calib / (calib_rate * giga)
+        + stats64 * f64,
         "plan": n_l * (plan64 * f64 + plan_la * FLOAT64_TWO_THREADS),
         "factor": n_l * (factor64 * f64 + factor_la * FLOAT64_TWO_THREADS),
         "assemble + refit": (refit_fwd + refit64 + assemble64) / (REFIT_GFLOPS * giga),

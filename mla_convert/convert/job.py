@@ -20,7 +20,7 @@ from mla_convert.artifacts.manifest import conversion_manifest, write_manifest
 from mla_convert.artifacts.output import write_carried
 from mla_convert.artifacts.report import write_report
 from mla_convert.artifacts.shards import DEFAULT_MAX_SHARD_SIZE, write_shards
-from mla_convert.convert.device import trim_heap
+from mla_convert.convert.device import frozen_heap, trim_heap
 from mla_convert.convert.options import ConvertOptions, check_options
 from mla_convert.convert.stream import ProgressFn, Streamed, StreamedConversion, Texts
 from mla_convert.convert.workdir import check_start, close_work, load_torch, open_work, publish
@@ -249,56 +249,57 @@ def run_factor(
     probe = text.evaluation[:1, :128]
     texts = Texts(text.calibration, text.held_out, text.evaluation, probe)
     work, done = open_work(out, job, resume)
-    try:
-        conv = StreamedConversion(src, options, texts, work, progress)
-        if done is not None:
-            conv.state = load_torch(work / "state.pt")
-        step = (done["pass"], done["layer"]) if done is not None else (1, -1)
-        n = src.num_layers
+    with frozen_heap():  # the per-layer gc.collect skips the objects made before the layers run
+        try:
+            conv = StreamedConversion(src, options, texts, work, progress)
+            if done is not None:
+                conv.state = load_torch(work / "state.pt")
+            step = (done["pass"], done["layer"]) if done is not None else (1, -1)
+            n = src.num_layers
 
-        def first(p: int) -> int:
-            """First layer pass ``p`` still has to run."""
-            return n if step[0] > p else (step[1] + 1 if step[0] == p else 0)
+            def first(p: int) -> int:
+                """First layer pass ``p`` still has to run."""
+                return n if step[0] > p else (step[1] + 1 if step[0] == p else 0)
 
-        phases.enter("calibrate")
-        conv.pass_one(first(1))
-        t1 = time.perf_counter()
-        config = conv.ranks_and_config()
-        phases.enter("convert")
-        conv.pass_two(config, first(2))
-        if step[0] < 3:
-            conv.decide_refit()
-        phases.enter("evaluate")
-        conv.pass_three(config, first(3))
-        t2 = time.perf_counter()
-        phases.enter("score")
-        ev = conv.score()
-        res = conv.result(config, ev)
-        t3 = time.perf_counter()
-        staged = work / "out"
-        staged.mkdir()
+            phases.enter("calibrate")
+            conv.pass_one(first(1))
+            t1 = time.perf_counter()
+            config = conv.ranks_and_config()
+            phases.enter("convert")
+            conv.pass_two(config, first(2))
+            if step[0] < 3:
+                conv.decide_refit()
+            phases.enter("evaluate")
+            conv.pass_three(config, first(3))
+            t2 = time.perf_counter()
+            phases.enter("score")
+            ev = conv.score()
+            res = conv.result(config, ev)
+            t3 = time.perf_counter()
+            staged = work / "out"
+            staged.mkdir()
 
-        def shard_done(_: int, total: int) -> None:
-            src.release()  # the shard's source pages leave the resident set
-            if progress:
-                progress("write", 1, total)
+            def shard_done(_: int, total: int) -> None:
+                src.release()  # the shard's source pages leave the resident set
+                if progress:
+                    progress("write", 1, total)
 
-        phases.enter("write")
-        config.save_pretrained(str(staged))
-        write_shards(
-            staged,
-            conv.layout(config),
-            conv.loader(),
-            max_shard_size,
-            shard_done,
-        )
-        params = sum(t.numel() for t in conv.layout(config).values())
-        write_carried(staged, src.path, config, model_card(src, options, res, ev))
-        phases.enter("sample")
-        sample = _sample(staged, tokenizer, sample_prompt, params)
-    except UserError:
-        close_work(work)  # a damaged source or impossible step: nothing to resume
-        raise
+            phases.enter("write")
+            config.save_pretrained(str(staged))
+            write_shards(
+                staged,
+                conv.layout(config),
+                conv.loader(),
+                max_shard_size,
+                shard_done,
+            )
+            params = sum(t.numel() for t in conv.layout(config).values())
+            write_carried(staged, src.path, config, model_card(src, options, res, ev))
+            phases.enter("sample")
+            sample = _sample(staged, tokenizer, sample_prompt, params)
+        except UserError:
+            close_work(work)  # a damaged source or impossible step: nothing to resume
+            raise
     t4 = time.perf_counter()
     by_phase = phases.finish()
     cache_src, cache_mla = res.cache_source, res.cache_converted

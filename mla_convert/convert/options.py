@@ -24,6 +24,7 @@ Factorization = Literal["joint", "split"]
 Objective = Literal["weight", "activation", "output"]
 Refit = Literal["none", "teacher"]
 OutputDtype = Literal["auto", "bfloat16", "float16", "float32"]
+CalibPrecision = Literal["bfloat16", "float32"]
 
 MODES: tuple[str, ...] = get_args(RopeMode)
 STRATEGIES: tuple[str, ...] = get_args(RopeStrategy)
@@ -97,6 +98,12 @@ class ConvertOptions(BaseModel):
         description="calibration tokens, drawn as windows spread evenly across all the calibration documents",
     )
     calib_windows: int | None = Field(None, description="calibration windows (replaces --calib-tokens)")
+    calib_precision: CalibPrecision = Field(
+        "bfloat16",
+        description="matrix products of the source's forward pass over the calibration windows: bfloat16 "
+        "(autocast; the statistics are still summed in float64, held-out and evaluation windows run in float32) "
+        "| float32",
+    )
     window: int = Field(512, description="tokens per calibration/evaluation window")
     eval_windows: int = Field(8, description="held-out evaluation windows for perplexity")
     dtype: OutputDtype = Field(

@@ -251,7 +251,8 @@ class StreamedConversion:
             held_x.append(x.detach().float().cpu())
             held_out.append(out.detach().float().cpu())
 
-        s["src_calib"] = layers.run(layer, s["src_calib"], calib)
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.options.calib_precision == "bfloat16"):
+            s["src_calib"] = layers.run(layer, s["src_calib"], calib)
         s["src_held"] = layers.run(layer, s["src_held"], held)
         s["src_eval"] = layers.run(layer, s["src_eval"])
         cache = self._source_cache()

@@ -16,7 +16,7 @@ import torch
 from oracle import rotation_projector
 
 from mla_convert.convert.assemble import layer_tensors, pad_plan
-from mla_convert.convert.calibration import LayerStats
+from mla_convert.convert.calibration import LayerStats, StatsAccumulator
 from mla_convert.convert.factorize import FactorError, allocate_ranks, build_target, factor_layer, spectrum
 from mla_convert.convert.rope import RopeError, fixed_pairs, plan_layer
 
@@ -200,6 +200,35 @@ def test_allocate_ranks_is_the_best_split_of_the_budget():
         assert sum(ranks) == total and kept(ranks) == pytest.approx(kept(best), abs=1e-12)
     with pytest.raises(FactorError, match="possible: 3..18"):
         allocate_ranks(spectra, 19)
+
+
+def test_statistics_accumulated_in_chunks_equal_the_float64_formulas() -> None:
+    """The streamed sums (second moments in float64, pair norms from float32 projections) against the formulas
+    computed at once in float64: E[x xᵀ] and E[x] to float64 rounding, E‖pair‖ to float32's."""
+    g_ = torch.Generator().manual_seed(3)
+    h, g, d, hid = 4, 2, 8, 32
+    w = {"q": torch.randn(h * d, hid, generator=g_, dtype=torch.float64),
+         "k": torch.randn(g * d, hid, generator=g_, dtype=torch.float64),
+         "bk": 50 * torch.randn(g * d, generator=g_, dtype=torch.float64)}  # fmt: skip
+    x = (torch.randn(3, 100, hid, generator=g_) * torch.linspace(0.1, 30.0, hid)).float()
+    acc = StatsAccumulator(w, h, g, d)
+    for part in x.split([1, 2]):  # two chunks of windows, as the streamed pass adds them
+        acc.add(part)
+    st = acc.finish()
+    x64 = x.reshape(-1, hid).double()
+
+    def pair_norm(y: torch.Tensor, heads: int) -> torch.Tensor:
+        y = y.view(-1, heads, d)
+        return torch.sqrt(y[..., : d // 2] ** 2 + y[..., d // 2 :] ** 2).mean(0)
+
+    assert st.tokens == 300
+    torch.testing.assert_close(st.xx, x64.T @ x64 / 300, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(st.x_mean, x64.mean(0), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(st.q_pair_norm, pair_norm(x64 @ w["q"].T, h), rtol=1e-5, atol=0)
+    torch.testing.assert_close(st.k_pair_norm, pair_norm(x64 @ w["k"].T + w["bk"], g), rtol=1e-5, atol=0)
+    assert not torch.allclose(st.k_pair_norm, pair_norm(x64 @ w["k"].T, g), rtol=1e-3)  # the bias is counted
+    with pytest.raises(ValueError, match="no calibration tokens"):
+        StatsAccumulator(w, h, g, d).finish()
 
 
 # --- assemble --------------------------------------------------------------------------------------------
