@@ -4,7 +4,8 @@ No whole model is ever built. Token windows (calibration, held-out calibration, 
 enter as embedding rows and travel through the layers as hidden-state streams ``[N, T, hidden]`` (float32):
 
 * **Pass 1** (source): per layer, read its tensors (``safe_open``/GGUF, one at a time), run every stream
-  through the source layer, accumulate the calibration statistics of its attention input, keep the held-out
+  through the source layer (the calibration windows in bfloat16 autocast unless ``--calib-precision float32``;
+  the held-out, evaluation and probe windows in float32), accumulate the calibration statistics of its attention input, keep the held-out
   (and, for the ``o_proj`` refit, calibration) attention inputs/outputs, and build its RoPE plan and the
   weighted K/V matrix; these go to the work folder. Ranks that depend on every layer (``--cache-budget``)
   and the shared ``qk_nope_head_dim`` are known once pass 1 ends.
