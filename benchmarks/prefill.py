@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -26,6 +27,14 @@ def timed(fn: Callable[[], torch.Tensor], repeat: int) -> tuple[float, torch.Ten
     for _ in range(repeat):
         out = fn()
     return (time.perf_counter() - t0) / repeat, out
+
+
+def reference(
+    q_abs: torch.Tensor, q_rope: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tensor, r: int, mask: torch.Tensor
+) -> torch.Tensor:
+    """The three-einsum form: ``latent_scores -> attention_probs -> attend_latent`` (scale 0.125)."""
+    scores = algebra.latent_scores(q_abs, q_rope, c_kv, k_rope, r)
+    return algebra.attend_latent(algebra.attention_probs(scores, 0.125, mask), c_kv)
 
 
 def main() -> None:
@@ -45,12 +54,9 @@ def main() -> None:
         q_abs, q_rope = torch.randn(b, t, h, d_c, generator=g), torch.randn(b, t, h, d_r, generator=g)
         c_kv, k_rope = torch.randn(b, t, d_c, generator=g), torch.randn(b, t, r * d_r, generator=g)
 
-        def reference() -> torch.Tensor:
-            scores = algebra.latent_scores(q_abs, q_rope, c_kv, k_rope, r)
-            return algebra.attend_latent(algebra.attention_probs(scores, 0.125, mask), c_kv)
-
-        t_ref, ref = timed(reference, args.repeat)
-        t_new, out = timed(lambda: algebra.attend_latent_fused(q_abs, q_rope, c_kv, k_rope, r, 0.125, mask), args.repeat)
+        inputs = (q_abs, q_rope, c_kv, k_rope, r)
+        t_ref, ref = timed(partial(reference, *inputs, mask), args.repeat)
+        t_new, out = timed(partial(algebra.attend_latent_fused, *inputs, 0.125, mask), args.repeat)
         diff = float((out - ref).abs().max())
         print(f"| {r} | {d_r} | {d_c} | {t_ref * 1e3:.1f} | {t_new * 1e3:.1f} | {t_ref / t_new:.2f}x | {diff:.1e} |")
 
