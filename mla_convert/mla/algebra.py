@@ -180,8 +180,16 @@ def attend_latent_fused(
     """
     b, t, h, d_c = q_abs.shape
     s, r, d_r = c_kv.shape[1], num_rope_heads, q_rope.shape[-1]
-    if t > 1:
-        return _attend_latent_sdpa(q_abs, q_rope, c_kv, k_rope, r, softmax_scale, mask)
+    if t > 1:  # prefill: the R latent keys expanded to the H query heads as views, one SDPA call
+        q = torch.cat([q_abs, q_rope], dim=-1) if d_r else q_abs
+        if d_r:
+            keys = torch.cat([c_kv[:, :, None].expand(b, s, r, d_c), k_rope.reshape(b, s, r, d_r)], dim=-1)
+            k = keys.transpose(1, 2)[:, :, None].expand(b, r, h // r, s, d_c + d_r).reshape(b, h, s, d_c + d_r)
+        else:
+            k = c_kv[:, None].expand(b, h, s, d_c)
+        v = c_kv[:, None].expand(b, h, s, d_c)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, scale=softmax_scale)
+        return out.transpose(1, 2)
     scores = torch.matmul(q_abs.reshape(b, t * h, d_c), c_kv.transpose(1, 2))  # [B, T*H, S]
     if d_r and r == 1:
         scores = torch.baddbmm(scores, q_rope.reshape(b, t * h, d_r), k_rope.transpose(1, 2))
@@ -195,30 +203,6 @@ def attend_latent_fused(
         scaled = scaled + mask.transpose(1, 2)  # [B, 1, T, S] -> [B, T, 1, S]: one row of the mask per token
     probs = torch.softmax(scaled.float(), dim=-1).to(scores.dtype)
     return torch.matmul(probs.view(b, t * h, s), c_kv).view(b, t, h, d_c)
-
-
-def _attend_latent_sdpa(
-    q_abs: torch.Tensor,
-    q_rope: torch.Tensor,
-    c_kv: torch.Tensor,
-    k_rope: torch.Tensor,
-    num_rope_heads: int,
-    softmax_scale: float,
-    mask: torch.Tensor | None,
-) -> torch.Tensor:
-    """:func:`attend_latent_fused`'s prefill: one SDPA call over ``[c_kv | k_rope]`` keys and ``c_kv`` values
-    (``[B, T, H, d_c]``, shapes as there); the ``R`` latent keys are expanded to the ``H`` query heads as views."""
-    b, t, h, d_c = q_abs.shape
-    s, r, d_r = c_kv.shape[1], num_rope_heads, q_rope.shape[-1]
-    q = torch.cat([q_abs, q_rope], dim=-1).transpose(1, 2) if d_r else q_abs.transpose(1, 2)  # [B, H, T, D]
-    if d_r:
-        keys = torch.cat([c_kv[:, :, None].expand(b, s, r, d_c), k_rope.reshape(b, s, r, d_r)], dim=-1)
-        k = keys.transpose(1, 2)[:, :, None].expand(b, r, h // r, s, d_c + d_r).reshape(b, h, s, d_c + d_r)
-    else:
-        k = c_kv[:, None].expand(b, h, s, d_c)
-    v = c_kv[:, None].expand(b, h, s, d_c)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=softmax_scale)
-    return out.transpose(1, 2)
 
 
 def latent_output(latent_out: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
