@@ -12,6 +12,9 @@ Rows:
   teacher         the default: ridge refit of o_proj to the source attention output on source inputs
   seq-a           o_proj refit on the *converted* model's own layer inputs (the refit's windows), layer after layer; target =
                   source attention output + a x (source residual - converted residual), a in {0, 0.5, 1}
+  sequential      factor's own ``--refit-o-proj sequential`` (seq-0 inside the streamed conversion, with the held-out
+                  keep decision; seq-0 above is its independent cross-check)
+  rotation-seq    rotation RoPE strategy and the sequential refit together
   q-refit         default + least-squares refit of the NoPE queries on the reconstructed keys
                   (k ~ P k_hat with P = E[k k_hatᵀ] E[k_hat k_hatᵀ]⁻¹; queries become Pᵀ q)
   uniform-ranks   one latent width for every layer instead of the marginal-error allocation
@@ -28,6 +31,7 @@ A row that beats the default on the dev windows is also scored on the held-out W
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -47,6 +51,7 @@ from mla_convert.mla.modeling import MLAForCausalLM
 from mla_convert.sources.checkpoint import SourceModel
 
 DEV = 8  # dev windows (adaptation split)
+SPLITS = Path(__file__).resolve().parents[1] / "mla_convert" / "convert" / "measured_splits.json"
 
 
 @torch.no_grad()
@@ -128,13 +133,74 @@ def merge(lines: list[str], previous: Path) -> list[str]:
     return [x for x in lines if not (x.startswith("| ") and x[2:3].isdigit())] + rows
 
 
+#: Rows whose options ``factor`` takes per cache size when they win (``measured_splits.json`` ``levers``): what
+#: each sets of :data:`mla_convert.convert.suggest.LEVER_OPTIONS`.
+LEVER_ROWS: dict[str, dict[str, str]] = {
+    "teacher": {"rope_strategy": "2-norm", "refit_o_proj": "teacher"},
+    "sequential": {"rope_strategy": "2-norm", "refit_o_proj": "sequential"},
+    "rotation": {"rope_strategy": "rotation", "refit_o_proj": "teacher"},
+    "rotation-seq": {"rope_strategy": "rotation", "refit_o_proj": "sequential"},
+}
+
+
+def choose_levers(lines: list[str]) -> dict[int, tuple[int, dict[str, str], str]]:
+    """Per cache size in the table ``lines``: the rope pairs, the :data:`LEVER_ROWS` options ``factor`` takes and
+    the evidence. The row with the lowest dev ratio among those that also beat ``teacher`` on the held-out
+    windows wins (dev decides, held-out only confirms); ``teacher`` when none does."""
+    rows: dict[int, dict[str, tuple[int, float, float | None]]] = {}
+    for line in lines:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 7 and cells[0].isdigit() and cells[2] in LEVER_ROWS:
+            held = float(cells[5]) if cells[5] else None
+            rows.setdefault(int(cells[0]), {})[cells[2]] = (int(cells[1]), float(cells[4]), held)
+    out = {}
+    for size, got in rows.items():
+        if "teacher" not in got:
+            continue
+        pairs, dev0, held0 = got["teacher"]
+        wins = [(dev, n) for n, (p, dev, held) in got.items() if n != "teacher" and p == pairs and held is not None
+                and held0 is not None and held < held0]  # fmt: skip
+        name = min(wins)[1] if wins else "teacher"
+        dev, held = got[name][1], got[name][2]
+        if name == "teacher":
+            tried = ", ".join(f"{n} x{d:.2f}" for n, (p, d, _) in got.items() if n != "teacher" and p == pairs)
+            why = f"benchmarks/levers.py at r={pairs}: no row beat it on dev (teacher x{dev0:.2f}; {tried})"
+        else:
+            why = (f"benchmarks/levers.py at r={pairs}: row {name} x{dev:.2f} dev / x{held:.2f} held-out wiki@512 "
+                   f"vs teacher x{dev0:.2f} / x{held0:.2f}")
+        out[size] = (pairs, LEVER_ROWS[name], why)
+    return out
+
+
+def record_levers(lines: list[str], path: Path = SPLITS) -> None:
+    """Write :func:`choose_levers`' choices into ``measured_splits.json`` (``levers``, ``levers_evidence``) of the
+    cache sizes measured at their recorded split; the other keys stay as ``benchmarks/perplexity.py`` wrote them."""
+    data = json.loads(path.read_text())
+    chosen = choose_levers(lines)
+    for entry in data["splits"]:
+        got = chosen.get(int(entry["cache_budget"]))
+        if got is not None and got[0] == entry["rope_pairs"]:
+            entry["levers"], entry["levers_evidence"] = got[1], got[2]
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="72:16", help="cache budget:rope pairs, comma separated")
     ap.add_argument("--only", default="", help="comma-separated row names")
     ap.add_argument("--readme", action="store_true", help="also replace the README block")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "levers.md")
+    ap.add_argument("--publish", nargs="*", type=Path, metavar="TABLE",
+                    help="measure nothing: merge these tables' rows (runs written elsewhere with --out) into --out, "
+                    "then write the README block (with --readme) and the levers into measured_splits.json")  # fmt: skip
     args = ap.parse_args()
+    if args.publish is not None:
+        lines = args.out.read_text().splitlines()
+        for table in args.publish:
+            lines = merge(table.read_text().splitlines(), args.out)
+            args.out.write_text("\n".join(lines) + "\n")
+        publish(lines, args.out, args.readme)
+        return
     proto = protocol.load(None, DEV, {"wiki@512": 40})
     src, model, calib, held, dev = proto.src, proto.model, proto.calibration, proto.held_out, proto.dev
     refit_ids = calib[:: refit_stride(*calib.shape)]  # the windows the refit fits on (stats.x / stats.out)
@@ -149,6 +215,8 @@ def main() -> None:
         "seq-0": ({"refit_o_proj": "none"}, lambda m, p: sequential_refit(m, model, stats, refit_ids, 0.0)),
         "seq-0.5": ({"refit_o_proj": "none"}, lambda m, p: sequential_refit(m, model, stats, refit_ids, 0.5)),
         "seq-1": ({"refit_o_proj": "none"}, lambda m, p: sequential_refit(m, model, stats, refit_ids, 1.0)),
+        "sequential": ({"refit_o_proj": "sequential"}, None),
+        "rotation-seq": ({"rope_strategy": "rotation", "refit_o_proj": "sequential"}, None),
         "q-refit": ({}, lambda m, p: query_refit(m, src, p, stats)),
         "uniform-ranks": ({"uniform": True}, None),
         "rotation": ({"rope_strategy": "rotation"}, None),
@@ -213,9 +281,17 @@ def main() -> None:
     lines = merge(lines, args.out)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
-    if args.readme:
-        replace_block("levers", "\n".join(lines))
+    publish(lines, args.out, args.readme)
+
+
+def publish(lines: list[str], out: Path, readme: bool) -> None:
+    """Print the table; with ``readme``, write its README block and the levers ``factor`` takes per cache size."""
     print("\n".join(lines))
+    for size, (pairs, levers, why) in sorted(choose_levers(lines).items()):
+        print(f"{size} values, r={pairs}: {levers} ({why})")
+    if readme:
+        replace_block("levers", "\n".join(lines))
+        record_levers(lines)
 
 
 if __name__ == "__main__":

@@ -48,17 +48,31 @@ ANCHORS: dict[str, dict[str, Any]] = {
 }
 
 
+def measured_levers(size: int) -> dict[str, str]:
+    """The rope strategy and ``o_proj`` refit ``factor`` takes at ``size`` (``measured_splits.json``'s ``levers``,
+    written by ``benchmarks/levers.py --readme``); 2-norm and the teacher-forced refit where none is recorded."""
+    levers = {"rope_strategy": "2-norm", "refit_o_proj": "teacher"}
+    if SPLITS.exists():
+        for entry in json.loads(SPLITS.read_text())["splits"]:
+            if entry["cache_budget"] == size:
+                levers.update(entry.get("levers", {}))
+    return levers
+
+
 def ours(size: int) -> dict[str, dict[str, Any]]:
-    """mla-convert rows: shared complex-PCA rope head chosen by 2-norm, output-aware joint SVD, o_proj refit;
-    the split between RoPE pairs and latent rank is swept at each cache size."""
+    """mla-convert rows: a shared complex-PCA rope head chosen by the measured strategy, output-aware joint SVD,
+    the measured o_proj refit (:func:`measured_levers`); the split between RoPE pairs and latent rank is swept at
+    each cache size."""
     pairs = {120: (20, 24, 28), 72: (12, 16, 20), 48: (8, 12, 16)}[size]
+    lv = measured_levers(size)
+    refit = "o_proj refit" if lv["refit_o_proj"] == "teacher" else f"{lv['refit_o_proj']} o_proj refit"
     return {
-        f"mla-convert: shared 2-norm r={p}, output-aware, joint, o_proj refit": dict(
+        f"mla-convert: shared {lv['rope_strategy']} r={p}, output-aware, joint, {refit}": dict(
             rope_mode="shared",
-            rope_strategy="2-norm",
+            rope_strategy=lv["rope_strategy"],
             rope_pairs=p,
             objective="output",
-            refit_o_proj="teacher",
+            refit_o_proj=lv["refit_o_proj"],
         )
         for p in pairs
     }
@@ -183,6 +197,13 @@ def publish(lines: list[str], readme: bool) -> None:
     if not readme:
         return
     replace_block("perplexity", "\n".join([*lines, "", *summary]))
+    old = {e["cache_budget"]: e for e in json.loads(SPLITS.read_text())["splits"]} if SPLITS.exists() else {}
+    for entry in splits:  # benchmarks/levers.py's choice stays while it was measured at this split
+        prev = old.get(entry["cache_budget"], {})
+        if "levers" in prev and prev["rope_pairs"] == entry["rope_pairs"]:
+            entry["levers"], entry["levers_evidence"] = prev["levers"], prev["levers_evidence"]
+        elif "levers" in prev:
+            print(f"{entry['cache_budget']} values: the split moved, re-run benchmarks/levers.py at r={entry['rope_pairs']}")
     SPLITS.write_text(
         json.dumps(
             {
@@ -201,7 +222,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--full", action="store_true", help="the whole strategy x objective x factorization grid")
     ap.add_argument("--calib-tokens", type=int, default=None, help="calibration budget (default: factor's)")
-    ap.add_argument("--refit", default="teacher", choices=["none", "teacher"], help="o_proj refit in --full")
+    ap.add_argument("--refit", default="teacher", choices=["none", "teacher", "sequential"], help="o_proj refit in --full")
     ap.add_argument("--windows-512", type=int, default=40, help="Wikipedia evaluation windows of 512 tokens")
     ap.add_argument("--windows-2048", type=int, default=2, help="Wikipedia evaluation windows of 2048 tokens")
     ap.add_argument(

@@ -38,19 +38,19 @@ SOURCE_HELP = (
 
 def shape_options(options: ConvertOptions, src: Any, target: str) -> tuple[ConvertOptions, str | None]:
     """The options ``factor``/``inspect`` run: shaped for an engine ``target`` (:mod:`mla_convert.convert.engine`),
-    else with the RoPE split measured best for the budget when ``--rope-pairs`` was not given; and why."""
+    else with the RoPE split and the levers measured best for the budget where not given; and why."""
     from mla_convert.convert.engine import shape_for_engine
     from mla_convert.convert.suggest import follow_budget
 
+    given = [k for k in ConvertOptions.model_fields if given_on_command_line(k)]
     if target in ENGINE_ROWS:
-        given = [k for k in ConvertOptions.model_fields if given_on_command_line(k)]
         shaped, why = shape_for_engine(options, src, target, given)
         if shaped is options:  # the user's own shape: the split measured best for its budget, as without --target
-            options, split = follow_budget(options, src, "rope_pairs" in given)
+            options, split = follow_budget(options, src, given)
             why = f"{why}; {split}" if split else why
             return options, why
         return shaped, why
-    return follow_budget(options, src, given_on_command_line("rope_pairs"))
+    return follow_budget(options, src, given)
 
 
 @options_from(ConvertOptions)

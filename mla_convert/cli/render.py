@@ -197,9 +197,10 @@ def cache_table(src: Any, suggestions: list[Any]) -> Table:
             split = "not measured (benchmarks/perplexity.py --readme writes mla_convert/convert/measured_splits.json)"
         else:
             rope = 2 * sug.rope_pairs
+            levers = "".join(f" --{k.replace('_', '-')} {v}" for k, v in sug.levers.items())
             split = (
-                f"--cache-budget {sug.values} --rope-pairs {sug.rope_pairs} (latent {sug.values - rope} + rope "
-                f"{rope}; the rope share measured best on {sug.measured_on} at this fraction)"
+                f"--cache-budget {sug.values} --rope-pairs {sug.rope_pairs}{levers} (latent {sug.values - rope} + "
+                f"rope {rope}; measured best on {sug.measured_on} at this fraction)"
             )
         w.add_row(
             escape(f"MLA [c_kv | k_rope] at {sug.fraction:.2%}"),

@@ -123,6 +123,7 @@ class FactorShape:
     evaluation: int  # E windows
     probe: int  # P tokens
     refit: bool
+    sequential: bool  # the refit fits on the converted model's own inputs (its windows travel through pass 2)
     objective: str
     budget: bool  # ranks allocated from every layer's spectrum
     rows: int  # r, rows of the weighted K/V matrix
@@ -252,6 +253,7 @@ def factor_shape(options: ConvertOptions, src: Any) -> FactorShape:
         evaluation=options.eval_windows,
         probe=min(PROBE_TOKENS, options.window),
         refit=options.refit_o_proj != "none",
+        sequential=options.refit_o_proj == "sequential",
         objective=options.objective,
         budget=options.kv_lora_rank is None,
         rows=geo.nope_width + g * hd,
@@ -328,8 +330,9 @@ def factor_phases(options: ConvertOptions, src: Any, max_shard_size: str | int |
     base: tuple[tuple[str, float], ...] = (("runtime", RUNTIME_BYTES),)
     if s.gguf_bytes:
         base += (("mapped GGUF file", float(s.gguf_bytes)),)
-    streams1 = row * (tok["calib"] + 2 * (tok["held"] + tok["eval"] + tok["probe"]))
-    streams2 = row * (2 * tok["eval"] + tok["held"] * (2 if s.refit else 1) + tok["probe"])
+    seq = tok["calib"] if s.sequential else 0  # the sequential refit's windows, converted (a float32 stream)
+    streams1 = row * (tok["calib"] + 2 * (tok["held"] + tok["eval"] + tok["probe"]) + seq)
+    streams2 = row * (2 * tok["eval"] + tok["held"] * (2 if s.refit else 1) + tok["probe"] + seq)
     pass1 = base + (("streams (source and converted)", streams1),)
     pass2 = base + (("streams", streams2),)
 
@@ -352,7 +355,7 @@ def factor_phases(options: ConvertOptions, src: Any, max_shard_size: str | int |
     emb_pages = () if s.gguf_bytes else (("embedding pages (released after layer 0)", float(s.embed_stored)),)
     attn64 = ("float64 attention weights", 8.0 * s.attn_params)
     stats = ("statistics (2 x float64 d x d)", 16.0 * d * d)
-    captures = 8.0 * d * ((tok["calib"] if s.refit else 0) + tok["held"])
+    captures = _captures(s)
     cap_name = "captures (refit + held-out)" if s.refit else "captures (held-out)"
     target = 8.0 * (s.rows * d + s.rows * s.rows + d * d)
     p1_file = 8.0 * (s.rows * d + s.rows * s.rows + 2 * d * d) + captures
@@ -508,12 +511,19 @@ class Disk:
     items: tuple[tuple[str, float], ...]
 
 
+def _captures(s: FactorShape) -> float:
+    """Bytes of one layer's kept float32 captures: the held-out attention inputs and outputs, and the refit's
+    source outputs (with the source inputs too for the teacher-forced refit)."""
+    refit = 0 if not s.refit else 4 if s.sequential else 8
+    return s.hidden * (refit * s.tokens["calib"] + 8.0 * s.tokens["held"])
+
+
 def factor_disk(options: ConvertOptions, src: Any) -> Disk:
     """The disk a conversion writes (module docstring)."""
     s = factor_shape(options, src)
     d, hd, tok = s.hidden, s.head_dim, s.tokens
     n_l = s.layers
-    captures = 8.0 * d * ((tok["calib"] if s.refit else 0) + tok["held"])
+    captures = _captures(s)
     p1 = 8.0 * (s.rows * d + s.rows * s.rows + 2 * d * d) + captures
     nope_rows = s.rows - s.kv_heads * hd  # key rows at most
     plan = 8.0 * (
@@ -522,7 +532,7 @@ def factor_disk(options: ConvertOptions, src: Any) -> Disk:
         + s.rope_heads * s.d_rope * s.kv_heads * hd
     )
     attn = s.out_itemsize * (s.conv_attn_params + (d * s.heads * hd if s.refit else 0))
-    state = 4.0 * d * (tok["calib"] + 2 * (tok["held"] + tok["eval"] + tok["probe"]))
+    state = 4.0 * d * (tok["calib"] * (2 if s.sequential else 1) + 2 * (tok["held"] + tok["eval"] + tok["probe"]))
     gguf_copies = 4.0 * n_l * s.layer_params if s.gguf_bytes else 0.0
     items = (
         (f"pass-1 files ({n_l} x {p1 / GB:.2f} GB)", n_l * p1),

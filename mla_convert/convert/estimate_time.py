@@ -119,6 +119,7 @@ def factor_time(options: ConvertOptions, src: Any) -> TimeEstimate:
     windows_calib = tok["calib"] // max(1, t)
     nt = -(-windows_calib // refit_stride(windows_calib, t)) * t if s.refit else 0  # REFIT_TOKENS at most
     refit_fwd = n_l * nt * f_conv(t, attention_only=True)
+    seq_fwd = n_l * nt * f_conv(t) if s.sequential else 0.0  # the refit windows through each converted layer
     refit64 = n_l * (2.0 * nt * hq * hq + 4.0 * nt * hq * d + (2.0 / 3.0 + 2.0) * hq**3) if s.refit else 0.0
     assemble64 = n_l * 2.0 * h * (d_n + d_r) * hd * d
     variants = 2 if s.refit else 1
@@ -132,7 +133,7 @@ def factor_time(options: ConvertOptions, src: Any) -> TimeEstimate:
     disk = factor_disk(options, src)
     # every file once, and the stream state after every layer of each pass (pass 1's streams, then the later ones)
     state1 = next(b for what, b in disk.items if what == "stream state")
-    state2 = 4.0 * d * (2 * tok["eval"] + tok["held"] * (2 if s.refit else 1) + tok["probe"])
+    state2 = 4.0 * d * (2 * tok["eval"] + tok["held"] * (2 if s.refit else 1) + tok["probe"] + (nt if s.sequential else 0))
     io = sum(b for what, b in disk.items if what != "stream state") + n_l * (state1 + 2 * state2)
     stages = {
         "setup and finish": SETUP_S,
@@ -142,7 +143,7 @@ def factor_time(options: ConvertOptions, src: Any) -> TimeEstimate:
         "plan": n_l * (plan64 * f64 + plan_la * FLOAT64_TWO_THREADS),
         "factor": n_l * (factor64 * f64 + factor_la * FLOAT64_TWO_THREADS),
         "assemble + refit": (refit_fwd + refit64 + assemble64) / (REFIT_GFLOPS * giga),
-        "held-out forward": held_fwd / (CONVERTED_FORWARD_GFLOPS * giga),
+        "held-out forward": (held_fwd + seq_fwd) / (CONVERTED_FORWARD_GFLOPS * giga),
         "eval forward": eval_fwd / (CONVERTED_FORWARD_GFLOPS * giga),
         "score": score / (SCORE_GFLOPS * giga),  # decide_refit's held-out windows too
         "files": io / IO_BYTES_PER_S,

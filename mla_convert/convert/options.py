@@ -22,7 +22,7 @@ RopeStrategy = Literal["high", "low", "uniform", "2-norm", "rotation"]
 RopeBasis = Literal["complex", "real"]
 Factorization = Literal["joint", "split"]
 Objective = Literal["weight", "activation", "output"]
-Refit = Literal["none", "teacher"]
+Refit = Literal["none", "teacher", "sequential"]
 OutputDtype = Literal["auto", "bfloat16", "float16", "float32"]
 CalibPrecision = Literal["bfloat16", "float32"]
 
@@ -80,8 +80,9 @@ class ConvertOptions(BaseModel):
     kv_balance: bool = Field(True, description="balance K and V energy before a joint factorization")
     refit_o_proj: Refit = Field(
         "teacher",
-        description="teacher: ridge least-squares refit of o_proj so each converted layer's attention output "
-        "matches the source's on calibration tokens (no cache cost; kept only if it helps on held-out windows)",
+        description="ridge least-squares refit of o_proj so each converted layer's attention output matches the "
+        "source's on calibration tokens, fitted on the source's layer inputs (teacher) or on the converted "
+        "model's own, layer after layer (sequential); no cache cost; kept only if it helps on held-out windows",
     )
     kv_lora_rank: int | None = Field(
         None, description="latent width d_c for every layer (replaces --cache-budget)"

@@ -147,6 +147,8 @@ class StreamedConversion:
         self.device = resolve_device(options.device)
         self.dtype = resolve_dtype(options.dtype, src)
         self.refit = options.refit_o_proj != "none"
+        #: the refit fits on the converted model's own attention inputs (pass 2 carries the refit windows)
+        self.sequential = options.refit_o_proj == "sequential"
         self.n_layers = src.num_layers
         self.state: dict[str, Any] = {}
         self.keep_stats = keep_stats
@@ -206,6 +208,9 @@ class StreamedConversion:
                 cache_source=[],
                 timings=[{} for _ in range(self.n_layers)],
             )
+            if self.sequential:  # the refit windows, to travel through the converted layers in pass 2
+                stride = refit_stride(*emb["calib"].shape[:2])
+                st["streams"]["mla_refit"] = self._round(emb["calib"][::stride])
         for i in range(start, self.n_layers):
             self._source_layer(layers, i)
             src.release()
@@ -242,7 +247,8 @@ class StreamedConversion:
                 rows = [j for j in range(x.shape[0]) if (seen[0] + j) % stride == 0]
                 seen[0] += x.shape[0]
                 if rows:
-                    kept_x.append(x[rows].detach().float().cpu())
+                    if not self.sequential:  # a sequential refit reads the converted inputs instead
+                        kept_x.append(x[rows].detach().float().cpu())
                     kept_out.append(out[rows].detach().float().cpu())
 
         held_x: list[torch.Tensor] = []
@@ -305,7 +311,9 @@ class StreamedConversion:
         st = self.state
         s = st["streams"]
         if start == 0:
-            st.update(records=[], attn_err={"plain": [], "fit": []}, refit_layers=[], cache_converted=[])
+            st.update(
+                records=[], attn_err={"plain": [], "fit": []}, refit_layers=[], cache_converted=[], lossy_seen=False
+            )
             for k in ("src_calib", "src_held", "src_probe"):
                 s.pop(k, None)  # pass 1's streams are spent; their layer data is in the work folder
             if self.refit:
@@ -317,6 +325,7 @@ class StreamedConversion:
             self._save_state({"pass": 2, "layer": i})
             self._layer_file(i, "p1.pt").unlink(missing_ok=True)  # spent: the work folder stays ~ one output big
             self.progress("convert", 1, self.n_layers)
+        s.pop("mla_refit", None)  # spent: the refit windows are not scored
 
     def _convert_layer(self, config: MLAConfig, i: int) -> None:
         src, st = self.src, self.state
@@ -335,8 +344,14 @@ class StreamedConversion:
         del source
         plain_w = layer.self_attn.o_proj.weight.detach().clone()
         fit_w = None
-        if self.refit and not is_lossless([plan], [factors]):  # an exact layer keeps the source's o_proj
+        lossy = not is_lossless([plan], [factors])
+        # An exact layer keeps the source's o_proj, unless a sequential refit sees inputs that earlier lossy
+        # layers moved (then it fits like any other layer).
+        if self.refit and (lossy or (self.sequential and st["lossy_seen"])):
             x, out = p1["refit"]
+            if self.sequential:  # the converted model's own attention inputs on the refit windows
+                with torch.no_grad():
+                    x = layer.input_layernorm(s["mla_refit"])
             refit_o_proj(layer.self_attn, x.to(self.device), out.to(self.device))
             fit = layer.self_attn.o_proj.weight.detach().clone()
             check_fits(f"{layer_prefix(i)}self_attn.o_proj.weight (refit)", fit, self.dtype)
@@ -359,9 +374,12 @@ class StreamedConversion:
                     err = float((pred - ho.out.to(self.device)).norm() / ho.out.norm().clamp_min(1e-30))
                 st["attn_err"][name].append(err)
             s[stream] = run_mla(layer, s[stream], src.num_heads, self.intermediate)
+        if self.sequential:  # the refit windows move on through the layer as written (o_proj: the last variant's)
+            s["mla_refit"] = run_mla(layer, s["mla_refit"], src.num_heads, self.intermediate)
         if fit_w is not None:
             with torch.no_grad():
                 layer.self_attn.o_proj.weight.copy_(plain_w)
+        st["lossy_seen"] = st["lossy_seen"] or lossy
         cache = self._mla_cache(config)
         s["mla_probe"] = run_mla(layer, s["mla_probe"], src.num_heads, self.intermediate, cache)
         st["cache_converted"].append(latent_cache_bytes(cache))

@@ -2,13 +2,17 @@
 
 The split (how much of the cache row keeps RoPE) comes only from measurements: ``benchmarks/perplexity.py
 --readme`` writes ``measured_splits.json`` next to this module (cache fraction -> the RoPE share with the lowest
-perplexity ratio on dev windows). Without that file nothing is suggested.
+perplexity ratio on dev windows). Without that file nothing is suggested. The levers (the rope strategy and the
+``o_proj`` refit) come from ``benchmarks/levers.py --readme``, which records per measured size the row with the
+lowest dev ratio among those that also beat the default on held-out windows; a budget takes the levers of the
+nearest measured size (categorical choices are not interpolated).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +32,8 @@ class Suggestion:
     values: int
     rope_pairs: int | None
     measured_on: str | None
+    #: lever options measured best at this size that differ from the defaults (``--rope-strategy``, ...)
+    levers: dict[str, str] = field(default_factory=dict)
 
 
 def measured_splits(path: Path | None = None) -> tuple[str, dict[float, dict[str, Any]]]:
@@ -48,11 +54,14 @@ def suggestions(src: SourceShape, path: Path | None = None) -> list[Suggestion]:
         size = round(base * frac)
         m = measured.get(frac)
         pairs = None
+        levers: dict[str, str] = {}
         if m is not None:
             want = max(1, round(m["rope_share"] * size / 2))
-            geo = geometry(ConvertOptions.model_validate({"cache_budget": size, "rope_pairs": want}), src)
-            pairs = geo.rope_pairs
-        out.append(Suggestion(frac, size, pairs, model if m is not None else None))
+            opts = ConvertOptions.model_validate({"cache_budget": size, "rope_pairs": want})
+            pairs = geometry(opts, src).rope_pairs
+            found = measured_levers(opts, src, (), path)
+            levers = found[0] if found else {}
+        out.append(Suggestion(frac, size, pairs, model if m is not None else None, levers))
     return out
 
 
@@ -85,12 +94,56 @@ def measured_rope_pairs(options: ConvertOptions, src: SourceShape, path: Path | 
     return pairs, why
 
 
-def follow_budget(options: ConvertOptions, src: SourceShape, given: bool) -> tuple[ConvertOptions, str | None]:
-    """``options`` with the measured split for its budget when ``--rope-pairs`` was not ``given``; and why."""
-    if given:
+#: Options ``benchmarks/levers.py`` measures per cache size (on dev windows, kept only when they also win on the
+#: held-out ones) and ``measured_splits.json`` records as ``levers``; a rope strategy applies to the shared rope head.
+LEVER_OPTIONS = ("rope_strategy", "refit_o_proj")
+
+
+def measured_levers(
+    options: ConvertOptions, src: SourceShape, given: Collection[str], path: Path | None = None
+) -> tuple[dict[str, str], str] | None:
+    """The lever options (:data:`LEVER_OPTIONS`) measured best at the cache size nearest ``options.cache_budget``
+    (as a fraction of the source's K + V), those not ``given``, and why (one sentence). None when nothing applies:
+    no measurement, a fixed ``kv_lora_rank``, or every lever given (a rope strategy only for a shared rope head
+    whose mode was not given either)."""
+    if options.cache_budget is None or options.kv_lora_rank is not None:
+        return None
+    model, measured = measured_splits(path)
+    with_levers = {f: m for f, m in measured.items() if m.get("levers")}
+    if not with_levers:
+        return None
+    frac = options.cache_budget / (2 * src.num_kv_heads * src.head_dim)
+    near = min(with_levers, key=lambda f: abs(f - frac))
+    entry = with_levers[near]
+    free = {k: v for k, v in entry["levers"].items() if k in LEVER_OPTIONS and k not in given}
+    if "rope_mode" in given or options.rope_mode != "shared":
+        free.pop("rope_strategy", None)
+    free = {k: v for k, v in free.items() if getattr(options, k) != v}
+    if not free:
+        return None
+    flags = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in free.items())
+    why = (f"{flags}: measured best at {100 * near:.2f} % of the source's cache, the size nearest this budget "
+           f"({entry.get('levers_evidence', 'dev windows')}; {model}, measured_splits.json); give the flag to choose")
+    return free, why
+
+
+def follow_budget(
+    options: ConvertOptions, src: SourceShape, given: Collection[str]
+) -> tuple[ConvertOptions, str | None]:
+    """``options`` with what was measured best for its budget, where the user did not give it (``given``: the
+    option names set on the command line or in the recipe): the RoPE split (:func:`measured_rope_pairs`) and the
+    levers (:func:`measured_levers`); and why (sentences joined by ``"; "``), None when nothing changed."""
+    update: dict[str, Any] = {}
+    whys: list[str] = []
+    if "rope_pairs" not in given:
+        found = measured_rope_pairs(options, src)
+        if found is not None:
+            update["rope_pairs"], why = found
+            whys.append(why)
+    levers = measured_levers(options, src, given)
+    if levers is not None:
+        update.update(levers[0])
+        whys.append(levers[1])
+    if not update:
         return options, None
-    found = measured_rope_pairs(options, src)
-    if found is None:
-        return options, None
-    pairs, why = found
-    return options.model_copy(update={"rope_pairs": pairs}), why
+    return options.model_copy(update=update), "; ".join(whys)

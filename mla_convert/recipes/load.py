@@ -265,10 +265,10 @@ def load_recipe(
     source = raw.get("source")
     if check_source and isinstance(source, str) and source and ("source",) not in failed:
         src = _open(doc, ("source",), source)
-    if fo is not None and src is not None and recipe is not None:  # no rope_pairs: the split measured for the budget
+    if fo is not None and src is not None and recipe is not None:  # what the budget's measurements chose, unless given
         from mla_convert.convert.suggest import follow_budget
 
-        fo, _ = follow_budget(fo, src, "rope_pairs" in fo.model_fields_set)
+        fo, _ = follow_budget(fo, src, fo.model_fields_set)
         recipe.factor = fo
     if fo is not None:
         bad = _failed_factor_keys(failed)

@@ -59,12 +59,13 @@ def test_the_rope_split_follows_the_budget():
     from mla_convert.sources.checkpoint import open_source
 
     src = open_source("smollm2-135m")
-    pairs = {b: suggest.follow_budget(ConvertOptions(cache_budget=b), src, False)[0].rope_pairs
+    pairs = {b: suggest.follow_budget(ConvertOptions(cache_budget=b), src, ())[0].rope_pairs
              for b in (120, 96, 72, 48, 30)}
     assert pairs == {120: 24, 96: 20, 72: 16, 48: 12, 30: 8}  # 0.40, 0.42, 0.44, 0.50, 0.50 of the row
-    kept, why = suggest.follow_budget(ConvertOptions(cache_budget=72, rope_pairs=24), src, True)
+    given = ("rope_pairs", "rope_strategy", "refit_o_proj")
+    kept, why = suggest.follow_budget(ConvertOptions(cache_budget=72, rope_pairs=24), src, given)
     assert kept.rope_pairs == 24 and why is None
-    assert suggest.follow_budget(ConvertOptions(kv_lora_rank=64), src, False)[0].rope_pairs == 24
+    assert suggest.follow_budget(ConvertOptions(kv_lora_rank=64), src, ())[0].rope_pairs == 24
     res = CliRunner().invoke(cli.app, ["inspect", "smollm2-135m", "--cache-budget", "72"], env={"COLUMNS": "400"})
     assert res.exit_code == 0 and "takes --rope-pairs 16: the RoPE share measured best at 18.75 %" in res.output
     from mla_convert.recipes.load import load_recipe
@@ -73,6 +74,38 @@ def test_the_rope_split_follows_the_budget():
     assert load_recipe("t.yaml", text=text).recipe.factor.rope_pairs == 16
     text = text.replace("{cache_budget: 72}", "{cache_budget: 72, rope_pairs: 20}")
     assert load_recipe("t.yaml", text=text).recipe.factor.rope_pairs == 20
+
+
+def test_the_levers_follow_the_budget():
+    """Without --rope-strategy / --refit-o-proj, factor, inspect and recipes take the levers benchmarks/levers.py
+    measured best at the nearest measured cache size (measured_splits.json); what is given stays, and a rope
+    strategy is taken only for the shared rope head."""
+    from mla_convert.convert.options import ConvertOptions
+    from mla_convert.recipes.load import load_recipe
+    from mla_convert.sources.checkpoint import open_source
+
+    src = open_source("smollm2-135m")
+
+    def levers(budget: int, given: tuple[str, ...] = (), **kw: str) -> tuple[str, str]:
+        o = suggest.follow_budget(ConvertOptions(cache_budget=budget, **kw), src, given)[0]
+        return o.rope_strategy, o.refit_o_proj
+
+    # 31.25 %: no lever beat the default on dev; 18.75 %: the sequential refit; 12.5 %: rotation and sequential
+    assert levers(120) == ("2-norm", "teacher") and levers(100) == ("2-norm", "teacher")
+    assert levers(72) == ("2-norm", "sequential") and levers(60) == ("2-norm", "sequential")
+    assert levers(48) == ("rotation", "sequential") and levers(30) == ("rotation", "sequential")
+    assert levers(48, ("refit_o_proj",)) == ("rotation", "teacher")
+    assert levers(48, ("rope_mode",), rope_mode="per-head") == ("2-norm", "sequential")
+    _, why = suggest.follow_budget(ConvertOptions(cache_budget=120), src, ())
+    assert why is not None and "--refit-o-proj" not in why  # the defaults are what was measured at 120
+    res = CliRunner().invoke(cli.app, ["inspect", "smollm2-135m", "--cache-budget", "48"], env={"COLUMNS": "400"})
+    assert res.exit_code == 0, res.output
+    assert "--rope-strategy rotation, --refit-o-proj sequential: measured best at 12.50 %" in res.output
+    assert "--cache-budget 48 --rope-pairs 12 --rope-strategy rotation --refit-o-proj sequential" in res.output
+    text = "name: t\nsource: smollm2-135m\noutput: /tmp/mla-recipe-levers-test\nfactor: {cache_budget: 48}\n"
+    assert load_recipe("t.yaml", text=text).recipe.factor.refit_o_proj == "sequential"
+    text = text.replace("{cache_budget: 48}", "{cache_budget: 48, refit_o_proj: teacher}")
+    assert load_recipe("t.yaml", text=text).recipe.factor.refit_o_proj == "teacher"
 
 
 def test_inspect_target_shows_the_engine_shaped_conversion():
@@ -88,7 +121,8 @@ def test_inspect_target_shows_the_engine_shaped_conversion():
     res = CliRunner().invoke(cli.app, ["inspect", "smollm2-135m", "--target", "vllm", "--cache-budget", "72"],
                              env={"COLUMNS": "400"})
     assert res.exit_code == 0 and "converted as asked" in res.output and "pads the latent" in res.output
-    assert "factor --rope-pairs 16 --cache-budget 72.0 would need" in res.output  # the measured split, as without it
+    # the split and the levers measured for the budget, as without --target
+    assert "factor --rope-pairs 16 --refit-o-proj sequential --cache-budget 72.0 would need" in res.output
     res = CliRunner().invoke(cli.app, ["inspect", "smollm2-135m", "--target", "vllm-cpu", "--rope-mode", "per-head"])
     assert res.exit_code == 2 and "serves one shared rope head; --rope-mode per-head" in res.output
     res = CliRunner().invoke(cli.app, ["inspect", "smollm2-135m", "--target", "vllm", "--rope-pairs", "33"])

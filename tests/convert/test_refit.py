@@ -1,0 +1,143 @@
+"""The sequential ``o_proj`` refit (``--refit-o-proj sequential``) against an oracle built from whole models.
+
+The oracle never touches the streamed conversion's layers or streams: the source's attention outputs come from
+transformers' own forward of the whole source model (a hook on every ``self_attn``), the converted model's
+``o_proj`` inputs from the whole :class:`~mla_convert.mla.modeling.MLAForCausalLM` forward of the plain
+(``--refit-o-proj none``) conversion, refitted layer after layer in place. Each ridge fit is solved here from
+its definition (docs/math.md, "The o_proj refit"): ``W = argmin ‖Z Wᵀ - Y‖² + λ ‖W - W_0‖²``.
+"""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from mla_convert.mla.modeling import MLAForCausalLM
+
+RIDGE = 1e-4  # docs/math.md: λ = 1e-4 · mean diag(ZᵀZ)
+
+
+@torch.no_grad()
+def _source_attention_outputs(source: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Every layer's attention output ``[N, T, hidden]`` of the whole source model on ``ids [N, T]``."""
+    outs: list[list[torch.Tensor]] = [[] for _ in source.model.layers]
+    hooks = [
+        layer.self_attn.register_forward_hook(lambda _m, _a, out, i=i: outs[i].append(out[0]))
+        for i, layer in enumerate(source.model.layers)
+    ]
+    try:
+        for row in ids:
+            source(input_ids=row[None], use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [torch.cat(o) for o in outs]
+
+
+@torch.no_grad()
+def sequential_oracle(plain: MLAForCausalLM, source: torch.nn.Module, ids: torch.Tensor) -> MLAForCausalLM:
+    """``plain`` with every layer's ``o_proj`` refitted on the converted model's own inputs, layer after layer
+    (layers before ``l`` already refitted when layer ``l``'s inputs are captured)."""
+    model = copy.deepcopy(plain)
+    targets = _source_attention_outputs(source, ids)
+    for i, layer in enumerate(model.model.layers):
+        o_proj = layer.self_attn.o_proj
+        z_rows: list[torch.Tensor] = []
+        hook = o_proj.register_forward_pre_hook(lambda _m, a, z=z_rows: z.append(a[0]))
+        try:
+            for row in ids:
+                model(input_ids=row[None], use_cache=False)
+        finally:
+            hook.remove()
+        z = torch.cat(z_rows).reshape(-1, o_proj.in_features).double()
+        y = targets[i].reshape(-1, o_proj.out_features).double()
+        if o_proj.bias is not None:
+            y = y - o_proj.bias.double()
+        gram = z.T @ z
+        lam = RIDGE * float(torch.diagonal(gram).mean())
+        w = torch.linalg.solve(gram + lam * torch.eye(len(gram), dtype=torch.float64), z.T @ y + lam * o_proj.weight.double().T)
+        o_proj.weight.copy_(w.T.float())
+    return model
+
+
+LAYERS = 6  # SmolLM2's first layers: real weights, a fifth of the conversion time
+
+
+@pytest.fixture(scope="module")
+def smol_head(smol, smol_model, tmp_path_factory):
+    """SmolLM2's first :data:`LAYERS` decoder layers (with its embeddings, final norm and tokenizer) as a
+    safetensors source, and the same truncated model in transformers (float32)."""
+    from transformers import AutoModelForCausalLM
+
+    from mla_convert.sources.checkpoint import open_source
+
+    cfg = smol_model.config.__class__.from_dict(smol_model.config.to_dict() | {"num_hidden_layers": LAYERS})
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    state = {k: v for k, v in smol_model.state_dict().items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < LAYERS}
+    model.load_state_dict(state)
+    model.tie_weights()
+    out = tmp_path_factory.mktemp("smol-head")
+    model.save_pretrained(str(out))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (out / f).write_bytes((smol.path / f).read_bytes())
+    return open_source(out), model.eval()
+
+
+@pytest.fixture(scope="module")
+def windows(smol_tokenizer, wiki_splits) -> torch.Tensor:
+    """``[8, 128]`` real calibration windows: more tokens than ``o_proj``'s 576 inputs, so a refit is not an
+    interpolation of its windows."""
+    from mla_convert.text.windows import token_windows
+
+    return token_windows(smol_tokenizer, wiki_splits["calibration"], 128, 8, bos=False)
+
+
+def _variants(src, ids: torch.Tensor, refit: str) -> dict[str, MLAForCausalLM]:
+    """The passes ``factor`` runs at 72 values (float32 calibration, so the oracle's float32 source is the same
+    function), read back with the plain ``o_proj`` and with the refitted one (no keep decision: it needs an LM
+    loss, which a truncated model does not have)."""
+    from mla_convert.convert.build import _load
+    from mla_convert.convert.options import ConvertOptions, check_options
+    from mla_convert.convert.stream import StreamedConversion, Texts
+
+    opts = ConvertOptions(dtype="float32", cache_budget=72, rope_pairs=16, calib_precision="float32", refit_o_proj=refit)
+    check_options(opts, src)
+    with tempfile.TemporaryDirectory() as tmp:
+        conv = StreamedConversion(src, opts, Texts(ids, ids[:0], ids[:0], ids[:1]), Path(tmp), trim=False, resumable=False)
+        conv.pass_one(0)
+        config = conv.ranks_and_config()
+        conv.pass_two(config, 0)
+        out = {}
+        for name, variant in (("plain", ""), ("fit", "fit")):
+            conv.state["variant"] = variant
+            out[name] = _load(copy.deepcopy(config), conv)
+    return out
+
+
+def test_sequential_refit_equals_the_whole_model_oracle(smol_head, windows, eval_ids):
+    """The sequential refit the streamed conversion writes gives the oracle's logits (to float tolerance); the
+    teacher-forced refit differs from the oracle by far more (so the comparison tells them apart)."""
+    src, source = smol_head
+    seq, teacher = _variants(src, windows, "sequential"), _variants(src, windows, "teacher")
+    oracle = sequential_oracle(seq["plain"], source, windows)
+
+    def logits(m: MLAForCausalLM) -> torch.Tensor:
+        with torch.no_grad():
+            return m(input_ids=eval_ids, use_cache=False).logits
+
+    want = logits(oracle)
+    scale = want.abs().max().item()
+    err_plain = (logits(seq["plain"]) - logits(teacher["plain"])).abs().max().item() / scale
+    err_seq = (logits(seq["fit"]) - want).abs().max().item() / scale
+    err_teacher = (logits(teacher["fit"]) - want).abs().max().item() / scale
+    print(f"max |Δ logits| / max |logit| vs the oracle: sequential {err_seq:.1e}, teacher-forced {err_teacher:.1e}")
+    assert err_plain == 0.0  # the refit changes o_proj only
+    assert err_seq <= 1e-4, (err_seq, err_teacher)
+    assert err_teacher > 100 * err_seq, (err_seq, err_teacher)
+    # the first layer's inputs are the source's own: both refits solve the same problem there
+    w0 = [v["fit"].model.layers[0].self_attn.o_proj.weight for v in (seq, teacher)]
+    assert torch.allclose(w0[0], w0[1], rtol=0, atol=1e-5)
