@@ -131,6 +131,28 @@ def run_names() -> list[str]:
     return sorted(found, key=lambda n: (list(SETTINGS).index(n) if n in SETTINGS else len(SETTINGS), n))
 
 
+def recorded(results: Path, present: dict[str, int]) -> tuple[list[str], list[str]]:
+    """Rows and evaluation lines of the table in ``results`` whose setting has no run folder here, or whose
+    recorded run trained further than this machine's (``present``: setting -> tokens evaluated): they stay,
+    marked †, so re-measuring one setting's start does not erase what was measured before."""
+    if not results.exists():
+        return [], []
+    lines = results.read_text().splitlines()
+    rows = [x for x in lines if x.startswith("| ") and x[2:3].isdigit()]
+    curves = [x for x in lines if x.startswith("- `")]
+    keep_rows, keep_curves = [], []
+    for row, curve in zip(rows, curves, strict=False):
+        name = curve.split("`")[1]
+        reached = max((int(k) * 1000 for k in re.findall(r"\((\d+)k\)", curve)), default=0)
+        if name in present and reached <= present[name]:
+            continue
+        cells = row.split(" | ", 1)
+        keep_rows.append(cells[0] if cells[0].endswith("†") else cells[0] + " †")
+        keep_rows[-1] += " | " + cells[1]
+        keep_curves.append(curve if curve.startswith("- † ") else "- † " + curve[2:])
+    return keep_rows, keep_curves
+
+
 def table() -> str:
     marks = (0, 100_000, 500_000, 1_000_000)
     rows = [
@@ -140,12 +162,14 @@ def table() -> str:
     ]
     curves = []
     src = None
+    present: dict[str, int] = {}
     for name in run_names():
         o, m = load_run(name)
         evals = [e for e in m if e["kind"] == "eval"]
         train = [e for e in m if e["kind"] == "train"]
         if not evals or not o or name not in SETTINGS:
             continue
+        present[name] = max(e["tokens"] for e in evals)
         src = src or (evals[0]["source_perplexity"], evals[0].get("other_source_perplexity"))
         cells = []
         for key, ref in (
@@ -174,6 +198,9 @@ def table() -> str:
             + "; KL to the source "
             + " -> ".join(f"{e['kl']:.3f}" for e in evals)
         )
+    old_rows, old_curves = recorded(RESULTS, present)
+    rows += old_rows
+    curves += old_curves
     cpu = "unknown CPU"
     info = Path("/proc/cpuinfo")
     if info.exists():
@@ -196,6 +223,11 @@ def table() -> str:
         "of that schedule. '@100k' is the first evaluation at >= 98 % of 100k tokens (step 48 = 98,304). "
         "'–' = not reached. tokens/s is the last invocation's average (includes evaluations and any other load)."
     )
+    if old_rows:
+        head += (
+            " † an earlier run's row, kept from this file: its run folder is not on this machine, and it adapted the "
+            "conversion `factor` made by default on its day (see the git history of this file)."
+        )
     head += (
         " Chat KL: KL(source || MLA) in nats per token on the source's greedy 32-token answers to 8 chat prompts "
         "(news-evaluation articles behind a summarize instruction; `--chat-prompts`)."

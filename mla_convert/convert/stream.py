@@ -11,7 +11,10 @@ enter as embedding rows and travel through the layers as hidden-state streams ``
   and the shared ``qk_nope_head_dim`` are known once pass 1 ends.
 * **Pass 2** (converted): per layer, factor, assemble, refit ``o_proj``, round to the output dtype, measure
   the attention error on held-out tokens, run the converted streams through the MLA layer (the refit and
-  plain variants when a refit is in play) and write the layer's attention tensors.
+  plain variants when a refit is in play) and write the layer's attention tensors. A sequential refit
+  (``--refit-o-proj sequential``) fits on the converted model's own attention inputs: the refit's calibration
+  windows travel through the converted layers as written (a stream like the held-out ones), and pass 1 keeps
+  only the source outputs for it.
 * **Finish**: the final norm and LM head score every stream (vocabulary in chunks), the refit is kept or
   dropped on the held-out loss, the checkpoint is written shard by shard (MLP, norms and embeddings copied
   straight from the source in the output dtype).

@@ -56,13 +56,14 @@ def _digest(out: Path) -> str:
     return hashlib.sha256(b"".join(f.read_bytes() for f in sorted(out.glob("*.safetensors")))).hexdigest()
 
 
-def test_in_memory_conversion_is_what_factor_writes(tiny_src: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("refit", ["teacher", "sequential"])
+def test_in_memory_conversion_is_what_factor_writes(tiny_src: Path, tmp_path: Path, refit: str) -> None:
     """The oracles and exactness tests convert in memory (:func:`convert_windows`); ``factor`` writes OUT. Same
     options, same text: the same tensors bit for bit and the same report figures (cache budget spread over
     layers, o_proj refit with its held-out decision), so every oracle holds for what ``factor`` writes."""
-    report = _convert(tiny_src, tmp_path / "out", **LOSSY)
+    report = _convert(tiny_src, tmp_path / "out", **LOSSY, refit_o_proj=refit)
     src = open_source(tiny_src)
-    options = ConvertOptions(**LOSSY)
+    options = ConvertOptions(**LOSSY, refit_o_proj=refit)
     from transformers import AutoTokenizer
 
     text = prepare_text(AutoTokenizer.from_pretrained(str(src.path)), options)
@@ -128,10 +129,16 @@ class Stop(Exception):
     pass
 
 
-@pytest.mark.parametrize("stage", ["calibrate", "convert", "evaluate"])
-def test_resume_gives_the_uninterrupted_result(tiny_src: Path, tmp_path: Path, stage: str) -> None:
-    """Stopped after the first layer of either pass, ``--resume`` finishes with byte-identical weights."""
-    _convert(tiny_src, tmp_path / "whole", **LOSSY)
+@pytest.mark.parametrize(
+    ("stage", "refit"),
+    [("calibrate", "teacher"), ("convert", "teacher"), ("evaluate", "teacher"), ("calibrate", "sequential"),
+     ("convert", "sequential")],
+)  # fmt: skip
+def test_resume_gives_the_uninterrupted_result(tiny_src: Path, tmp_path: Path, stage: str, refit: str) -> None:
+    """Stopped after the first layer of either pass, ``--resume`` finishes with byte-identical weights (the
+    sequential refit's windows, carried through the converted layers, resume with the stream state)."""
+    lossy = {**LOSSY, "refit_o_proj": refit}
+    _convert(tiny_src, tmp_path / "whole", **lossy)
     out = tmp_path / "out"
     seen = {"n": 0}
 
@@ -142,18 +149,18 @@ def test_resume_gives_the_uninterrupted_result(tiny_src: Path, tmp_path: Path, s
                 raise Stop
 
     with pytest.raises(Stop):
-        _convert(tiny_src, out, **LOSSY, progress=stop)
+        _convert(tiny_src, out, **lossy, progress=stop)
     assert not out.exists() and (work_dir(out) / "progress.json").is_file()
     with pytest.raises(ResumeError, match="--resume"):
-        _convert(tiny_src, out, **LOSSY)  # a fresh start would drop the stopped job
+        _convert(tiny_src, out, **lossy)  # a fresh start would drop the stopped job
     with pytest.raises(ResumeError, match="--rope-pairs 4 -> 3"):
-        _convert(tiny_src, out, **{**LOSSY, "rope_pairs": 3}, resume=True)
-    report = _convert(tiny_src, out, **LOSSY, resume=True)
+        _convert(tiny_src, out, **{**lossy, "rope_pairs": 3}, resume=True)
+    report = _convert(tiny_src, out, **lossy, resume=True)
     assert report["run"]["resumed_after"]["layer"] == 0
     assert _digest(out) == _digest(tmp_path / "whole")
     assert not work_dir(out).exists()
     with pytest.raises(ResumeError, match="nothing to resume"):
-        _convert(tiny_src, tmp_path / "other", **LOSSY, resume=True)
+        _convert(tiny_src, tmp_path / "other", **lossy, resume=True)
 
 
 def test_overwrite_drops_a_stopped_job(tiny_src: Path, tmp_path: Path) -> None:
