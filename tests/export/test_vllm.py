@@ -39,13 +39,14 @@ def cpu_export(reference_ckpt, tmp_path_factory):
 
 
 def test_reference_export_is_exact_in_vllm(vllm_python, cpu_export, reference_ckpt):
-    from mla_convert.export.engine_check import ABS_MAX, GREEDY_MARGIN, MEAN_MAX, check_vllm
+    from mla_convert.export.engine_check import ABS_MAX, FLOOR_FACTOR, GREEDY_MARGIN, MEAN_MAX, check_vllm
 
     out, output = cpu_export
     assert "compilation-config '{\"custom_ops\": [\"none\"]}'" in output  # the serve command we print
     record = check_vllm(reference_ckpt, out, vllm_python)
     assert record["passed"], record["reasons"]
-    assert record["logprob_abs_diff"]["mean"] <= MEAN_MAX and record["logprob_abs_diff"]["max"] <= ABS_MAX
+    allowed = max(ABS_MAX, FLOOR_FACTOR * record["ours_bf16_abs_diff"]["max"])
+    assert record["logprob_abs_diff"]["mean"] <= MEAN_MAX and record["logprob_abs_diff"]["max"] <= allowed
     assert record["greedy"]["max_margin"] <= GREEDY_MARGIN and record["greedy"]["count"] == 32
     # vLLM's CPU MLA decode backend for this CPU: AMX_MLA where the CPU has AMX (Intel Xeon), CPU_MLA elsewhere (AMD EPYC)
     assert {"AMX_MLA", "CPU_MLA"} & set(record["backends"]), record["backends"]
