@@ -40,9 +40,15 @@ def shape_options(options: ConvertOptions, src: Any, target: str) -> tuple[Conve
     """The options ``factor``/``inspect`` run: shaped for an engine ``target`` (:mod:`mla_convert.convert.engine`),
     else with the RoPE split and the levers measured best for the budget where not given; and why."""
     from mla_convert.convert.engine import shape_for_engine
+    from mla_convert.convert.options import OptionsError
     from mla_convert.convert.suggest import follow_budget
 
     given = [k for k in ConvertOptions.model_fields if given_on_command_line(k)]
+    if "cache_budget" in given and "kv_lora_rank" in given:
+        raise OptionsError(
+            f"--cache-budget and --kv-lora-rank {options.kv_lora_rank} both given: "
+            "--kv-lora-rank fixes one latent width for every layer and replaces the budget; give only one of them"
+        )
     if target in ENGINE_ROWS:
         shaped, why = shape_for_engine(options, src, target, given)
         if shaped is options:  # the user's own shape: the split measured best for its budget, as without --target
@@ -99,7 +105,8 @@ def inspect(
     console.print(cache_table(src, suggestions(src, MEASURED_SPLITS)))
     if why:
         console.print(f"\nfactor with these options takes {why}", highlight=False, markup=False)
-    estimate_lines(options, max_shard_size, factor_lines(options, src, max_shard_size))
+    given = [k for k in ConvertOptions.model_fields if given_on_command_line(k)]
+    estimate_lines(options, max_shard_size, factor_lines(options, src, max_shard_size), given)
     from mla_convert.export.precheck import export_lines
 
     console.print("\nexport of a conversion with these options (checked before any work):", highlight=False)

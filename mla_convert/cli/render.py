@@ -11,7 +11,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -212,14 +212,18 @@ def cache_table(src: Any, suggestions: list[Any]) -> Table:
     return w
 
 
-def estimate_lines(options: Any, max_shard_size: str, lines: list[str]) -> None:
-    """``inspect``'s last lines: what ``factor`` with ``options`` (the flags that differ from the defaults) would
-    need (:func:`~mla_convert.convert.estimate.factor_lines`: peak memory, disk, time)."""
+def estimate_lines(options: Any, max_shard_size: str, lines: list[str], given: Collection[str] = ()) -> None:
+    """``inspect``'s last lines: what ``factor`` with ``options`` would need
+    (:func:`~mla_convert.convert.estimate.factor_lines`: peak memory, disk, time), named by the flags that differ
+    from the defaults and those ``given`` (a value given equal to its default still overrides a budget's measured
+    choice, so the printed command line converts what was asked)."""
     from mla_convert.convert.options import flag
 
     defaults = type(options)()
     changed = [
-        f"{flag(k)} {v}" for k, v in options.model_dump().items() if v != getattr(defaults, k) and v is not None
+        f"{flag(k)} {v}"
+        for k, v in options.model_dump().items()
+        if v is not None and (v != getattr(defaults, k) or k in given)
     ]
     if max_shard_size != "2GB":
         changed.append(f"--max-shard-size {max_shard_size}")

@@ -64,7 +64,9 @@ class ConvertOptions(BaseModel):
         "PCA across KV heads (TransMLA's RoRoPE)",
     )
     rope_strategy: RopeStrategy = Field(
-        "2-norm", description="which pairs/frequencies keep RoPE (rotation: weighted by how far they rotate)"
+        "2-norm",
+        description="which pairs/frequencies keep RoPE (rotation: weighted by how far they rotate); not given: the "
+        "strategy measured best for the cache budget (inspect says which)",
     )
     rope_pairs: int = Field(
         24,
@@ -82,7 +84,9 @@ class ConvertOptions(BaseModel):
         "teacher",
         description="ridge least-squares refit of o_proj so each converted layer's attention output matches the "
         "source's on calibration tokens, fitted on the source's layer inputs (teacher) or on the converted "
-        "model's own, layer after layer (sequential); no cache cost; kept only if it helps on held-out windows",
+        "model's own, layer after layer (sequential: one more forward of the calibration windows per layer); no "
+        "cache cost; kept only if it helps on held-out windows; not given: the refit measured best for the cache "
+        "budget (inspect says which)",
     )
     kv_lora_rank: int | None = Field(
         None, description="latent width d_c for every layer (replaces --cache-budget)"

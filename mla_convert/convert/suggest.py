@@ -122,8 +122,11 @@ def measured_levers(
     if not free:
         return None
     flags = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in free.items())
-    why = (f"{flags}: measured best at {100 * near:.2f} % of the source's cache, the size nearest this budget "
-           f"({entry.get('levers_evidence', 'dev windows')}; {model}, measured_splits.json); give the flag to choose")
+    others = [f"--{k.replace('_', '-')} {v}" for k, v in entry["levers"].items() if k not in free and getattr(options, k) != v]
+    along = f", measured together with {', '.join(others)} (given otherwise here)" if others else ""
+    why = (f"{flags}: measured best at {100 * near:.2f} % of the source's cache, the size nearest this budget"
+           f"{along} ({entry.get('levers_evidence', 'dev windows')}; {model}, measured_splits.json); give the flag "
+           "to choose")
     return free, why
 
 

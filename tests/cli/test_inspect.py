@@ -102,6 +102,13 @@ def test_the_levers_follow_the_budget():
     assert res.exit_code == 0, res.output
     assert "--rope-strategy rotation, --refit-o-proj sequential: measured best at 12.50 %" in res.output
     assert "--cache-budget 48 --rope-pairs 12 --rope-strategy rotation --refit-o-proj sequential" in res.output
+    # a value given equal to the option's default still overrides the budget's choice, and the printed line says so
+    res = CliRunner().invoke(cli.app, ["inspect", "smollm2-135m", "--cache-budget", "48", "--refit-o-proj", "teacher"],
+                             env={"COLUMNS": "400"})  # fmt: skip
+    assert "factor --rope-strategy rotation --rope-pairs 12 --refit-o-proj teacher --cache-budget 48.0" in res.output
+    assert "measured together with --refit-o-proj sequential (given otherwise here)" in res.output
+    res = CliRunner().invoke(cli.app, ["inspect", "smollm2-135m", "--cache-budget", "48", "--kv-lora-rank", "8"])
+    assert res.exit_code == 2 and "--cache-budget and --kv-lora-rank 8 both given" in res.output
     text = "name: t\nsource: smollm2-135m\noutput: /tmp/mla-recipe-levers-test\nfactor: {cache_budget: 48}\n"
     assert load_recipe("t.yaml", text=text).recipe.factor.refit_o_proj == "sequential"
     text = text.replace("{cache_budget: 48}", "{cache_budget: 48, refit_o_proj: teacher}")
