@@ -62,6 +62,20 @@ def summary_table(report: dict[str, Any]) -> Table:
     return t
 
 
+def _refit_line(report: dict[str, Any]) -> str:
+    """One sentence on the ``o_proj`` refit: which inputs it fitted on, and whether it was kept (mean next-token loss
+    in nats on the held-out calibration windows before -> after)."""
+    mode = report["options"].get("refit_o_proj", "none")
+    refit = report["model"].get("o_proj_refit") or {}
+    if mode == "none":
+        return "o_proj refit: none."
+    if refit.get("loss_before") is None:
+        return f"o_proj refit ({mode}): not run (the conversion is lossless, or no held-out window decided it)."
+    kept = "kept" if refit["kept"] else "reverted"
+    return (f"o_proj refit ({mode}): {kept}; mean loss on the held-out calibration windows "
+            f"{refit['loss_before']:.3f} -> {refit['loss_after']:.3f} nats.")
+
+
 def to_markdown(report: dict[str, Any]) -> str:
     """The report as Markdown (``report.md``)."""
     m = report["model"]
@@ -72,6 +86,8 @@ def to_markdown(report: dict[str, Any]) -> str:
         f"Source weights: {report['source'].get('weights', '?')}.",
         "",
         f"Options: `{json.dumps(report['options'], sort_keys=True)}`",
+        "",
+        f"Chosen for the cache budget: {report['run'].get('rope_pairs_chosen_by') or 'nothing (all given)'}.",
         "",
         f"Measured on {e['tokens']} held-out tokens ({e['windows']} windows of {e['window']}) of "
         f"{report['text']['name']} evaluation documents ({len(report['text']['evaluation'])} documents); "
@@ -91,6 +107,8 @@ def to_markdown(report: dict[str, Any]) -> str:
         f"| KV cache bytes/token/layer ({c['converted']['dtype']}) | {c['source']['bytes_per_token_per_layer']:.1f} | "
         f"{c['converted']['bytes_per_token_per_layer']:.1f} |",
         f"| cache ratio | 1.000 | {c['ratio']:.4f} |",
+        "",
+        _refit_line(report),
         "",
         "| layer | rope pairs | rank d_c | cache | energy | K/V rel err | K/V rel err (act) | attn rel err |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|",

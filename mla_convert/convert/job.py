@@ -319,6 +319,7 @@ def run_factor(
         "warnings": warnings,
         "model": {
             "eval": ev.as_dict(),
+            "o_proj_refit": {k: v for k, v in (res.refit or {}).items() if not k.startswith("window_")} or None,
             "cache": {
                 "source": cache_src,
                 "converted": cache_mla,

@@ -56,14 +56,14 @@ def _digest(out: Path) -> str:
     return hashlib.sha256(b"".join(f.read_bytes() for f in sorted(out.glob("*.safetensors")))).hexdigest()
 
 
-@pytest.mark.parametrize("refit", ["teacher", "sequential"])
-def test_in_memory_conversion_is_what_factor_writes(tiny_src: Path, tmp_path: Path, refit: str) -> None:
+@pytest.mark.parametrize("mode", ["teacher", "sequential"])
+def test_in_memory_conversion_is_what_factor_writes(tiny_src: Path, tmp_path: Path, mode: str) -> None:
     """The oracles and exactness tests convert in memory (:func:`convert_windows`); ``factor`` writes OUT. Same
     options, same text: the same tensors bit for bit and the same report figures (cache budget spread over
     layers, o_proj refit with its held-out decision), so every oracle holds for what ``factor`` writes."""
-    report = _convert(tiny_src, tmp_path / "out", **LOSSY, refit_o_proj=refit)
+    report = _convert(tiny_src, tmp_path / "out", **LOSSY, refit_o_proj=mode)
     src = open_source(tiny_src)
-    options = ConvertOptions(**LOSSY, refit_o_proj=refit)
+    options = ConvertOptions(**LOSSY, refit_o_proj=mode)
     from transformers import AutoTokenizer
 
     text = prepare_text(AutoTokenizer.from_pretrained(str(src.path)), options)
@@ -82,6 +82,9 @@ def test_in_memory_conversion_is_what_factor_writes(tiny_src: Path, tmp_path: Pa
     )
     refit = json.loads((tmp_path / "out" / "config.json").read_text())["source"]["o_proj_refit"]
     assert refit == conv.config.source["o_proj_refit"]
+    assert report["model"]["o_proj_refit"]["kept"] == refit["kept"]  # and report.md says it, with the mode
+    verdict = "kept" if refit["kept"] else "reverted"
+    assert f"o_proj refit ({mode}): {verdict}; mean loss" in (tmp_path / "out" / "report.md").read_text()
     # and the scoring is evaluate()'s on the model read back (a whole-model forward, not the streams)
     full = evaluate(load_checkpoint(tmp_path / "out"), text.evaluation, load_source_model(src))
     assert got["perplexity"] == pytest.approx(full.perplexity, rel=1e-5)
