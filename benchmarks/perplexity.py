@@ -208,6 +208,7 @@ def publish(lines: list[str], readme: bool) -> None:
         json.dumps(
             {
                 "model": "SmolLM2-135M-Instruct",
+                "shape": {"head_dim": 64, "num_kv_heads": 3, "num_attention_heads": 9},
                 "measured_by": "benchmarks/perplexity.py --readme: per cache size the mla-convert row with the "
                 "lowest perplexity ratio on the dev windows (Wikipedia adaptation split, unused by the conversion)",
                 "splits": splits,

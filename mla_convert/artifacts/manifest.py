@@ -91,6 +91,7 @@ def conversion_manifest(
     text_name: str,
     documents: Mapping[str, list[dict[str, Any]]],
     run: dict[str, Any],
+    choices: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The manifest of a ``factor`` output, before :func:`write_manifest` adds outputs and the id.
 
@@ -102,6 +103,7 @@ def conversion_manifest(
         text_name: the calibration text (``wikipedia``, ``news`` or ``local files``).
         documents: ``{"calibration": [...], "evaluation": [...]}`` document records (id, sha256, chars).
         run: timings and host facts (not part of the canonical id).
+        choices: where each chosen option came from (:attr:`~mla_convert.convert.resolve.Resolution.choices`).
     """
     from mla_convert.sources.checkpoint import tokenizer_digest
 
@@ -115,6 +117,7 @@ def conversion_manifest(
             "tokenizer_sha256": tokenizer_digest(src),
         },
         "options": options.model_dump(),
+        "choices": dict(choices or {}),
         "rope": {
             "mode": options.rope_mode,
             "pairs": [r.rope_pairs for r in conv.layers],

@@ -23,6 +23,7 @@ from mla_convert.cli.render import (
 )
 from mla_convert.convert.engine import ENGINE_ROWS
 from mla_convert.convert.options import ConvertOptions, shard_size_of
+from mla_convert.convert.resolve import Resolution
 from mla_convert.sources.locate import locate_source
 
 SHAPE_HELP = (
@@ -36,27 +37,13 @@ SOURCE_HELP = (
 )
 
 
-def shape_options(options: ConvertOptions, src: Any, target: str) -> tuple[ConvertOptions, str | None]:
-    """The options ``factor``/``inspect`` run: shaped for an engine ``target`` (:mod:`mla_convert.convert.engine`),
-    else with the RoPE split and the levers measured best for the budget where not given; and why."""
-    from mla_convert.convert.engine import shape_for_engine
-    from mla_convert.convert.options import OptionsError
-    from mla_convert.convert.suggest import follow_budget
+def shape_options(options: ConvertOptions, src: Any, target: str) -> Resolution:
+    """The options ``factor``/``inspect`` run (:func:`~mla_convert.convert.resolve.resolve_options` with the flags
+    typed on the command line as the given ones)."""
+    from mla_convert.convert.resolve import resolve_options
 
     given = [k for k in ConvertOptions.model_fields if given_on_command_line(k)]
-    if "cache_budget" in given and "kv_lora_rank" in given:
-        raise OptionsError(
-            f"--cache-budget and --kv-lora-rank {options.kv_lora_rank} both given: "
-            "--kv-lora-rank fixes one latent width for every layer and replaces the budget; give only one of them"
-        )
-    if target in ENGINE_ROWS:
-        shaped, why = shape_for_engine(options, src, target, given)
-        if shaped is options:  # the user's own shape: the split measured best for its budget, as without --target
-            options, split = follow_budget(options, src, given)
-            why = f"{why}; {split}" if split else why
-            return options, why
-        return shaped, why
-    return follow_budget(options, src, given)
+    return resolve_options(options, src, target, given)
 
 
 @options_from(ConvertOptions)
@@ -96,7 +83,8 @@ def inspect(
 
     with user_errors():
         src = open_source(source)
-        options, why = shape_options(options, src, target)
+        res = shape_options(options, src, target)
+        options, why = res.options, res.why
         check_options(options, src)
     from mla_convert.convert.estimate import factor_lines
     from mla_convert.convert.suggest import MEASURED_SPLITS, suggestions
@@ -158,7 +146,8 @@ def factor(
 
     with user_errors():
         src = open_source(source)
-        options, why = shape_options(options, src, target)
+        res = shape_options(options, src, target)
+        options, why = res.options, res.why
         check_options(options, src)  # the source's shapes: before anything is loaded
         if why:
             say(f"{'engine shape' if target in ENGINE_ROWS else 'rope split'}: {why}")
@@ -181,7 +170,7 @@ def factor(
                     progress=cb,
                     resume=resume,
                     max_shard_size=shard_size,
-                    rope_split=why,
+                    resolution=res,
                 )
         except KeyboardInterrupt:
             from mla_convert.convert.workdir import work_dir

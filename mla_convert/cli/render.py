@@ -224,6 +224,7 @@ def estimate_lines(options: Any, max_shard_size: str, lines: list[str], given: C
         f"{flag(k)} {v}"
         for k, v in options.model_dump().items()
         if v is not None and (v != getattr(defaults, k) or k in given)
+        and not (k == "cache_budget" and options.cache_fraction is not None)  # the fraction's budget: not typed
     ]
     if max_shard_size != "2GB":
         changed.append(f"--max-shard-size {max_shard_size}")

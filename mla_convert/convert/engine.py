@@ -26,7 +26,7 @@ ENGINE_ROWS = {"vllm": (512, 64), "vllm-cpu": (512, 64)}
 TARGETS = ("transformers", *ENGINE_ROWS)
 #: Explicit options that choose another shape: with one of them the conversion is left as asked (the export pads
 #: it to the engine row), and the reason says what the row would hold instead.
-OWN_SHAPE = ("rope_mode", "cache_budget")
+OWN_SHAPE = ("rope_mode", "cache_budget", "cache_fraction")
 
 
 def shape_for_engine(
@@ -39,7 +39,7 @@ def shape_for_engine(
         src: the source's shape (head_dim, KV heads, hidden size).
         target: ``transformers`` | ``vllm`` | ``vllm-cpu``.
         given: option names the user gave explicitly: ``--rope-pairs`` (up to the rope head), ``--kv-lora-rank``
-            (up to 512) and ``--rope-strategy`` are kept in the shape; ``--rope-mode`` or ``--cache-budget`` keep the
+            (up to 512) and ``--rope-strategy`` are kept in the shape; ``--rope-mode``, ``--cache-fraction`` or ``--cache-budget`` keep the
             options as given (the export pads them; ``why`` says so).
 
     Returns:
@@ -79,7 +79,7 @@ def shape_for_engine(
     strategy = options.rope_strategy if "rope_strategy" in given else "high"
     shaped = options.model_copy(
         update={"rope_mode": "shared", "rope_strategy": strategy, "rope_pairs": pairs, "cache_budget": None,
-                "kv_lora_rank": 1}
+                "cache_fraction": None, "kv_lora_rank": 1}
     )  # fmt: skip
     widest = geometry(shaped, src).max_rank
     rank = options.kv_lora_rank if "kv_lora_rank" in given and options.kv_lora_rank else min(rank_cap, widest)

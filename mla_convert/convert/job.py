@@ -22,6 +22,7 @@ from mla_convert.artifacts.report import write_report
 from mla_convert.artifacts.shards import DEFAULT_MAX_SHARD_SIZE, write_shards
 from mla_convert.convert.device import frozen_heap, trim_heap
 from mla_convert.convert.options import ConvertOptions, check_options
+from mla_convert.convert.resolve import Resolution, resolve_options
 from mla_convert.convert.stream import ProgressFn, Streamed, StreamedConversion, Texts
 from mla_convert.convert.workdir import check_start, close_work, load_torch, open_work, publish
 from mla_convert.errors import UserError
@@ -213,7 +214,7 @@ def run_factor(
     sample_prompt: str | None = "The capital of France is",
     resume: bool = False,
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
-    rope_split: str | None = None,
+    resolution: Resolution | None = None,
 ) -> dict[str, Any]:
     """Convert ``src`` into an MLA checkpoint in ``out`` with report and manifest, layer by layer
     (:mod:`mla_convert.convert.stream`) in the work folder ``.OUT.factor`` (:mod:`mla_convert.convert.workdir`).
@@ -221,8 +222,10 @@ def run_factor(
     Args:
         resume: continue the stopped job of the same source, options and shard size after its last layer.
         max_shard_size: largest output shard (``"2GB"``, bytes); one shard is held in memory while written.
-        rope_split: why ``options.rope_pairs`` is what it is, when a rule chose it
-            (:func:`~mla_convert.convert.suggest.follow_budget`); recorded in the report's ``run``.
+        resolution: ``options`` already resolved for ``src`` (:func:`~mla_convert.convert.resolve.resolve_options`,
+            as the CLI does with the flags typed); None: resolved here with the fields the caller set as given, so
+            a library call converts as the command line does. Its ``why`` goes into the report's ``run``, its
+            ``choices`` into the manifest.
 
     Returns:
         The report dict (also written to ``out/report.json``).
@@ -234,6 +237,9 @@ def run_factor(
 
     t0 = time.perf_counter()
     phases = PhasePeaks()
+    if resolution is None:
+        resolution = resolve_options(options, src)
+    options = resolution.options
     check_options(options, src)
     warnings = preflight(src)  # broken sources: before any work
     job = job_record(src, options, max_shard_size)
@@ -352,10 +358,10 @@ def run_factor(
             "torch": torch.__version__,
             "python": platform.python_version(),
             "threads": torch.get_num_threads(),
-            "rope_pairs_chosen_by": rope_split or "given (--rope-pairs, or a fixed --kv-lora-rank)",
+            "rope_pairs_chosen_by": resolution.why or "given (--rope-pairs, or a fixed --kv-lora-rank)",
         },
     }
-    manifest = conversion_manifest(src, options, res, ev, text.name, text.records, report["run"])
+    manifest = conversion_manifest(src, options, res, ev, text.name, text.records, report["run"], resolution.choices)
     write_report(staged, report)
     write_manifest(staged, manifest, sorted(str(p.relative_to(staged)) for p in staged.rglob("*") if p.is_file()))
     publish(staged, out)

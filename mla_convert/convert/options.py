@@ -89,10 +89,17 @@ class ConvertOptions(BaseModel):
         "budget (inspect says which)",
     )
     kv_lora_rank: int | None = Field(
-        None, description="latent width d_c for every layer (replaces --cache-budget)"
+        None, description="latent width d_c for every layer (replaces --cache-fraction and --cache-budget)"
+    )
+    cache_fraction: float | None = Field(
+        0.3125,
+        description="KV cache kept, as a fraction of the source's 2 x KV heads x head_dim values per token per "
+        "layer (0.3125: 31.25 %, MHA2MLA's largest size); latent ranks allocated per layer",
     )
     cache_budget: float | None = Field(
-        120, description="cache values per token per layer, averaged; latent ranks allocated per layer"
+        None,
+        description="cache values per token per layer, averaged (an absolute size; replaces --cache-fraction); "
+        "latent ranks allocated per layer",
     )
     text: str = Field(
         "wikipedia",
@@ -129,9 +136,18 @@ class ConvertOptions(BaseModel):
 
     @model_validator(mode="after")
     def _rank_replaces_budget(self) -> ConvertOptions:
-        """A fixed ``kv_lora_rank`` makes the budget moot: it is recorded as ``None``."""
+        """A fixed ``kv_lora_rank`` makes the cache size moot (fraction and budget recorded as ``None``); an
+        absolute ``cache_budget`` replaces the default fraction (another fraction given too is checked by
+        :func:`problems`, the default one given explicitly by
+        :func:`~mla_convert.convert.resolve.resolve_options`)."""
         if self.kv_lora_rank is not None:
             self.cache_budget = None
+            self.cache_fraction = None
+        elif self.cache_budget is not None and (
+            "cache_fraction" not in self.model_fields_set
+            or self.cache_fraction == type(self).model_fields["cache_fraction"].default  # the CLI passes defaults too
+        ):
+            self.cache_fraction = None
         return self
 
 
@@ -182,9 +198,28 @@ class Geometry:
         """Mean cache values per token per layer the options give (``d_c + rope_width``)."""
         if options.kv_lora_rank is not None:
             return float(options.kv_lora_rank + self.rope_width)
-        return (
-            self.latent_total(options.cache_budget or 0.0) + self.rope_width * self.num_layers
-        ) / self.num_layers
+        budget = options.cache_budget
+        if budget is None and options.cache_fraction is not None:
+            budget = float(round(options.cache_fraction * self.source_width))
+        return (self.latent_total(budget or 0.0) + self.rope_width * self.num_layers) / self.num_layers
+
+
+def source_width(src: SourceShape) -> int:
+    """The source's KV cache per token per layer, ``2 G head_dim`` values (keys and values of every KV head)."""
+    return 2 * src.num_kv_heads * src.head_dim
+
+
+def cache_budget_of(options: ConvertOptions, src: SourceShape) -> float | None:
+    """The cache budget ``options`` ask for on ``src``, in values per token per layer: ``cache_budget`` when given,
+    else ``cache_fraction`` x :func:`source_width` rounded to a whole value; None with a fixed ``kv_lora_rank``
+    (or neither given)."""
+    if options.kv_lora_rank is not None:
+        return None
+    if options.cache_budget is not None:
+        return options.cache_budget
+    if options.cache_fraction is None:
+        return None
+    return float(round(options.cache_fraction * source_width(src)))
 
 
 def geometry(options: ConvertOptions, src: SourceShape) -> Geometry:
@@ -225,11 +260,23 @@ def problems(options: ConvertOptions, src: SourceShape | None) -> list[tuple[str
         out.append(("kv_lora_rank", f"{options.kv_lora_rank} is too small: must be at least 1"))
     if options.kv_lora_rank is None and options.cache_budget is not None and options.cache_budget <= 0:
         out.append(("cache_budget", f"{options.cache_budget:g} is too small: must be positive"))
-    if options.kv_lora_rank is None and options.cache_budget is None:
-        out.append(("cache_budget", "is missing: give a cache budget or a kv_lora_rank"))
+    if options.kv_lora_rank is None and options.cache_fraction is not None and not 0 < options.cache_fraction <= 1:
+        out.append(("cache_fraction", f"{options.cache_fraction:g} is outside (0, 1]: give the share of the source's "
+                    "cache to keep, e.g. 0.3125 for 31.25 %"))
+    if options.kv_lora_rank is None and options.cache_budget is None and options.cache_fraction is None:
+        out.append(("cache_budget", "is missing: give a cache fraction, a cache budget or a kv_lora_rank"))
     if src is None or out:
         return out  # the source-dependent rules assume the source-free ones hold
     geo = geometry(options, src)
+    budget = cache_budget_of(options, src)
+    fraction = options.cache_fraction
+    if options.cache_budget is not None and fraction is not None and round(fraction * geo.source_width) != round(
+        options.cache_budget
+    ):
+        out.append(("cache_fraction", f"{fraction:g} of the source's {geo.source_width} values is "
+                    f"{fraction * geo.source_width:g}, not the --cache-budget {options.cache_budget:g} also given: "
+                    "give only one of them"))
+        return out
     if not 0 <= options.rope_pairs <= geo.max_rope_pairs:
         out.append(
             (
@@ -248,21 +295,24 @@ def problems(options: ConvertOptions, src: SourceShape | None) -> list[tuple[str
                     f"hidden size {src.hidden_size})",
                 )
             )
-    elif options.cache_budget is not None:
-        latent = options.cache_budget - geo.rope_width
-        if latent < 1 or geo.latent_total(options.cache_budget) < geo.num_layers:
+    elif budget is not None:
+        key = "cache_fraction" if options.cache_fraction is not None else "cache_budget"
+        asked = (f"{budget:g}" if key == "cache_budget"
+                 else f"{options.cache_fraction:g} ({budget:g} of the source's {geo.source_width} values)")
+        latent = budget - geo.rope_width
+        if latent < 1 or geo.latent_total(budget) < geo.num_layers:
             out.append(
                 (
-                    "cache_budget",
-                    f"{options.cache_budget:g} leaves no latent after {geo.rope_width} RoPE values per token; lower "
-                    "the rope pairs or raise the budget",
+                    key,
+                    f"{asked} leaves no latent after {geo.rope_width} RoPE values per token; lower "
+                    "the rope pairs or raise the cache size",
                 )
             )
         elif latent > geo.max_rank:
             out.append(
                 (
-                    "cache_budget",
-                    f"{options.cache_budget:g} asks for a latent of {latent:g} after {geo.rope_width} RoPE values; at "
+                    key,
+                    f"{asked} asks for a latent of {latent:g} after {geo.rope_width} RoPE values; at "
                     f"most {geo.max_rank} is possible (source cache {geo.source_width} values)",
                 )
             )

@@ -45,8 +45,11 @@ def layer_ranks(options: ConvertOptions, spectra: list[torch.Tensor], geo: Geome
     The options were checked by :func:`~mla_convert.convert.options.check_options`."""
     if options.kv_lora_rank is not None:
         return [options.kv_lora_rank] * geo.num_layers
-    assert options.cache_budget is not None
-    return allocate_ranks(spectra, geo.latent_total(options.cache_budget))
+    budget = options.cache_budget
+    if budget is None and options.cache_fraction is not None:
+        budget = float(round(options.cache_fraction * geo.source_width))
+    assert budget is not None
+    return allocate_ranks(spectra, geo.latent_total(budget))
 
 
 def plan_and_target(

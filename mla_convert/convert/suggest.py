@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mla_convert.convert.options import ConvertOptions, SourceShape, geometry
+from mla_convert.convert.options import ConvertOptions, SourceShape, cache_budget_of, geometry, source_width
 
 MEASURED_SPLITS = Path(__file__).with_name("measured_splits.json")
 #: The cache fractions ``inspect`` reports: 31.25 %, 18.75 % and 12.5 % of the source's K + V.
@@ -69,29 +69,52 @@ def measured_rope_pairs(options: ConvertOptions, src: SourceShape, path: Path | 
     """The RoPE pairs of the split measured best at ``options.cache_budget`` on ``src``, and why (one sentence).
 
     The measured RoPE share of the cache row (``measured_splits.json``) is interpolated linearly in the cache
-    fraction between the measured sizes (clamped outside them) and turned into pairs of ``options``' rope heads.
-    None when nothing is measured or the options fix the latent width (``kv_lora_rank``: the split is then moot).
+    fraction between the measured sizes and turned into pairs of ``options``' rope heads. Outside the measured sizes
+    the nearest one's share is used and the sentence says so; a share the rope head cannot hold (more pairs than it
+    has) is clipped and the sentence says so too; a source of another shape than the measured model is told that the
+    split is a prior. None when nothing is measured or the options fix the latent width (``kv_lora_rank``: the split
+    is then moot).
     """
-    if options.cache_budget is None or options.kv_lora_rank is not None:
+    budget = cache_budget_of(options, src)
+    if budget is None or options.kv_lora_rank is not None:
         return None
     model, measured = measured_splits(path)
     if not measured:
         return None
-    frac = options.cache_budget / (2 * src.num_kv_heads * src.head_dim)
+    frac = budget / source_width(src)
     points = sorted((f, float(m["rope_share"])) for f, m in measured.items())
-    if frac <= points[0][0]:
-        share = points[0][1]
-    elif frac >= points[-1][0]:
-        share = points[-1][1]
+    notes = []
+    if frac < points[0][0] or frac > points[-1][0]:
+        near = points[0] if frac < points[0][0] else points[-1]
+        share = near[1]
+        notes.append(f"outside the measured sizes ({100 * points[0][0]:.2f}-{100 * points[-1][0]:.2f} %): the share "
+                     f"of the nearest, {100 * near[0]:.2f} %, is used")
     else:
         (f0, s0), (f1, s1) = next((a, b) for a, b in zip(points, points[1:], strict=False) if a[0] <= frac <= b[0])
-        share = s0 + (s1 - s0) * (frac - f0) / (f1 - f0)
+        share = s0 + (s1 - s0) * (frac - f0) / (f1 - f0) if f1 > f0 else s0
     heads = geometry(options, src).rope_heads
-    want = max(1, round(share * options.cache_budget / (2 * heads)))
+    want = max(1, round(share * budget / (2 * heads)))
     pairs = geometry(options.model_copy(update={"rope_pairs": want}), src).rope_pairs
+    if pairs < want:
+        notes.append(f"the share asks for {want} pairs; clipped to {pairs}, all a rope head holds here, so the RoPE "
+                     f"part is {2 * heads * pairs / budget:.2f} of the row, not {share:.2f}")
+    shape = _measured_shape(path)
+    if shape and (shape.get("head_dim"), shape.get("num_kv_heads")) != (src.head_dim, src.num_kv_heads):
+        notes.append(f"measured on head_dim {shape.get('head_dim')} with {shape.get('num_kv_heads')} KV heads, a "
+                     f"prior for this source's head_dim {src.head_dim} with {src.num_kv_heads}")
+    extra = "; ".join(notes)
     why = (f"--rope-pairs {pairs}: the RoPE share measured best at {100 * frac:.2f} % of the source's cache "
-           f"({share:.2f} of the row; {model}, dev windows, measured_splits.json); pass --rope-pairs to choose")
+           f"({share:.2f} of the row; {model}, dev windows, measured_splits.json"
+           f"{'; ' + extra if extra else ''}); pass --rope-pairs to choose")
     return pairs, why
+
+
+def _measured_shape(path: Path | None = None) -> dict[str, Any]:
+    """The attention shape of the model ``measured_splits.json`` was measured on (``{}`` when not recorded)."""
+    path = path or MEASURED_SPLITS
+    if not path.exists():
+        return {}
+    return dict(json.loads(path.read_text()).get("shape", {}))
 
 
 #: Options ``benchmarks/levers.py`` measures per cache size (on dev windows, kept only when they also win on the
@@ -106,13 +129,14 @@ def measured_levers(
     (as a fraction of the source's K + V), those not ``given``, and why (one sentence). None when nothing applies:
     no measurement, a fixed ``kv_lora_rank``, or every lever given (a rope strategy only for a shared rope head
     whose mode was not given either)."""
-    if options.cache_budget is None or options.kv_lora_rank is not None:
+    budget = cache_budget_of(options, src)
+    if budget is None or options.kv_lora_rank is not None:
         return None
     model, measured = measured_splits(path)
     with_levers = {f: m for f, m in measured.items() if m.get("levers")}
     if not with_levers:
         return None
-    frac = options.cache_budget / (2 * src.num_kv_heads * src.head_dim)
+    frac = budget / source_width(src)
     near = min(with_levers, key=lambda f: abs(f - frac))
     entry = with_levers[near]
     free = {k: v for k, v in entry["levers"].items() if k in LEVER_OPTIONS and k not in given}
@@ -124,8 +148,9 @@ def measured_levers(
     flags = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in free.items())
     others = [f"--{k.replace('_', '-')} {v}" for k, v in entry["levers"].items() if k not in free and getattr(options, k) != v]
     along = f", measured together with {', '.join(others)} (given otherwise here)" if others else ""
+    outside = not min(with_levers) <= frac <= max(with_levers)
     why = (f"{flags}: measured best at {100 * near:.2f} % of the source's cache, the size nearest this budget"
-           f"{along} ({entry.get('levers_evidence', 'dev windows')}; {model}, measured_splits.json); give the flag "
+           f"{' (outside the measured sizes)' if outside else ''}{along} ({entry.get('levers_evidence', 'dev windows')}; {model}, measured_splits.json); give the flag "
            "to choose")
     return free, why
 

@@ -68,10 +68,10 @@ def served_cache(src: Any, options: Any, target: str) -> tuple[float, float]:
     """``(MLA checkpoint, engine)`` cache values per token per layer of a conversion with ``options`` exported to
     ``target``: the engine targets allocate ``512 + 64``; ``transformers`` at least the checkpoint's (per-layer ranks
     are padded to the largest, known only after the conversion)."""
-    from mla_convert.convert.options import geometry
+    from mla_convert.convert.options import cache_budget_of, geometry
 
     geo = geometry(options, src)
-    mla = float(options.kv_lora_rank + geo.rope_width) if options.kv_lora_rank is not None else float(options.cache_budget)
+    mla = float(options.kv_lora_rank + geo.rope_width) if options.kv_lora_rank is not None else float(cache_budget_of(options, src) or 0)
     if target == "transformers":
         return mla, mla
     return mla, float(VLLM_KV_LORA_RANK + VLLM_GPU_HEAD_DIMS[0][1])

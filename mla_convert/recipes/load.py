@@ -23,6 +23,7 @@ from mla_convert.recipes.overrides import apply_override, parse_override, yaml_r
 from mla_convert.recipes.schema import SECTIONS, Recipe, RecipeError, allowed_keys
 
 if TYPE_CHECKING:
+    from mla_convert.convert.resolve import Resolution
     from mla_convert.sources.checkpoint import SourceModel
 
 
@@ -34,6 +35,8 @@ class Resolved:
     file: str
     overrides: list[str]
     src: SourceModel | None = None
+    #: how the factor options were resolved for the source (None when the source was not opened)
+    resolution: Resolution | None = None
 
 
 KeyPath = tuple[Any, ...]  # a YAML key path (pydantic locations may hold ints)
@@ -116,7 +119,8 @@ def _read(file: str, text: str) -> _Doc:
 
 
 def _override(doc: _Doc, overrides: list[str] | tuple[str, ...]) -> None:
-    """Apply ``key=value`` items, then the normalizations: ``kv_lora_rank`` replaces ``cache_budget`` (as on
+    """Apply ``key=value`` items, then the normalizations: ``kv_lora_rank`` replaces the cache size, a ``cache_budget`` the
+    recipe's ``cache_fraction`` unless that was overridden too (as on
     the factor command line); ``adapt.source`` defaults to the recipe's source."""
     raw: dict[str, Any] = doc.raw
     for item in overrides:
@@ -128,7 +132,9 @@ def _override(doc: _Doc, overrides: list[str] | tuple[str, ...]) -> None:
             doc.add((), str(exc))
     fraw = raw.get("factor")
     if isinstance(fraw, dict) and fraw.get("kv_lora_rank") is not None:
-        fraw["cache_budget"] = None
+        fraw["cache_budget"] = fraw["cache_fraction"] = None
+    elif isinstance(fraw, dict) and fraw.get("cache_budget") is not None and ("factor", "cache_fraction") not in doc.overridden:
+        fraw["cache_fraction"] = None  # an absolute budget replaces the recipe's fraction, as on the command line
     araw = raw.get("adapt")
     if isinstance(araw, dict) and araw.get("source") is None and isinstance(raw.get("source"), str):
         araw["source"] = raw["source"]
@@ -265,11 +271,19 @@ def load_recipe(
     source = raw.get("source")
     if check_source and isinstance(source, str) and source and ("source",) not in failed:
         src = _open(doc, ("source",), source)
-    if fo is not None and src is not None and recipe is not None:  # what the budget's measurements chose, unless given
-        from mla_convert.convert.suggest import follow_budget
+    resolution = None
+    if fo is not None and src is not None and recipe is not None:  # the one resolution factor and inspect run too
+        from mla_convert.convert.options import OptionsError
+        from mla_convert.convert.resolve import resolve_options
 
-        fo, _ = follow_budget(fo, src, fo.model_fields_set)
-        recipe.factor = fo
+        target = recipe.export.target if recipe.export is not None else "transformers"
+        try:
+            fraw = raw.get("factor") if isinstance(raw.get("factor"), dict) else {}
+            given = {k for k, v in fraw.items() if v is not None}  # keys set to null give nothing
+            resolution = resolve_options(fo, src, target, given)
+            fo = recipe.factor = resolution.options
+        except OptionsError as exc:
+            doc.add(("factor",), _recipe_words(str(exc)))
     if fo is not None:
         bad = _failed_factor_keys(failed)
         for key, msg in problems(fo, src):  # the conversion's own option rules, each at its key
@@ -291,7 +305,7 @@ def load_recipe(
     if doc.problems:
         raise RecipeError(file, doc.render())
     assert recipe is not None
-    return Resolved(recipe, file, list(overrides), src)
+    return Resolved(recipe, file, list(overrides), src, resolution)
 
 
 def resolved_yaml(res: Resolved) -> str:

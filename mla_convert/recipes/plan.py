@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mla_convert.convert.options import geometry
+from mla_convert.convert.options import cache_budget_of, geometry
 from mla_convert.recipes.schema import Recipe
 
 if TYPE_CHECKING:
@@ -190,7 +190,7 @@ def shape_lines(recipe: Recipe, src: SourceModel) -> list[str]:
     if fo.kv_lora_rank is not None:
         latent = f"{fo.kv_lora_rank} in every layer (kv_lora_rank)"
     else:
-        total = geo.latent_total(fo.cache_budget or 0.0)
+        total = geo.latent_total(cache_budget_of(fo, src) or 0.0)
         latent = (
             f"{total / n:g} on average ({total} over {n} layers, allocated per layer by marginal error "
             "when converting)"

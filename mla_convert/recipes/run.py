@@ -114,7 +114,9 @@ def run_recipe(
     if fstage.action == "run":
         say(f"factor: running ({fstage.why})")
         with factor_progress() if factor_progress else nullcontext(None) as cb:
-            pipeline.run_factor(res.src, fstage.folder, recipe.factor, overwrite=overwrite, progress=cb)
+            pipeline.run_factor(
+                res.src, fstage.folder, recipe.factor, overwrite=overwrite, progress=cb, resolution=res.resolution
+            )
         cid = (read_json(fstage.folder / MANIFEST) or {}).get("canonical_id")
         done["factor"] = "ran"
     else:

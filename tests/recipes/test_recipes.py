@@ -371,7 +371,8 @@ class Fakes:
         self.settings: dict[str, Any] = {}
 
     def run_factor(
-        self, src: Any, out: Path, options: Any, overwrite: bool = False, progress: Any = None
+        self, src: Any, out: Path, options: Any, overwrite: bool = False, progress: Any = None,
+        resolution: Any = None,
     ) -> dict:
         from mla_convert.artifacts.manifest import write_manifest
         from mla_convert.artifacts.output import atomic_folder, check_output

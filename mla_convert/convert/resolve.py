@@ -1,0 +1,139 @@
+"""The one resolution of a conversion's options for a source: what ``factor``, ``inspect``, recipes and the library run.
+
+Options as given (on the command line, in a recipe, or as a :class:`ConvertOptions` built in Python) leave some
+choices open: the cache size (a fraction of the source's cache by default), the RoPE split and the levers (from
+measurements, where not given), and the shape an engine ``--target`` serves. :func:`resolve_options` fixes all of
+them in one order, so ``ConvertOptions(cache_budget=72)`` converts as ``factor --cache-budget 72`` does:
+
+1. the cache size: ``--kv-lora-rank``, else ``--cache-budget``, else ``--cache-fraction`` x the source's
+   ``2 G head_dim`` values (:func:`~mla_convert.convert.options.cache_budget_of`), written into ``cache_budget``;
+2. an engine target's shape (:func:`~mla_convert.convert.engine.shape_for_engine`), unless the user gave their own;
+3. the RoPE split and levers measured best for the budget where not given
+   (:func:`~mla_convert.convert.suggest.follow_budget`: measured on another model, a prior, and said so).
+
+Each choice's origin is recorded (:attr:`Resolution.choices`, the manifest's ``choices``). Config only: no weights,
+no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+from mla_convert.convert.options import (
+    ConvertOptions,
+    OptionsError,
+    SourceShape,
+    cache_budget_of,
+    source_width,
+)
+
+#: The options whose origin a resolution records (the others are taken as given or at their defaults).
+CHOSEN = ("cache_budget", "kv_lora_rank", "rope_mode", "rope_strategy", "rope_pairs", "refit_o_proj")
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """Options with every choice fixed, why the rules chose what they chose, and where each choice came from.
+
+    Attributes:
+        options: the options a conversion runs (``cache_budget`` in values per token per layer, or
+            ``kv_lora_rank``; the RoPE split and levers fixed).
+        why: sentences for the user (joined by ``"; "``), None when nothing was chosen for them.
+        choices: option name -> its origin: ``"given"``, ``"default"``, or the rule that chose it.
+    """
+
+    options: ConvertOptions
+    why: str | None
+    choices: dict[str, str] = field(default_factory=dict)
+
+
+def _budget(options: ConvertOptions, src: SourceShape, given: Collection[str]) -> tuple[ConvertOptions, str]:
+    """Step 1: the cache size in values per token per layer, and its origin."""
+    if "cache_budget" in given and "kv_lora_rank" in given:
+        raise OptionsError(
+            f"--cache-budget and --kv-lora-rank {options.kv_lora_rank} both given: "
+            "--kv-lora-rank fixes one latent width for every layer and replaces the budget; give only one of them"
+        )
+    if "cache_fraction" in given and "kv_lora_rank" in given:
+        raise OptionsError(
+            f"--cache-fraction and --kv-lora-rank {options.kv_lora_rank} both given: "
+            "--kv-lora-rank fixes one latent width for every layer and replaces the fraction; give only one of them"
+        )
+    if "cache_fraction" in given and "cache_budget" in given:
+        raise OptionsError(
+            f"--cache-fraction and --cache-budget {options.cache_budget:g} both given: the budget is an absolute "
+            "size that replaces the fraction; give only one of them"
+        )
+    if options.kv_lora_rank is not None:
+        return options, "given (--kv-lora-rank)"
+    width = source_width(src)
+    if options.cache_budget is not None:
+        if options.cache_fraction is not None:
+            return options, f"--cache-fraction {options.cache_fraction:g} of the source's {width} values"
+        return options, "given (--cache-budget)"
+    budget = cache_budget_of(options, src)
+    if budget is None:
+        return options, "missing"
+    origin = "given" if "cache_fraction" in given else "default"
+    return (
+        options.model_copy(update={"cache_budget": budget}),
+        f"--cache-fraction {options.cache_fraction:g} ({origin}) of the source's {width} values",
+    )
+
+
+def resolve_options(
+    options: ConvertOptions,
+    src: SourceShape,
+    target: str = "transformers",
+    given: Collection[str] | None = None,
+) -> Resolution:
+    """Fix every open choice of ``options`` for ``src`` (module docstring), the same for every caller.
+
+    Args:
+        options: the options as parsed (defaults filled in).
+        src: the source's shape (config only).
+        target: ``transformers`` | ``vllm`` | ``vllm-cpu`` (:data:`~mla_convert.convert.engine.TARGETS`).
+        given: the option names the user set (typed on the command line, a recipe's keys with a value); default:
+            the fields a Python caller passed with a value other than None (``options.model_fields_set``).
+
+    Returns:
+        The :class:`Resolution`; its options still need :func:`~mla_convert.convert.options.check_options`.
+
+    Raises:
+        OptionsError: options that contradict each other (``--cache-budget`` with ``--kv-lora-rank``), or an
+            engine target's shape (``--rope-mode per-head`` for vLLM, ...).
+    """
+    from mla_convert.convert.engine import ENGINE_ROWS, shape_for_engine
+    from mla_convert.convert.suggest import follow_budget, measured_rope_pairs
+
+    if given is None:  # a Python caller: the fields it passed, None meaning "not set"
+        given = {k for k in options.model_fields_set if getattr(options, k) is not None}
+    given = set(given)
+    options, budget_origin = _budget(options, src, given)
+    whys: list[str] = []
+    choices = {k: ("given" if k in given else "default") for k in CHOSEN}
+    choices["cache_budget"] = budget_origin
+    shaped = False
+    if target in ENGINE_ROWS:
+        engine, why = shape_for_engine(options, src, target, given)
+        if why:
+            whys.append(why)
+        if engine is not options:
+            shaped = True
+            for k in ("rope_mode", "rope_strategy", "rope_pairs", "kv_lora_rank", "cache_budget"):
+                if k not in given and getattr(engine, k) != getattr(options, k):
+                    choices[k] = f"--target {target} (the engine's row)"
+            options = engine
+    if not shaped:
+        before = options
+        options, split = follow_budget(options, src, given)
+        if split:
+            whys.append(split)
+        prior = "measured best for the budget on another model (a prior: measured_splits.json)"
+        if "rope_pairs" not in given and measured_rope_pairs(before, src) is not None:
+            choices["rope_pairs"] = prior
+        for k in ("rope_strategy", "refit_o_proj"):
+            if getattr(options, k) != getattr(before, k):
+                choices[k] = prior
+    return Resolution(options, "; ".join(whys) if whys else None, choices)
