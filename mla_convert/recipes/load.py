@@ -278,8 +278,8 @@ def load_recipe(
 
         target = recipe.export.target if recipe.export is not None else "transformers"
         try:
-            fraw = raw.get("factor") if isinstance(raw.get("factor"), dict) else {}
-            given = {k for k, v in fraw.items() if v is not None}  # keys set to null give nothing
+            fraw = raw.get("factor")
+            given = {k for k, v in fraw.items() if v is not None} if isinstance(fraw, dict) else set()  # null: not given
             resolution = resolve_options(fo, src, target, given)
             fo = recipe.factor = resolution.options
         except OptionsError as exc:
