@@ -22,7 +22,7 @@ import torch
 from mla_convert.artifacts.hashing import sha256_bytes
 from mla_convert.text.corpora import Document, TextError, load_documents
 from mla_convert.text.specs import DataSpec, parse_data_spec, spec_documents
-from mla_convert.text.windows import documents_record, split_documents, token_windows
+from mla_convert.text.windows import adds_bos, documents_record, split_documents, token_windows
 
 
 @dataclass
@@ -269,7 +269,7 @@ def build_data(
 def _windows(tokenizer: Any, name: str, docs: list[Document], seq_len: int, count: int) -> torch.Tensor:
     """``token_windows`` of an evaluation split, its too-short error naming the source and ``--seq-len``."""
     try:
-        return token_windows(tokenizer, docs, seq_len, count, bos=False)
+        return token_windows(tokenizer, docs, seq_len, count, bos=adds_bos(tokenizer))
     except TextError:
         chars = sum(len(d.text) for d in docs)
         raise TextError(

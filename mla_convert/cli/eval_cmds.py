@@ -60,14 +60,14 @@ def eval_cmd(
     from mla_convert.metrics import evaluate
     from mla_convert.sources.checkpoint import load_source_model, open_source
     from mla_convert.text.corpora import load_documents
-    from mla_convert.text.windows import split_documents, token_windows
+    from mla_convert.text.windows import adds_bos, split_documents, token_windows
 
     with user_errors():
         docs = split_documents(load_documents(text))["evaluation"]  # bad text answers before the model loads
         model = load_model(ckpt)
         ref = load_source_model(open_source(against)) if against else None
         tok = AutoTokenizer.from_pretrained(str(ckpt))
-        ids = token_windows(tok, docs, window, windows, bos=False)
+        ids = token_windows(tok, docs, window, windows, bos=adds_bos(tok))
         with progress_bar() as cb:
             res = evaluate(model, ids, ref, progress=lambda n: cb("evaluate", n, len(ids)))
     where = f"{text} evaluation split"

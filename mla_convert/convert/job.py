@@ -32,6 +32,7 @@ from mla_convert.sources.integrity import preflight
 from mla_convert.text.corpora import Document, TextError, load_documents, parse_text_spec
 from mla_convert.text.windows import (
     SpreadWindows,
+    adds_bos,
     documents_record,
     split_documents,
     spread_windows,
@@ -76,7 +77,9 @@ def calibration_windows(tokenizer: Any, docs: list[Document], window: int, count
     Raises:
         TextError: the documents give fewer than 2 windows.
     """
-    every = token_windows(tokenizer, docs, window, CALIBRATION_SPAN * (count + HELD_OUT_WINDOWS), bos=False)
+    every = token_windows(
+        tokenizer, docs, window, CALIBRATION_SPAN * (count + HELD_OUT_WINDOWS), bos=adds_bos(tokenizer)
+    )
     if every.shape[0] < 2:
         raise TextError(
             f"calibration text gives {every.shape[0]} window(s) of {window} tokens; need at least 2 "
@@ -100,7 +103,7 @@ def prepare_text(tokenizer: Any, options: ConvertOptions) -> TextSplit:
     splits = split_documents(docs)
     picked = calibration_windows(tokenizer, splits["calibration"], options.window, options.calibration_windows())
     evaluation = token_windows(
-        tokenizer, splits["evaluation"], options.window, options.eval_windows, bos=False
+        tokenizer, splits["evaluation"], options.window, options.eval_windows, bos=adds_bos(tokenizer)
     )
     name = spec if isinstance(spec, str) else "local files"
     return TextSplit(

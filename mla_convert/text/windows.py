@@ -141,6 +141,17 @@ def _split_by_position(
     return out
 
 
+def adds_bos(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` starts an encoded prompt with its BOS token, as served prompts start (Llama-3's
+    ``<|begin_of_text|>``; not SmolLM2's or Qwen2's tokenizers, which add no special token). Read from what the
+    tokenizer does (its post-processor), not from a config flag: ``tokenizer("a")`` with special tokens."""
+    bos_id = getattr(tokenizer, "bos_token_id", None)
+    if bos_id is None:
+        return False
+    with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return bool(with_special) and int(with_special[0]) == int(bos_id)
+
+
 def token_windows(
     tokenizer: Any,
     docs: Sequence[Document],
@@ -161,7 +172,8 @@ def token_windows(
         docs: Documents, in the order to use.
         window: Tokens per window (>= 1, >= 2 with a BOS).
         max_windows: Keep at most this many windows (the first ones); None keeps all.
-        bos: Start every window with the BOS token.
+        bos: Start every window with the BOS token (callers pass :func:`adds_bos`: windows start as the
+            tokenizer starts a served prompt).
 
     Returns:
         ``torch.long`` tensor of shape ``[N, window]``, ``1 <= N <= max_windows``.

@@ -113,12 +113,12 @@ def evaluation_ids(ckpt: Path, options: ValidateOptions) -> torch.Tensor:
     from transformers import AutoTokenizer
 
     from mla_convert.text.corpora import load_documents
-    from mla_convert.text.windows import split_documents, token_windows
+    from mla_convert.text.windows import adds_bos, split_documents, token_windows
 
     assert options.text is not None and options.window is not None and options.windows is not None
     tok = AutoTokenizer.from_pretrained(str(ckpt))
     docs = split_documents(load_documents(options.text))["evaluation"]
-    ids = token_windows(tok, docs, options.window, options.windows, bos=False)
+    ids = token_windows(tok, docs, options.window, options.windows, bos=adds_bos(tok))
     need = options.prompt_tokens + options.new_tokens
     if ids.shape[0] < 2 or ids.shape[1] < need:
         raise ValidationError(

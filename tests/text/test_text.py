@@ -280,3 +280,45 @@ def test_one_long_document_is_split_by_position(wiki: list[Document]) -> None:
     assert split_documents([book]) == split  # deterministic
     two = split_documents([book, Document.make("file:b.txt", "b", book.text[::-1])])
     assert all(len(v) == 2 for v in two.values())
+
+
+def test_windows_start_as_served_prompts_do(tmp_path: Path) -> None:
+    """Calibration, held-out and evaluation windows start with BOS exactly when the tokenizer puts one in front of
+    a prompt (Llama-3 does; SmolLM2 does not, so its windows, and the pinned reference, are unchanged)."""
+    import json
+
+    from tiny import copy_tokenizer
+    from transformers import AutoTokenizer
+
+    from mla_convert.convert.job import prepare_text
+    from mla_convert.convert.options import ConvertOptions
+    from mla_convert.text.windows import adds_bos
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    copy_tokenizer(plain)
+    tok = AutoTokenizer.from_pretrained(str(plain))
+    assert not adds_bos(tok)
+    opts = ConvertOptions(text="news", window=64, calib_windows=4, eval_windows=2)
+    text = prepare_text(tok, opts)
+    assert (text.calibration[:, 0] != tok.bos_token_id).any()
+    # the same tokenizer with a post-processor that adds BOS, as Llama-3's does
+    bos = tmp_path / "bos"
+    bos.mkdir()
+    copy_tokenizer(bos)
+    spec = json.loads((bos / "tokenizer.json").read_text())
+    name = tok.bos_token
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": name, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"SpecialToken": {"id": name, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                 {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {name: {"id": name, "ids": [tok.bos_token_id], "tokens": [name]}},
+    }  # fmt: skip
+    (bos / "tokenizer.json").write_text(json.dumps(spec))
+    tok_bos = AutoTokenizer.from_pretrained(str(bos))
+    assert adds_bos(tok_bos) and tok_bos("a")["input_ids"][0] == tok.bos_token_id
+    text = prepare_text(tok_bos, opts)
+    for rows in (text.calibration, text.held_out, text.evaluation):
+        assert rows.shape[1] == 64 and (rows[:, 0] == tok.bos_token_id).all()
+        assert (rows[:, 1:] != tok.bos_token_id).all()  # BOS opens the window, nowhere else
