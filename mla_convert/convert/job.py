@@ -88,24 +88,46 @@ def calibration_windows(tokenizer: Any, docs: list[Document], window: int, count
     return spread_windows(every, count, HELD_OUT_WINDOWS, getattr(tokenizer, "eos_token_id", None))
 
 
+def text_documents(text: str, tokenizer: Any) -> tuple[list[Document], str]:
+    """The documents of a ``--text`` spec and its recorded name: a bundled corpus, comma-separated files, or a data
+    file with ``field=NAME`` / ``messages=NAME`` (:func:`~mla_convert.text.specs.parse_data_spec`; chat rows
+    rendered with ``tokenizer``'s chat template).
+
+    Raises:
+        TextError: what the spec's reader raises; ``weight=`` or ``loss=``, which only adaptation reads.
+    """
+    if "=" not in text:
+        spec = parse_text_spec(text)
+        return load_documents(spec), spec if isinstance(spec, str) else "local files"
+    from mla_convert.text.specs import parse_data_spec, spec_documents
+
+    data = parse_data_spec(text)
+    if data.weight is not None or data.loss != "all":
+        raise TextError(f"--text {text!r}: weight= and loss= are adaptation keys (adapt --data); drop them here")
+    keys = data.label()[len(data.source):]  # ",messages=NAME": the files are recorded by hash, not by path
+    return spec_documents(data, tokenizer), ("local files" if data.kind == "local" else data.source) + keys
+
+
 def prepare_text(tokenizer: Any, options: ConvertOptions) -> TextSplit:
     """Load, split by document and tokenize calibration/evaluation text.
 
     The calibration windows (``options.calibration_windows()`` of ``options.window`` tokens: the token budget)
     and up to :data:`HELD_OUT_WINDOWS` held-out windows are drawn evenly across the calibration split
-    (:func:`~mla_convert.text.windows.spread_windows`), so they span its documents, not the first few.
+    (:func:`~mla_convert.text.windows.spread_windows`), so they span its documents, not the first few. A text with
+    ``field=``/``messages=`` (``chats.jsonl,messages=messages``, read as ``adapt --data`` reads it) gives one
+    document per row; chat rows are rendered with the tokenizer's chat template, so an instruct model calibrates on
+    what it serves.
 
     Raises:
-        TextError: missing/empty text, or too short for the requested windows.
+        TextError: missing/empty text, too short for the requested windows, or ``weight=``/``loss=`` (adaptation
+            keys) in the text.
     """
-    spec = parse_text_spec(options.text)
-    docs = load_documents(spec)
+    docs, name = text_documents(options.text, tokenizer)
     splits = split_documents(docs)
     picked = calibration_windows(tokenizer, splits["calibration"], options.window, options.calibration_windows())
     evaluation = token_windows(
         tokenizer, splits["evaluation"], options.window, options.eval_windows, bos=adds_bos(tokenizer)
     )
-    name = spec if isinstance(spec, str) else "local files"
     return TextSplit(
         name,
         picked.calibration,

@@ -322,3 +322,30 @@ def test_windows_start_as_served_prompts_do(tmp_path: Path) -> None:
     for rows in (text.calibration, text.held_out, text.evaluation):
         assert rows.shape[1] == 64 and (rows[:, 0] == tok.bos_token_id).all()
         assert (rows[:, 1:] != tok.bos_token_id).all()  # BOS opens the window, nowhere else
+
+
+def test_factor_calibrates_on_chat_templated_text(tmp_path: Path) -> None:
+    """``--text chats.jsonl,messages=messages`` renders each conversation with the tokenizer's chat template (as
+    ``adapt --data`` does): the calibration windows hold the template's role tokens; adaptation keys are refused."""
+    import json
+
+    from chats import news_chats
+    from tiny import copy_tokenizer
+    from transformers import AutoTokenizer
+
+    from mla_convert.convert.job import prepare_text, text_documents
+    from mla_convert.convert.options import ConvertOptions
+
+    copy_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": m}) + "\n" for m in news_chats(40)))
+    docs, name = text_documents(f"{chats},messages=messages", tok)
+    assert name == "local files,messages=messages" and len(docs) == 40
+    assert docs[0].text.startswith("<|im_start|>") and "<|im_start|>assistant\n" in docs[0].text
+    text = prepare_text(tok, ConvertOptions(text=f"{chats},messages=messages", window=64, calib_windows=4,
+                                            eval_windows=1))  # fmt: skip
+    start = tok.convert_tokens_to_ids("<|im_start|>")
+    assert (text.calibration == start).sum() >= 4  # role tokens, tokenized as the special token they are
+    with pytest.raises(TextError, match="weight= and loss= are adaptation keys"):
+        text_documents(f"{chats},messages=messages,weight=2", tok)
