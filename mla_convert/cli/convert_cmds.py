@@ -36,9 +36,13 @@ SOURCE_HELP = (
 )
 
 
-def shape_options(options: ConvertOptions, src: Any, target: str) -> tuple[ConvertOptions, str | None]:
+def shape_options(
+    options: ConvertOptions, src: Any, target: str, export: str | None = None
+) -> tuple[ConvertOptions, str | None]:
     """The options ``factor``/``inspect`` run: shaped for an engine ``target`` (:mod:`mla_convert.convert.engine`),
-    else with the RoPE split and the levers measured best for the budget where not given; and why."""
+    else with the RoPE split and the levers measured best for the budget where not given; with ``export`` (the
+    ``--export`` format) steered to a RoPE selection a scaled source exports exactly
+    (:func:`~mla_convert.export.precheck.steer_for_export`); and why."""
     from mla_convert.convert.engine import shape_for_engine
     from mla_convert.convert.options import OptionsError
     from mla_convert.convert.suggest import follow_budget
@@ -49,14 +53,22 @@ def shape_options(options: ConvertOptions, src: Any, target: str) -> tuple[Conve
             f"--cache-budget and --kv-lora-rank {options.kv_lora_rank} both given: "
             "--kv-lora-rank fixes one latent width for every layer and replaces the budget; give only one of them"
         )
+    why: str | None
     if target in ENGINE_ROWS:
         shaped, why = shape_for_engine(options, src, target, given)
         if shaped is options:  # the user's own shape: the split measured best for its budget, as without --target
             options, split = follow_budget(options, src, given)
             why = f"{why}; {split}" if split else why
-            return options, why
-        return shaped, why
-    return follow_budget(options, src, given)
+        else:
+            options = shaped
+    else:
+        options, why = follow_budget(options, src, given)
+    if export:
+        from mla_convert.export.precheck import steer_for_export
+
+        options, steer = steer_for_export(src, options, given, target)
+        why = f"{why}; {steer}" if why and steer else (why or steer)
+    return options, why
 
 
 @options_from(ConvertOptions)
@@ -110,7 +122,7 @@ def inspect(
     from mla_convert.export.precheck import export_lines
 
     console.print("\nexport of a conversion with these options (checked before any work):", highlight=False)
-    for line in export_lines(src, options):
+    for line in export_lines(src, options, given):
         console.print(line, highlight=False, markup=False)
 
 
@@ -158,7 +170,7 @@ def factor(
 
     with user_errors():
         src = open_source(source)
-        options, why = shape_options(options, src, target)
+        options, why = shape_options(options, src, target, export)
         check_options(options, src)  # the source's shapes: before anything is loaded
         if why:
             say(f"{'engine shape' if target in ENGINE_ROWS else 'rope split'}: {why}")

@@ -265,6 +265,7 @@ def load_recipe(
     source = raw.get("source")
     if check_source and isinstance(source, str) and source and ("source",) not in failed:
         src = _open(doc, ("source",), source)
+    given = set(fo.model_fields_set) if fo is not None else set()  # the recipe's own factor keys
     if fo is not None and src is not None and recipe is not None:  # what the budget's measurements chose, unless given
         from mla_convert.convert.suggest import follow_budget
 
@@ -276,8 +277,9 @@ def load_recipe(
             if key not in bad:
                 doc.add(("factor", key), msg)
     if recipe is not None and recipe.export is not None and src is not None:  # exact or not, before any work
-        from mla_convert.export.precheck import export_problems
+        from mla_convert.export.precheck import export_problems, steer_for_export
 
+        recipe.factor, _ = steer_for_export(src, recipe.factor, given, recipe.export.target)
         for msg in export_problems(src, recipe.factor, recipe.export.target):
             doc.add(("export", "target"), _recipe_words(msg))
     if recipe is not None:
