@@ -37,13 +37,13 @@ SOURCE_HELP = (
 )
 
 
-def shape_options(options: ConvertOptions, src: Any, target: str) -> Resolution:
+def shape_options(options: ConvertOptions, src: Any, target: str, export: str | None = None) -> Resolution:
     """The options ``factor``/``inspect`` run (:func:`~mla_convert.convert.resolve.resolve_options` with the flags
-    typed on the command line as the given ones)."""
+    typed on the command line as the given ones, and the ``--export`` format)."""
     from mla_convert.convert.resolve import resolve_options
 
     given = [k for k in ConvertOptions.model_fields if given_on_command_line(k)]
-    return resolve_options(options, src, target, given)
+    return resolve_options(options, src, target, given, export)
 
 
 @options_from(ConvertOptions)
@@ -98,7 +98,7 @@ def inspect(
     from mla_convert.export.precheck import export_lines
 
     console.print("\nexport of a conversion with these options (checked before any work):", highlight=False)
-    for line in export_lines(src, options):
+    for line in export_lines(src, options, given):
         console.print(line, highlight=False, markup=False)
 
 
@@ -146,7 +146,7 @@ def factor(
 
     with user_errors():
         src = open_source(source)
-        res = shape_options(options, src, target)
+        res = shape_options(options, src, target, export)
         options, why = res.options, res.why
         check_options(options, src)  # the source's shapes: before anything is loaded
         if why:

@@ -9,7 +9,9 @@ them in one order, so ``ConvertOptions(cache_budget=72)`` converts as ``factor -
    ``2 G head_dim`` values (:func:`~mla_convert.convert.options.cache_budget_of`), written into ``cache_budget``;
 2. an engine target's shape (:func:`~mla_convert.convert.engine.shape_for_engine`), unless the user gave their own;
 3. the RoPE split and levers measured best for the budget where not given
-   (:func:`~mla_convert.convert.suggest.follow_budget`: measured on another model, a prior, and said so).
+   (:func:`~mla_convert.convert.suggest.follow_budget`: measured on another model, a prior, and said so);
+4. with an export asked for, a scaled-RoPE source's selection steered to the pairs one plain RoPE table holds
+   (:func:`~mla_convert.export.precheck.steer_for_export`).
 
 Each choice's origin is recorded (:attr:`Resolution.choices`, the manifest's ``choices``). Config only: no weights,
 no torch.
@@ -87,6 +89,7 @@ def resolve_options(
     src: SourceShape,
     target: str = "transformers",
     given: Collection[str] | None = None,
+    export: str | None = None,
 ) -> Resolution:
     """Fix every open choice of ``options`` for ``src`` (module docstring), the same for every caller.
 
@@ -96,6 +99,8 @@ def resolve_options(
         target: ``transformers`` | ``vllm`` | ``vllm-cpu`` (:data:`~mla_convert.convert.engine.TARGETS`).
         given: the option names the user set (typed on the command line, a recipe's keys with a value); default:
             the fields a Python caller passed with a value other than None (``options.model_fields_set``).
+        export: the export format asked for (``--export``), None for none: a scaled-RoPE source's selection is
+            then steered to pairs one plain RoPE table holds (:func:`~mla_convert.export.precheck.steer_for_export`).
 
     Returns:
         The :class:`Resolution`; its options still need :func:`~mla_convert.convert.options.check_options`.
@@ -136,4 +141,14 @@ def resolve_options(
         for k in ("rope_strategy", "refit_o_proj"):
             if getattr(options, k) != getattr(before, k):
                 choices[k] = prior
+    if export:
+        from mla_convert.export.precheck import steer_for_export
+
+        before = options
+        options, steer = steer_for_export(src, options, given, target)
+        if steer:
+            whys.append(steer)
+        for k in ("rope_strategy", "rope_pairs"):
+            if getattr(options, k) != getattr(before, k):
+                choices[k] = f"--export {export} (the pairs a plain RoPE table holds for this scaled source)"
     return Resolution(options, "; ".join(whys) if whys else None, choices)

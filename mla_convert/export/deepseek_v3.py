@@ -30,7 +30,8 @@ rewritten to their own DeepSeek scalings), ``rms_norm_eps`` for every norm (tran
   only; the cache is the latent).
 
 Refused: several rope heads, attention or MLP biases (Qwen2: vLLM and SGLang drop them), float16 (the scaled
-latent is subnormal there), source RoPE scalings the engines would not reproduce.
+latent is subnormal there), kept frequencies of a scaled source RoPE that no plain table gives (the pairs llama3
+and YaRN leave unscaled, the fastest ones, are a plain table and export: ``export/precheck.py``).
 Everything is computed in float64 from the stored tensors and rounded once to the checkpoint's dtype.
 """
 
@@ -201,7 +202,9 @@ def rope_slots(inv_freq: list[list[list[float]]], n_slots: int | None = None) ->
     if lam is None and any(x > 1e-9 for x in logs):
         raise ExportError(
             "the kept RoPE frequencies are not powers of one ratio (a scaled source RoPE: llama3, YaRN, longrope); "
-            "serving engines apply only a plain rope_theta to DeepSeek models, so no export is exact"
+            "serving engines apply only a plain rope_theta to DeepSeek models, so no export is exact: convert with "
+            "--rope-strategy high and no more --rope-pairs than the pairs the scaling leaves unscaled (factor --export "
+            "steers to them; inspect says how many)"
         )
     steps = {f: round(x / lam) if lam else 0 for f, x in zip(union, logs, strict=True)}
     need = max(steps.values()) + 1

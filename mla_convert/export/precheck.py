@@ -5,13 +5,146 @@
 options that fix it. What depends on the data (which RoPE pairs a data-driven strategy keeps) is checked again on
 the finished checkpoint by :func:`~mla_convert.export.deepseek_v3.plan_export`; here a selection that *could* need
 more rope slots than an engine target holds is refused with the options that guarantee it.
+
+A source with a static RoPE scaling (``linear``, ``llama3``, ``yarn``; issue 34) exports when the pairs the options
+can keep all have their plain frequency ``rope_theta^(-2k/d)``: llama3 and YaRN leave the fastest pairs unscaled
+(llama3: wavelength below ``original_max_position_embeddings / high_freq_factor``; YaRN: the band before its ramp),
+and a prefix of the plain table is itself a plain table the export's one rope head holds (``rope_theta^(2P/d)``
+over ``P`` slots). :func:`steer_for_export` brings ``factor --export`` (and recipes with an export) to such a prefix
+where the user did not choose the selection; :func:`export_problems` refuses any other selection with that fix.
+The check is :func:`~mla_convert.export.deepseek_v3.rope_slots` itself, on the source's float32 frequencies from
+transformers' own rotary table (``SourceModel.inv_freq``); YaRN's attention factor is folded into ``q_proj`` by the
+conversion (docs/math.md contract 3), so it needs nothing of the export.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
-from mla_convert.export.deepseek_v3 import TARGETS, VLLM_CPU_HEAD_DIMS, VLLM_GPU_HEAD_DIMS, VLLM_KV_LORA_RANK
+from mla_convert.export.deepseek_v3 import (
+    GEOMETRIC_RTOL,
+    TARGETS,
+    VLLM_CPU_HEAD_DIMS,
+    VLLM_GPU_HEAD_DIMS,
+    VLLM_KV_LORA_RANK,
+    ExportError,
+    _transformers_inv_freq,
+    rope_slots,
+)
+
+#: The strategies whose kept pairs follow from the options alone (the others read calibration data).
+FIXED_STRATEGIES = ("high", "low", "uniform")
+
+
+def rope_type(src: Any) -> str:
+    """The source's RoPE type (``default``, ``linear``, ``llama3``, ``yarn``) from its config."""
+    from mla_convert.sources.checkpoint import rope_parameters
+
+    params = rope_parameters(src.config)
+    return str(params.get("rope_type", params.get("type", "default")))
+
+
+def plain_pairs(src: Any) -> int:
+    """How many RoPE pairs, from pair 0 (the fastest) on, keep their plain frequency ``rope_theta^(-2k/d)``.
+
+    Compares ``src.inv_freq`` (``[head_dim/2]`` float32 radians per token, transformers' own rotary table of the
+    source's scaling) with the ``default`` table engines compute from ``rope_theta`` (float32), to
+    :data:`~mla_convert.export.deepseek_v3.GEOMETRIC_RTOL` relative. ``head_dim/2`` for an unscaled source; for
+    Llama-3-8B's llama3 scaling (theta 5e5, factor 8, high_freq_factor 4, original 8192) 29 of 64; 0 for ``linear``.
+    """
+    from mla_convert.sources.checkpoint import rope_parameters
+
+    inv = src.inv_freq.double()
+    plain = _transformers_inv_freq({"rope_type": "default", "rope_theta": rope_parameters(src.config)["rope_theta"]},
+                                   inv.numel()).double()
+    n = 0
+    while n < inv.numel() and abs(float(inv[n] - plain[n])) <= GEOMETRIC_RTOL * float(plain[n]):
+        n += 1
+    return n
+
+
+def _may_keep(options: Any, pairs: int, half: int) -> list[int]:
+    """Source pairs a shared rope head of ``pairs`` may keep: the fixed strategies' own, any for a data-driven one."""
+    if options.rope_strategy in FIXED_STRATEGIES:
+        from mla_convert.convert.rope import fixed_pairs
+
+        return fixed_pairs(options.rope_strategy, pairs, half)
+    return list(range(half))
+
+
+def scaled_rope_problem(src: Any, options: Any, target: str) -> str | None:
+    """Why a scaled source's conversion with ``options`` could keep a pair no plain rope_theta gives (None: it
+    cannot, or the source is not scaled), with the options that fix it.
+
+    The pairs the options may keep (every pair for ``2-norm``/``rotation``) go through
+    :func:`~mla_convert.export.deepseek_v3.rope_slots` with the source's frequencies and the target's slot count
+    (32 for ``vllm``/``vllm-cpu``): what ``plan_export`` will check on the finished checkpoint.
+    """
+    from mla_convert.convert.options import geometry
+
+    kind = rope_type(src)
+    geo = geometry(options, src)
+    half = src.head_dim // 2
+    if kind == "default" or geo.rope_heads != 1 or not 0 < geo.rope_pairs <= half:
+        return None
+    slots = VLLM_GPU_HEAD_DIMS[0][1] // 2 if target != "transformers" else None
+    try:
+        rope_slots([[[float(src.inv_freq[k]) for k in _may_keep(options, geo.rope_pairs, half)]]], slots)
+        return None
+    except ExportError:
+        pass
+    n = plain_pairs(src)
+    if n == 0:
+        return (f"the source's RoPE is {kind}-scaled and none of its {half} pairs keeps its plain frequency "
+                "rope_theta^(-2k/d), so the kept frequencies are not one plain rope_theta table (the only RoPE engines "
+                "apply to DeepSeek models) and no export is exact: convert without --export and use the MLA "
+                "checkpoint as is (--target transformers)")
+    fix = min(geo.rope_pairs, n, slots or n)
+    return (f"the source's RoPE is {kind}-scaled: only pairs 0..{n - 1} keep their plain frequency rope_theta^(-2k/d) "
+            f"(the one table engines apply to DeepSeek models) and --rope-strategy {options.rope_strategy} with "
+            f"{geo.rope_pairs} pairs can keep a scaled one: use --rope-strategy high --rope-pairs {fix} (or fewer)")
+
+
+def steer_for_export(
+    src: Any, options: Any, given: Collection[str], target: str
+) -> tuple[Any, str | None]:
+    """``options`` steered so that an export of a scaled source is exact, and why (one sentence; None: unchanged).
+
+    For a ``linear``/``llama3``/``yarn`` source whose selection could keep a scaled pair
+    (:func:`scaled_rope_problem`), the levers the user did not give become ``--rope-strategy high`` and
+    ``--rope-pairs min(current, n)``, ``n`` the unscaled pairs (:func:`plain_pairs`): the kept set is then a prefix
+    of the plain table. Given levers are kept; when they still break it (or no pair is unscaled) the options are
+    returned as they are and :func:`export_problems` refuses them with the fix.
+
+    Args:
+        src: the :class:`~mla_convert.sources.checkpoint.SourceModel` (config and ``inv_freq``; no weights).
+        options: the :class:`~mla_convert.convert.options.ConvertOptions` as shaped so far (after ``--target``).
+        given: option names the user gave explicitly (command line or recipe).
+        target: the export's ``--target``.
+    """
+    if scaled_rope_problem(src, options, target) is None:
+        return options, None
+    from mla_convert.convert.options import geometry
+
+    n = plain_pairs(src)
+    update: dict[str, Any] = {}
+    if "rope_strategy" not in given and options.rope_strategy != "high":
+        update["rope_strategy"] = "high"
+    if "rope_pairs" not in given and geometry(options, src).rope_pairs > n:
+        update["rope_pairs"] = n
+    if n == 0 or not update:
+        return options, None
+    steered = options.model_copy(update=update)
+    if scaled_rope_problem(src, steered, target) is not None:
+        return options, None
+    pairs, half, kind = geometry(steered, src).rope_pairs, src.head_dim // 2, rope_type(src)
+    return steered, (
+        f"--export of a {kind}-scaled source: --rope-strategy high --rope-pairs {pairs} (pairs 0..{pairs - 1}; "
+        f"{kind} leaves only pairs 0..{n - 1} of {half} at their plain frequency, a plain rope_theta table the "
+        "DeepSeek-V3 export holds exactly); give --rope-strategy/--rope-pairs to choose otherwise (the export "
+        "refuses a selection that can keep a scaled pair)"
+    )
 
 
 def export_problems(src: Any, options: Any, target: str = "transformers") -> list[str]:
@@ -23,7 +156,6 @@ def export_problems(src: Any, options: Any, target: str = "transformers") -> lis
         target: one of :data:`~mla_convert.export.deepseek_v3.TARGETS`.
     """
     from mla_convert.convert.options import geometry
-    from mla_convert.sources.checkpoint import rope_parameters
 
     if target not in TARGETS:
         return [f"--target {target!r} is not one of {', '.join(TARGETS)} (SGLang: --target vllm)"]
@@ -42,15 +174,15 @@ def export_problems(src: Any, options: Any, target: str = "transformers") -> lis
                    "DeepSeek attention without biases and drop them silently; no DeepSeek-V3 export is exact there")
     if getattr(src.config, "mlp_bias", False):
         out.append("the source MLP has biases; DeepSeek-V3's dense MLP has none")
-    rope = rope_parameters(src.config)
-    if rope.get("rope_type", "default") != "default":
-        out.append(f"the source's RoPE is scaled ({rope.get('rope_type')}); serving engines apply only a plain "
-                   "rope_theta (or their own DeepSeek scalings) to DeepSeek models, so no export is exact")
+    scaled = rope_type(src) != "default"
+    problem = scaled_rope_problem(src, options, target)
+    if problem:
+        out.append(problem)
     if options.dtype == "float16":
         out.append("--dtype float16 cannot hold the bias-free latent norm of the export; use --dtype bfloat16")
     if target != "transformers":
         slots = VLLM_GPU_HEAD_DIMS[0][1] // 2
-        if half > slots and not (options.rope_strategy == "high" and geo.rope_pairs <= slots):
+        if half > slots and not scaled and not (options.rope_strategy == "high" and geo.rope_pairs <= slots):
             out.append(f"--target {target}'s rope head holds {slots} frequencies of one table and this source has "
                        f"{half}: a per-layer selection can span more; use --rope-strategy high --rope-pairs "
                        f"{min(slots, max(geo.rope_pairs, 1))} (or --target transformers)")
@@ -77,19 +209,27 @@ def served_cache(src: Any, options: Any, target: str) -> tuple[float, float]:
     return mla, float(VLLM_KV_LORA_RANK + VLLM_GPU_HEAD_DIMS[0][1])
 
 
-def export_lines(src: Any, options: Any) -> list[str]:
+def export_lines(src: Any, options: Any, given: Collection[str] = ()) -> list[str]:
     """One line per target: ``exact`` or the first reason it is not, and the cache the engine allocates against
-    the MLA checkpoint's and the source's (``inspect``, ``run --dry-run``)."""
+    the MLA checkpoint's and the source's (``inspect``, ``run --dry-run``). For a scaled source whose options
+    ``--export`` would steer (:func:`steer_for_export`; ``given``: the options the user gave), the steered
+    selection is what the line checks, and it says so."""
     from mla_convert.convert.options import geometry
 
     source = geometry(options, src).source_width
     lines = []
     for target in TARGETS:
-        problems = export_problems(src, options, target)
-        mla, served = served_cache(src, options, target)
+        steered, why = steer_for_export(src, options, given, target)
+        problems = export_problems(src, steered, target)
+        mla, served = served_cache(src, steered, target)
         at_least = "at least " if target == "transformers" else ""
         cache = (f"engine cache {at_least}{served:g} values/token/layer (MLA {mla:g}, source {source}"
                  + ("; per-layer ranks are padded to the largest)" if at_least else ")"))
+        steer = ""
+        if why:
+            geo = geometry(steered, src)
+            steer = (f" with --rope-strategy high --rope-pairs {geo.rope_pairs}, which --export steers to (pairs "
+                     f"0..{plain_pairs(src) - 1} are the ones {rope_type(src)} leaves unscaled)")
         lines.append(f"  --export deepseek-v3 --target {target}: "
-                     + (f"exact; {cache}" if not problems else "not exact: " + problems[0]))
+                     + (f"exact{steer}; {cache}" if not problems else "not exact: " + problems[0]))
     return lines

@@ -280,7 +280,8 @@ def load_recipe(
         try:
             fraw = raw.get("factor")
             given = {k for k, v in fraw.items() if v is not None} if isinstance(fraw, dict) else set()  # null: not given
-            resolution = resolve_options(fo, src, target, given)
+            export = recipe.export.format if recipe.export is not None else None
+            resolution = resolve_options(fo, src, target, given, export)
             fo = recipe.factor = resolution.options
         except OptionsError as exc:
             doc.add(("factor",), _recipe_words(str(exc)))
