@@ -101,7 +101,8 @@ def test_llama3_source_exports_through_factor(sources, target, name, tmp_path, e
     ``--target vllm`` runs on 2 KV heads: with 8 the query's NoPE width d + 2r(G - 2) = 476 exceeds every head shape
     vLLM's prefill takes, a limit of its own (issue 34 item 3), refused the same with or without scaling."""
     out = tmp_path / "mla"
-    flags = ["--target", target] if target != "transformers" else ["--dtype", "float32"]
+    # 12.5 % (256 of 2048 values): the tiny's hidden size 256 bounds the latent, so 31.25 % cannot be had here
+    flags = ["--target", target] if target != "transformers" else ["--dtype", "float32", "--cache-fraction", "0.125"]
     res = CliRunner().invoke(app, ["factor", str(sources[name]), str(out), *SMALL, "--export", "deepseek-v3", *flags])
     assert res.exit_code == 0, res.output + str(res.exception)
     text = " ".join(res.output.split())
