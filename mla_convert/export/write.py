@@ -397,7 +397,7 @@ def _measure(ckpt: Path, staged: Path, plan: ExportPlan, mode: str, say: Callabl
         return layer_parity(ckpt, staged, ckpt, plan.dtype, plan.residual_scale)
     except UserError:
         raise
-    except (RuntimeError, ValueError, OSError, KeyError) as exc:
+    except (RuntimeError, ValueError, OSError, KeyError, IndexError) as exc:
         reason = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise ExportError(
             f"the {mode} parity check of the export of {ckpt} could not run ({reason}); nothing was written "
