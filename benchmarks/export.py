@@ -92,7 +92,7 @@ def main() -> None:
                 "cache export": cache["deepseek_v3"],
                 "rope": f"theta {e['rope']['parameters']['rope_theta']:.4g} ({e['rope']['slots_used']}/{e['rope']['slots']} slots)",
                 "max abs Δlogit": p["max_abs_logit_diff"],
-                "greedy equal": f"{p['greedy_tokens_equal']}/{p['greedy_tokens']}",
+                "greedy equal": f"{p['greedy_tokens_equal']}/{p['greedy_tokens']}" if "greedy_tokens" in p else "-",
             })
             print(rows[-1], flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)

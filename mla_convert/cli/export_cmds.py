@@ -74,12 +74,16 @@ def export_line(dest: Path, manifest: dict[str, Any]) -> str:
         f"{cache['deepseek_v3']:.0f} values/token/layer (MLA checkpoint {cache['mla']:.1f}, source {cache['source']:.0f})"
     )
     p = e["parity"]
-    if p:
-        return msg + (
-            f"; parity max |dlogit| {p['max_abs_logit_diff']:.2e} on {p['tokens']} tokens, "
-            f"{p['greedy_tokens_equal']}/{p['greedy_tokens']} greedy tokens equal"
-        )
-    return msg + "; parity not measured (--no-check, or the model is over 2 GiB in float32)"
+    if not p:
+        return msg + "; parity not measured (--no-check)"
+    msg += f"; parity max |dlogit| {p['max_abs_logit_diff']:.2e} on {p['tokens']} tokens"
+    if "greedy_tokens_equal" in p:
+        return msg + f", {p['greedy_tokens_equal']}/{p['greedy_tokens']} greedy tokens equal"
+    worst = max(p["layers"], key=lambda r: r["relative"])
+    return msg + (
+        f" (layer by layer: largest layer difference {worst['relative']:.1e} of its output at layer {worst['layer']}; "
+        "no greedy tokens at this size)"
+    )
 
 
 def export(
@@ -94,7 +98,8 @@ def export(
     max_shard_size: str = typer.Option("2GB", help="Largest output shard (e.g. 500MB, 5GB)."),
     check: bool = typer.Option(
         True,
-        help="Measure parity against CKPT (float32 logits and greedy tokens on real text; models up to 2 GiB).",
+        help="Measure parity against CKPT on real text, float32: the whole model (logits, greedy tokens) up to 2 GiB, "
+        "layer by layer (each layer, then the logits) above.",
     ),
     dtype: str = typer.Option(
         "auto",

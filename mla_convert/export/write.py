@@ -30,8 +30,12 @@ from mla_convert.export.deepseek_v3 import (
 
 #: Formats ``export`` writes.
 FORMATS = ("deepseek-v3",)
-#: Parity is measured when both float32 models fit in this many bytes (4 x parameters each).
+#: Parity runs on the whole model (:func:`parity`: logits and greedy tokens through stock ``generate()``) when both
+#: float32 models fit in this many bytes (4 x parameters each); above it, one decoder layer at a time
+#: (:func:`layer_parity`, :mod:`mla_convert.export.layerwise`: per-layer outputs and the logits, no greedy tokens).
 PARITY_MAX_BYTES = 2 * 1024**3
+#: ``export_checkpoint(parity_mode=...)``: ``auto`` chooses by :data:`PARITY_MAX_BYTES`.
+PARITY_MODES = ("auto", "whole-model", "layer-by-layer")
 #: Real-text tokens the parity check compares logits on (2 windows).
 PARITY_WINDOW = 128
 PARITY_WINDOWS = 2
@@ -42,6 +46,10 @@ PARITY_GREEDY = 64
 #: epsilon of a power-of-two residual scale (docs/export.md; measured 0.08 on the SmolLM2 reference, whose own
 #: bfloat16 rounding moves logits by 0.33).
 PARITY_FAIL = {"float32": 5e-2, "bfloat16": 0.25}
+#: The layer-by-layer check refuses a layer whose output differs from ours by more than this, relative to our layer
+#: output's max |.| (both fed our hidden state). Measured on the SmolLM2 reference (largest of 30 layers): float32
+#: 1.7e-6, bfloat16 8.2e-4 (the norms' moved epsilon); o_proj of one layer off by 1 % gives > 1e-3.
+PARITY_LAYER_FAIL = {"float32": 1e-4, "bfloat16": 2e-2}
 
 
 def export_folder(out: Path, fmt: str) -> Path:
@@ -97,20 +105,49 @@ def layout_of(plan: ExportPlan, config: Any, tensors: Any) -> dict[str, torch.Te
     return out
 
 
+def parity_windows(tokenizer_dir: Path) -> torch.Tensor:
+    """The parity check's token windows ``[PARITY_WINDOWS, PARITY_WINDOW]``: the Wikipedia evaluation split through
+    the checkpoint's tokenizer (no BOS).
+
+    Raises:
+        TextError: the bundled text cannot be read.
+    """
+    from transformers import AutoTokenizer
+
+    from mla_convert.text.corpora import load_documents
+    from mla_convert.text.windows import split_documents, token_windows
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    docs = split_documents(load_documents("wikipedia"))["evaluation"]
+    ids: torch.Tensor = token_windows(tok, docs, PARITY_WINDOW, PARITY_WINDOWS, bos=False)
+    return ids
+
+
+def _common(ids: torch.Tensor, dtype: torch.dtype, mode: str) -> dict[str, Any]:
+    """The fields both parity checks record: mode, tokens, text, dtypes."""
+    return {
+        "mode": mode,
+        "tokens": int(ids.numel()),
+        "text": f"wikipedia evaluation split, {PARITY_WINDOWS} x {PARITY_WINDOW} tokens",
+        "dtype": "float32",
+        "compared_with": f"the MLA checkpoint, weights as {str(dtype).replace('torch.', '')}",
+    }
+
+
 def parity(ckpt: Path, staged: Path, tokenizer_dir: Path, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """Stock ``DeepseekV3ForCausalLM`` (from ``staged``) against our MLA model (from ``ckpt``, its weights rounded to
-    the export's ``dtype`` so only the mapping is measured; RoPE frequencies stay float32), both run in float32, on
-    :data:`PARITY_WINDOWS` x :data:`PARITY_WINDOW` tokens of the wikipedia evaluation split: max |Δlogit|,
-    greedy agreement over :data:`PARITY_GREEDY` tokens through stock ``generate()``.
+    """The whole-model parity: stock ``DeepseekV3ForCausalLM`` (from ``staged``) against our MLA model (from
+    ``ckpt``, its weights rounded to the export's ``dtype`` so only the mapping is measured; RoPE frequencies stay
+    float32), both run in float32, on :data:`PARITY_WINDOWS` x :data:`PARITY_WINDOW` tokens of the wikipedia
+    evaluation split: max |Δlogit|, greedy agreement over :data:`PARITY_GREEDY` tokens through stock
+    ``generate()``. Holds both whole models in float32 (8 x parameters bytes); larger models use
+    :func:`layer_parity`.
 
     Raises:
         ExportError: the stock model does not load, or its class is not transformers' own.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from mla_convert.mla.checkpoint import load_checkpoint
-    from mla_convert.text.corpora import load_documents
-    from mla_convert.text.windows import split_documents, token_windows
 
     ours = load_checkpoint(ckpt)
     if dtype != torch.float32:  # compare with the checkpoint's weights as the export's dtype holds them
@@ -123,9 +160,7 @@ def parity(ckpt: Path, staged: Path, tokenizer_dir: Path, dtype: torch.dtype = t
         raise ExportError(f"stock transformers cannot load the export: {str(exc).splitlines()[0]}") from None
     if type(stock).__module__ != "transformers.models.deepseek_v3.modeling_deepseek_v3":
         raise ExportError(f"the export loads as {type(stock).__module__}, not transformers' DeepseekV3ForCausalLM")
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    docs = split_documents(load_documents("wikipedia"))["evaluation"]
-    ids = token_windows(tok, docs, PARITY_WINDOW, PARITY_WINDOWS, bos=False)
+    ids = parity_windows(tokenizer_dir)
     with torch.no_grad():
         diff = max(
             float((ours(input_ids=w[None]).logits - stock(input_ids=w[None]).logits).abs().max()) for w in ids
@@ -136,15 +171,62 @@ def parity(ckpt: Path, staged: Path, tokenizer_dir: Path, dtype: torch.dtype = t
         b = ours.generate(prompt, **kw)[0, 16:]
     same = int((a == b).cumprod(0).sum())
     return {
+        **_common(ids, dtype, "whole-model"),
         "max_abs_logit_diff": diff,
-        "tokens": int(ids.numel()),
-        "text": f"wikipedia evaluation split, {PARITY_WINDOWS} x {PARITY_WINDOW} tokens",
-        "dtype": "float32",
-        "compared_with": f"the MLA checkpoint, weights as {str(dtype).replace('torch.', '')}",
         "greedy_tokens_equal": same,
         "greedy_tokens": PARITY_GREEDY,
         "stock_class": f"{type(stock).__module__}.{type(stock).__name__}",
     }
+
+
+def layer_parity(
+    ckpt: Path, staged: Path, tokenizer_dir: Path, dtype: torch.dtype, residual_scale: float
+) -> dict[str, Any]:
+    """The layer-by-layer parity (:func:`mla_convert.export.layerwise.layerwise`) on the same windows as
+    :func:`parity`: each stock ``DeepseekV3DecoderLayer`` (the export's tensors) against our layer (the
+    checkpoint's, rounded to ``dtype``) on our hidden state, max |Δ| per layer and relative to the layer output's
+    scale, and max |Δlogit| of the two streams (float32). Memory: two decoder layers and one ``lm_head`` slice,
+    never a whole model. No greedy tokens (``greedy`` says so).
+
+    Raises:
+        ExportError: a missing tensor, a layer stock transformers' class does not take (named).
+    """
+    from mla_convert.export.layerwise import layerwise
+
+    ids = parity_windows(tokenizer_dir)
+    record, _ = layerwise(ckpt, staged, ids, dtype, residual_scale)
+    return {
+        **_common(ids, dtype, "layer-by-layer"),
+        **record,
+        "greedy": "not run: greedy generation needs the whole model (the layer-by-layer check runs above "
+        f"{PARITY_MAX_BYTES / 1024**3:g} GiB of float32 weights)",
+    }
+
+
+def check_parity(ckpt: Path, result: dict[str, Any], export_dtype: str) -> None:
+    """Refuse a measured parity over :data:`PARITY_FAIL` (logits) or, layer by layer, :data:`PARITY_LAYER_FAIL`.
+
+    Raises:
+        ExportError: one line naming the logits difference, or the first layer over its limit.
+    """
+    limit = PARITY_FAIL[export_dtype]
+    layers = result.get("layers") or []
+    worst = max(layers, key=lambda r: r["relative"]) if layers else None
+    where = f"; largest at layer {worst['layer']} (relative {worst['relative']:.2g})" if worst else ""
+    if result["max_abs_logit_diff"] > limit:
+        raise ExportError(
+            f"the export of {ckpt} differs from it by max |dlogit| {result['max_abs_logit_diff']:.3g} "
+            f"(over {limit:g}){where}; nothing was written: this is a bug, please report it"
+        )
+    layer_limit = PARITY_LAYER_FAIL[export_dtype]
+    bad = [r for r in layers if r["relative"] > layer_limit]
+    if bad:
+        r = bad[0]
+        raise ExportError(
+            f"layer {r['layer']} of the export of {ckpt} differs from the checkpoint's by max |d| "
+            f"{r['max_abs_diff']:.3g} ({r['relative']:.3g} of its output, over {layer_limit:g}); nothing was "
+            "written: this is a bug, please report it"
+        )
 
 
 def model_card(ckpt: Path, plan: ExportPlan, check: dict[str, Any] | None) -> str:
@@ -169,13 +251,26 @@ def model_card(ckpt: Path, plan: ExportPlan, check: dict[str, Any] | None) -> st
         "```",
     ]
     if check:
-        lines += [
-            "",
-            f"Parity (measured at export, {check['text']}, float32): max |Δlogit| {check['max_abs_logit_diff']:.2e} "
-            f"against the MLA checkpoint; {check['greedy_tokens_equal']}/{check['greedy_tokens']} greedy tokens equal "
-            "through stock `generate()`.",
-        ]
+        lines += ["", parity_line(check)]
+    else:
+        lines += ["", "Parity not measured (`mla-convert export --no-check`)."]
     return "\n".join([*lines, ""])
+
+
+def parity_line(check: dict[str, Any]) -> str:
+    """The model card's sentence on the parity measured (either mode)."""
+    head = (
+        f"Parity (measured at export, {check.get('mode', 'whole-model')}, {check['text']}, float32): max |Δlogit| "
+        f"{check['max_abs_logit_diff']:.2e} against the MLA checkpoint"
+    )
+    if "greedy_tokens_equal" in check:
+        return head + f"; {check['greedy_tokens_equal']}/{check['greedy_tokens']} greedy tokens equal through stock `generate()`."
+    worst = max(check["layers"], key=lambda r: r["relative"])
+    return head + (
+        f"; each stock `DeepseekV3DecoderLayer` against ours on the same input, largest difference at layer "
+        f"{worst['layer']} ({worst['relative']:.1e} of its output); {check['argmax_equal']}/{check['tokens']} "
+        "top tokens equal; greedy generation not run (the whole model is not loaded at this size)."
+    )
 
 
 def export_manifest(ckpt: Path, plan: ExportPlan, check: dict[str, Any] | None) -> dict[str, Any]:
@@ -202,26 +297,35 @@ def export_checkpoint(
     note: Callable[[str], None] | None = None,
     dtype: str = "auto",
     target: str = "transformers",
+    parity_mode: str = "auto",
 ) -> dict[str, Any]:
-    """Write the DeepSeek-V3 export of the converted checkpoint ``ckpt`` into ``out``.
+    """Write the DeepSeek-V3 export of the converted checkpoint ``ckpt`` into ``out``, checked against ``ckpt``.
+
+    The parity is measured at every size (unless ``check`` is False): on the whole model (:func:`parity`: logits
+    and greedy tokens through stock ``generate()``) when both float32 models fit :data:`PARITY_MAX_BYTES`, else one
+    decoder layer at a time (:func:`layer_parity`: every stock ``DeepseekV3DecoderLayer`` against ours, then the
+    logits; memory of two layers, so an 8B model checks on a 24 GB machine). The manifest's ``export.parity`` and
+    the model card say which ran (``mode``).
 
     Args:
         ckpt: a folder written by ``mla-convert factor`` or ``adapt``.
         out: the export folder (refused if it exists, unless ``overwrite``).
         fmt: one of :data:`FORMATS`.
         max_shard_size: largest shard (``"2GB"``, bytes...).
-        check: measure parity (:func:`parity`) when the model is small enough (:data:`PARITY_MAX_BYTES`).
+        check: measure parity (False: none, recorded as ``null``).
         note: called with progress lines.
         dtype: dtype of the written tensors: ``auto`` (the checkpoint's; bfloat16 for the vLLM targets), ``float32``,
             ``bfloat16``.
         target: the engine shape (:data:`~mla_convert.export.deepseek_v3.TARGETS`).
+        parity_mode: one of :data:`PARITY_MODES`: ``auto`` (by size), ``whole-model`` or ``layer-by-layer``.
 
     Returns:
         The manifest written (``export`` holds the mapping and the parity).
 
     Raises:
-        ExportError: an unknown format, an export as CKPT, a checkpoint the format cannot express, or a measured
-            parity over :data:`PARITY_FAIL` (one line, nothing written).
+        ExportError: an unknown format or parity mode, an export as CKPT, a checkpoint the format cannot express, a
+            measured parity over :data:`PARITY_FAIL` (logits) or :data:`PARITY_LAYER_FAIL` (a layer, named), or a
+            parity check that cannot run (the reason) — one line, nothing written.
         CheckpointError / OutputError: not a converted checkpoint; an existing ``out`` without ``overwrite``.
     """
     import platform
@@ -239,6 +343,8 @@ def export_checkpoint(
     say = note or (lambda _: None)
     if fmt not in FORMATS:
         raise ExportError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
+    if parity_mode not in PARITY_MODES:
+        raise ExportError(f"parity mode {parity_mode!r} is not one of {', '.join(PARITY_MODES)}")
     if dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ExportError(f"--dtype {dtype!r} is not one of auto, float32, bfloat16, float16")
     if read_checkpoint_config(ckpt, require_mla=True).get("model_type") != "mla":
@@ -261,15 +367,12 @@ def export_checkpoint(
         ds.save_pretrained(str(staged))
         tensors.release()
         result = None
-        if check and 4 * params <= PARITY_MAX_BYTES:
-            say("measuring parity: stock DeepseekV3ForCausalLM against the MLA checkpoint (float32, real text)")
-            result = parity(ckpt, staged, ckpt, plan.dtype)
-            limit = PARITY_FAIL[plan.record()["dtype"]]
-            if result["max_abs_logit_diff"] > limit:
-                raise ExportError(
-                    f"the export of {ckpt} differs from it by max |dlogit| {result['max_abs_logit_diff']:.3g} "
-                    f"(over {limit:g}); nothing was written: this is a bug, please report it"
-                )
+        if check:
+            mode = parity_mode
+            if mode == "auto":
+                mode = "whole-model" if 4 * params <= PARITY_MAX_BYTES else "layer-by-layer"
+            result = _measure(ckpt, staged, plan, mode, say)
+            check_parity(ckpt, result, plan.record()["dtype"])
         card = model_card(ckpt, plan, result)
         carried = write_carried(staged, ckpt, ds, card)
         manifest = export_manifest(ckpt, plan, result)
@@ -277,3 +380,27 @@ def export_checkpoint(
         hashed = sorted({*files, "config.json", "README.md", *carried})
         write_manifest(staged, manifest, hashed)
     return manifest
+
+
+def _measure(ckpt: Path, staged: Path, plan: ExportPlan, mode: str, say: Callable[[str], None]) -> dict[str, Any]:
+    """Run the parity check ``mode`` on the staged export; a check that cannot run fails with its reason.
+
+    Raises:
+        ExportError: the check could not run (one line: which check, why).
+    """
+    from mla_convert.errors import UserError
+
+    try:
+        if mode == "whole-model":
+            say("measuring parity: stock DeepseekV3ForCausalLM against the MLA checkpoint (float32, real text)")
+            return parity(ckpt, staged, ckpt, plan.dtype)
+        say("measuring parity layer by layer: each stock DeepseekV3DecoderLayer against ours (float32, real text)")
+        return layer_parity(ckpt, staged, ckpt, plan.dtype, plan.residual_scale)
+    except UserError:
+        raise
+    except (RuntimeError, ValueError, OSError, KeyError, IndexError) as exc:
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise ExportError(
+            f"the {mode} parity check of the export of {ckpt} could not run ({reason}); nothing was written "
+            "(export --no-check skips the check)"
+        ) from None
