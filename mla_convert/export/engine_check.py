@@ -49,10 +49,10 @@ TIMEOUT_S = 600
 def build_request(tokenizer: Any) -> dict[str, Any]:
     """The token ids vLLM scores and continues (real text, :data:`PROMPTS`)."""
     from mla_convert.text.corpora import load_documents
-    from mla_convert.text.windows import split_documents, token_windows
+    from mla_convert.text.windows import adds_bos, split_documents, token_windows
 
     docs = split_documents(load_documents("wikipedia"))["evaluation"]
-    ids = token_windows(tokenizer, docs, WINDOW, WINDOWS, bos=False)
+    ids = token_windows(tokenizer, docs, WINDOW, WINDOWS, bos=adds_bos(tokenizer))
     return {
         "score": ids.tolist(),
         "greedy": [tokenizer(p).input_ids for p in PROMPTS],

@@ -115,11 +115,11 @@ def parity_windows(tokenizer_dir: Path) -> torch.Tensor:
     from transformers import AutoTokenizer
 
     from mla_convert.text.corpora import load_documents
-    from mla_convert.text.windows import split_documents, token_windows
+    from mla_convert.text.windows import adds_bos, split_documents, token_windows
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     docs = split_documents(load_documents("wikipedia"))["evaluation"]
-    ids: torch.Tensor = token_windows(tok, docs, PARITY_WINDOW, PARITY_WINDOWS, bos=False)
+    ids: torch.Tensor = token_windows(tok, docs, PARITY_WINDOW, PARITY_WINDOWS, bos=adds_bos(tok))
     return ids
 
 
