@@ -287,6 +287,7 @@ class StreamedConversion:
             {
                 "target": target,
                 "tokens": stats.tokens,
+                "x_mean": stats.x_mean,  # with E[x xᵀ] (target.xx): the input moments of a NoPE-width reduction
                 "refit": (stats.x, stats.out),
                 "held": HeldOut(torch.cat(held_x), torch.cat(held_out)) if held_x else None,
             },
@@ -338,7 +339,8 @@ class StreamedConversion:
         plan = load_torch(self._layer_file(i, "plan.pt"))
         factors = factor_layer(p1["target"], config.kv_lora_rank[i], self.options.factorization)
         source = self._source_tensors(i)
-        attn = layer_state(src, self._attention(i, source), plan, factors, config.qk_nope_head_dim)
+        width, moments = self.options.qk_nope_head_dim, (p1["target"].xx, p1["x_mean"])
+        attn = layer_state(src, self._attention(i, source), plan, factors, config.qk_nope_head_dim, width, moments)
         for name, tensor in attn.items():
             if name != "rope_inv_freq":
                 check_fits(f"{layer_prefix(i)}self_attn.{name}", tensor, self.dtype)
