@@ -19,10 +19,14 @@ Eckart–Young: with ``N = Q_h^{1/2} W_g C_c^{1/2} = U S Vᵀ`` and ``V_n`` its 
 eigenvectors of ``C_c^{1/2} W_gᵀ Q_h W_g C_c^{1/2}``, ``[d_c, d_c]``: no square root of ``Q_h``, which is rank
 deficient whenever ``d_N > D``)
 
-    T_h = V_nᵀ C_c^{1/2} W_gᵀ,    K_h = V_nᵀ C_c^{+1/2}      (so T_hᵀ K_h = W_g C_c^{1/2} V_n V_nᵀ C_c^{+1/2}),
+    B_h = T_hᵀ K_h = W_g C_c^{1/2} V_n V_nᵀ C_c^{-1/2}       (Q_h^{1/2} B_h C_c^{1/2} = N V_n V_nᵀ, the best rank n),
 
-and the minimum is ``Σ_{i>n} σ_i²`` (the dropped eigenvalues). ``C_c^{+1/2}`` is the pseudo-inverse root (``V_n``
-lies in the range of ``C_c``). Exact, without a decomposition, when ``rank(W_g) <= n`` can be read off the shapes:
+and the minimum is ``Σ_{i>n} σ_i²`` (the dropped eigenvalues). ``C_c`` carries a tiny ridge (:func:`psd_roots`), so
+latent directions the calibration never reached keep ``W_g`` when the rank allows rather than being zeroed. ``T_h``
+and ``K_h`` are the balanced factors of ``B_h`` (its SVD, singular values split evenly), as well scaled as ``W_g``
+for rounding to 16 bits. When the form's rank on the queries the head can have is at most ``n`` it is kept (to rounding): through the decomposition when
+the head's NoPE query is a function of fewer than ``n`` values (every head's is of its ``head_dim`` source values,
+so ``n >= min(head_dim, d_c)`` is exact), and without one when it can be read off the shapes:
 ``d_N <= n`` (``T_h = [I; 0]``, ``K_h = [W_g; 0]``) or ``d_c <= n`` (``T_h = [W_gᵀ; 0]``, the absorbed query,
 ``K_h = [I; 0]``). Each query head then has its own key map: the MLA layer has ``H`` key groups, the value rows of
 ``kv_b_proj`` replicated per head; the cache row ``[c_kv | k_rope]`` is unchanged.
@@ -35,6 +39,9 @@ from dataclasses import dataclass
 import torch
 
 from mla_convert.convert import linalg
+
+#: Relative ridge on the latent's second moment ``C_c`` (:func:`psd_roots`).
+RIDGE = 1e-9
 
 
 @dataclass
@@ -65,25 +72,28 @@ def input_moment(w: torch.Tensor, b: torch.Tensor | None, xx: torch.Tensor, x_me
     return m
 
 
-def psd_roots(m: torch.Tensor, rtol: float = 1e-12) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(M^{1/2}, M^{+1/2})`` ``[k, k]`` of a PSD ``m [k, k]`` (float64): eigenvalues below ``rtol * max`` count as
-    zero (the pseudo-inverse root is zero on them)."""
-    evals, evecs = linalg.eigh(m)
-    keep = evals > rtol * float(evals.max().clamp_min(1e-300))
-    root = torch.where(keep, evals.clamp_min(0).sqrt(), torch.zeros_like(evals))
-    inv = torch.where(keep, evals.clamp_min(1e-300).rsqrt(), torch.zeros_like(evals))
-    return (evecs * root) @ evecs.T, (evecs * inv) @ evecs.T
+def psd_roots(m: torch.Tensor, ridge: float = RIDGE) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(M_r^{1/2}, M_r^{-1/2})`` ``[k, k]`` of a PSD ``m [k, k]`` (float64) with ``M_r = M + ridge * mean(diag M) I``.
+
+    The ridge gives directions the calibration text never reached (a latent covariance of rank below ``d_c``: fewer
+    distinct tokens than dims) a tiny weight instead of none, so a form the rank allows is kept exactly on them too
+    (a pseudo-inverse would zero them: another token's scores would move)."""
+    k = m.shape[0]
+    lam = ridge * float(torch.diagonal(m).mean().clamp_min(1e-300))
+    evals, evecs = linalg.eigh(m + lam * torch.eye(k, dtype=m.dtype))
+    evals = evals.clamp_min(lam)
+    return (evecs * evals.sqrt()) @ evecs.T, (evecs * evals.rsqrt()) @ evecs.T
 
 
 def head_form(
-    w_uk: torch.Tensor, qq: torch.Tensor, cc_root: torch.Tensor, cc_pinv_root: torch.Tensor, width: int
+    w_uk: torch.Tensor, qq: torch.Tensor, cc_root: torch.Tensor, cc_inv_root: torch.Tensor, width: int
 ) -> tuple[torch.Tensor, torch.Tensor, float, float]:
     """One head's rank-``width`` NoPE form.
 
     Args:
         w_uk: ``[d_N, d_c]`` the head's key map ``W_g`` (float64).
         qq: ``[d_N, d_N]`` ``E[q qᵀ]`` of the head's NoPE query.
-        cc_root, cc_pinv_root: ``[d_c, d_c]`` ``C_c^{1/2}`` and ``C_c^{+1/2}`` (:func:`psd_roots`).
+        cc_root, cc_inv_root: ``[d_c, d_c]`` ``C_c^{1/2}`` and ``C_c^{-1/2}`` (:func:`psd_roots`, with its ridge).
         width: ``n``.
 
     Returns:
@@ -104,8 +114,13 @@ def head_form(
     evals, evecs = linalg.eigh((gram + gram.T) / 2)
     evals, evecs = evals.flip(0).clamp_min(0), evecs.flip(1)
     v = evecs[:, :width]
-    t = v.T @ cc_root @ w_uk.T
-    k = v.T @ cc_pinv_root
+    form = w_uk @ cc_root @ v @ v.T @ cc_inv_root  # the optimum Tᵀ K, [d_N, d_c], rank <= n
+    # balanced factors (the form's own SVD, singular values split evenly): each as well scaled as W_g, so rounding
+    # them to 16 bits costs what rounding W_g does (V_nᵀ C_c^{-1/2} alone can hold large entries)
+    u, sv, vh = linalg.svd(form)
+    half = sv[:width].sqrt()
+    t = (u[:, :width] * half).T
+    k = half[:, None] * vh[:width]
     total = float(evals.sum())
     dropped = float(evals[width:].sum())
     return t, k, (1.0 - dropped / total) if total > 0 else 1.0, dropped
@@ -157,13 +172,13 @@ def reduce_nope(
     wb3 = wb.view(g, d_nope + d_v, d_c)
     wa = tensors["kv_a_proj_with_mqa.weight"][:d_c]
     ba = tensors["kv_a_proj_with_mqa.bias"][:d_c] if "kv_a_proj_with_mqa.bias" in tensors else None
-    root, pinv = psd_roots(input_moment(wa, ba, xx, x_mean))
+    root, inv_root = psd_roots(input_moment(wa, ba, xx, x_mean))
     q_rows, q_bias, kv_rows, kept, dropped = [], [], [], [], []
     for hi in range(h):
         gi = hi // (h // g)
         wn = wq3[hi, :d_nope]
         bn = bq2[hi, :d_nope] if bq2 is not None else None
-        t, k, kp, dr = head_form(wb3[gi, :d_nope], input_moment(wn, bn, xx, x_mean), root, pinv, width)
+        t, k, kp, dr = head_form(wb3[gi, :d_nope], input_moment(wn, bn, xx, x_mean), root, inv_root, width)
         q_rows += [t @ wn, wq3[hi, d_nope:]]
         if bq2 is not None and bn is not None:
             q_bias += [t @ bn, bq2[hi, d_nope:]]

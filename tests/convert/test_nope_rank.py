@@ -63,9 +63,9 @@ def test_rank_n_form_is_the_weighted_optimum(bias):
         ev, evec = torch.linalg.eigh(qq)
         root = (evec * ev.clamp_min(0).sqrt()) @ evec.T
         s2 = torch.linalg.eigvalsh(root @ w @ cc @ w.T @ root).flip(0)
-        assert float(err[hi]) == pytest.approx(float(s2[n:].sum()), rel=1e-8)
-        assert float(rec.dropped[hi]) == pytest.approx(float(s2[n:].sum()), rel=1e-8)
-        assert float(rec.kept[hi]) == pytest.approx(float(s2[:n].sum() / s2.sum()), rel=1e-8)
+        assert float(err[hi]) == pytest.approx(float(s2[n:].sum()), rel=1e-6)
+        assert float(rec.dropped[hi]) == pytest.approx(float(s2[n:].sum()), rel=1e-6)
+        assert float(rec.kept[hi]) == pytest.approx(float(s2[:n].sum() / s2.sum()), rel=1e-6)
     assert float(err.min()) > 1e-3  # a real loss, so the checks above can fail
     # a perturbed query map (same new key map) is worse for every head
     worse = dict(out)
