@@ -111,6 +111,7 @@ def mla_config(
             "family": src.family.name,
             "model_type": src.config.model_type,
             "rope_mode": options.rope_mode,
+            "num_key_value_heads": src.num_kv_heads,  # the source's (this config's is H after a NoPE reduction)
             "tool": f"mla-convert {__version__}",
         },
     )

@@ -336,7 +336,7 @@ def plan_export(config: Any, dtype: torch.dtype, target: str = "transformers") -
         "eos_token_id": c.eos_token_id,
         "pad_token_id": c.pad_token_id,
     }
-    d_src = 2 * c.num_key_value_heads * head_dim
+    d_src = 2 * int(c.source.get("num_key_value_heads", c.num_key_value_heads)) * head_dim  # the source's KV heads
     return ExportPlan(
         config=cfg,
         target=target,

@@ -41,6 +41,8 @@ def test_factor_target_vllm_exports_head_dims_vllm_takes(g8, tmp_path):
     assert ds["kv_lora_rank"] == 512
     export = json.loads((dest / "mla_manifest.json").read_text())["export"]
     assert export["qk_nope_head_dim"] == 128 and export["kv_lora_rank"] == 512
+    # the source's cache (2 x 8 KV heads x 128), not the reduced MLA config's 32 key groups
+    assert export["cache_values_per_token_per_layer"] == {"deepseek_v3": 576.0, "mla": 320.0, "source": 2048.0}
     assert export["parity"]["max_abs_logit_diff"] < 0.25  # bf16 (the vLLM targets' default), as for SmolLM2
 
 
