@@ -101,6 +101,12 @@ class ConvertOptions(BaseModel):
         description="cache values per token per layer, averaged (an absolute size; replaces --cache-fraction); "
         "latent ranks allocated per layer",
     )
+    qk_nope_head_dim: int | None = Field(
+        None,
+        description="reduce the query's NoPE width to this many dims per head (a per-head low-rank of the NoPE "
+        "score, activation-weighted; exact when the rank allows; no cache cost); not given: keep it (--target vllm "
+        "and vllm-cpu set it when the width exceeds what the engine takes)",
+    )
     text: str = Field(
         "wikipedia",
         description="calibration/evaluation text: wikipedia | news | shakespeare | comma-separated files or folders",
@@ -175,6 +181,10 @@ class Geometry:
         rope_pairs: the pairs asked for, clipped into ``0..max_rope_pairs``.
         rope_width: ``R * 2 * rope_pairs``, the ``k_rope`` part of a cache row.
         nope_width: key components left without RoPE (over all KV heads).
+        query_nope_width: the query's NoPE dims per head before any reduction (the checkpoint's
+            ``qk_nope_head_dim`` without ``--qk-nope-head-dim``): ``d - 2r`` per-head, ``d + 2r(G-2)`` with one shared
+            rope head (per kept frequency the other ``G-1`` mixed components stay NoPE); with the rotation strategy
+            the widest a layer can have.
         max_rank: the widest useful latent, ``min(hidden, nope_width + G * head_dim)``.
         source_width: the source's K + V values, ``2 G head_dim``.
         num_layers: layers of the source.
@@ -186,6 +196,7 @@ class Geometry:
     rope_width: int
     nope_width: int
     max_rank: int
+    query_nope_width: int
     source_width: int
     head_dim: int
     num_layers: int
@@ -230,6 +241,11 @@ def geometry(options: ConvertOptions, src: SourceShape) -> Geometry:
     pairs = min(max(options.rope_pairs, 0), limit)
     heads = 1 if shared else g
     nope = 2 * half * g - 2 * pairs * heads
+    if shared:  # F frequencies hold the kept slots: the query's pair at each is split over the G components
+        freqs = min(pairs, half)
+        query_nope = 2 * half - 2 * freqs + 2 * freqs * g - 2 * pairs
+    else:
+        query_nope = 2 * half - 2 * pairs
     return Geometry(
         rope_heads=heads,
         max_rope_pairs=limit,
@@ -237,6 +253,7 @@ def geometry(options: ConvertOptions, src: SourceShape) -> Geometry:
         rope_width=heads * 2 * pairs,
         nope_width=nope,
         max_rank=min(src.hidden_size, nope + g * src.head_dim),
+        query_nope_width=query_nope,
         source_width=2 * g * src.head_dim,
         head_dim=src.head_dim,
         num_layers=src.num_layers,
@@ -256,6 +273,8 @@ def problems(options: ConvertOptions, src: SourceShape | None) -> list[tuple[str
         out.append(("device", f"{options.device!r} is not one of auto, cpu, cuda, cuda:N"))
     if options.rope_pairs < 0:
         out.append(("rope_pairs", f"{options.rope_pairs} is too small: must be at least 0"))
+    if options.qk_nope_head_dim is not None and options.qk_nope_head_dim < 1:
+        out.append(("qk_nope_head_dim", f"{options.qk_nope_head_dim} is too small: must be at least 1"))
     if options.kv_lora_rank is not None and options.kv_lora_rank < 1:
         out.append(("kv_lora_rank", f"{options.kv_lora_rank} is too small: must be at least 1"))
     if options.kv_lora_rank is None and options.cache_budget is not None and options.cache_budget <= 0:
@@ -283,6 +302,15 @@ def problems(options: ConvertOptions, src: SourceShape | None) -> list[tuple[str
                 "rope_pairs",
                 f"{options.rope_pairs} is impossible for {options.rope_mode}/{options.rope_strategy} on this source: "
                 f"allowed 0..{geo.max_rope_pairs} (head_dim {src.head_dim} has {src.head_dim // 2} RoPE pairs)",
+            )
+        )
+    if options.qk_nope_head_dim is not None and options.qk_nope_head_dim > geo.query_nope_width:
+        out.append(
+            (
+                "qk_nope_head_dim",
+                f"{options.qk_nope_head_dim} is over the query's NoPE width {geo.query_nope_width} these options give "
+                f"(head_dim {src.head_dim}, {geo.rope_pairs} rope pairs, {src.num_kv_heads} KV heads): allowed "
+                f"1..{geo.query_nope_width}, or leave it out",
             )
         )
     if options.kv_lora_rank is not None:

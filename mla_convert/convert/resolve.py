@@ -31,7 +31,7 @@ from mla_convert.convert.options import (
 )
 
 #: The options whose origin a resolution records (the others are taken as given or at their defaults).
-CHOSEN = ("cache_budget", "kv_lora_rank", "rope_mode", "rope_strategy", "rope_pairs", "refit_o_proj")
+CHOSEN = ("cache_budget", "kv_lora_rank", "rope_mode", "rope_strategy", "rope_pairs", "refit_o_proj", "qk_nope_head_dim")
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ def resolve_options(
             whys.append(why)
         if engine is not options:
             shaped = True
-            for k in ("rope_mode", "rope_strategy", "rope_pairs", "kv_lora_rank", "cache_budget"):
+            for k in ("rope_mode", "rope_strategy", "rope_pairs", "kv_lora_rank", "cache_budget", "qk_nope_head_dim"):
                 if k not in given and getattr(engine, k) != getattr(options, k):
                     choices[k] = f"--target {target} (the engine's row)"
             options = engine

@@ -18,6 +18,7 @@ from mla_convert.convert.factorize import (
     allocate_ranks,
     build_target,
 )
+from mla_convert.convert.nope_rank import NopeReduction, reduce_nope
 from mla_convert.convert.options import ConvertOptions, Geometry
 from mla_convert.convert.rope import RopePlan, plan_layer
 from mla_convert.mla.configuration import MLAConfig
@@ -75,15 +76,20 @@ def plan_and_target(
 def mla_config(
     src: SourceModel, options: ConvertOptions, ranks: list[int], plans: list[RopePlan], d_nope: int
 ) -> MLAConfig:
-    """The converted model's config: the source's sizes, per-layer ranks and the plans' RoPE pairs."""
+    """The converted model's config: the source's sizes, per-layer ranks and the plans' RoPE pairs.
+
+    With ``options.qk_nope_head_dim`` (:mod:`mla_convert.convert.nope_rank`) every query head has its own key map:
+    ``qk_nope_head_dim`` is the option and ``num_key_value_heads`` is ``H`` (``d_nope``, the plans' widest NoPE
+    width, is then the width before the reduction)."""
     cfg = src.config
+    reduced = options.qk_nope_head_dim is not None
     return MLAConfig(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
         num_hidden_layers=src.num_layers,
         num_attention_heads=src.num_heads,
-        num_key_value_heads=src.num_kv_heads,
+        num_key_value_heads=src.num_heads if reduced else src.num_kv_heads,
         hidden_act=cfg.hidden_act,
         max_position_embeddings=cfg.max_position_embeddings,
         rms_norm_eps=cfg.rms_norm_eps,
@@ -94,7 +100,7 @@ def mla_config(
         mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
         kv_lora_rank=ranks,
         qk_rope_head_dim=plans[0].q_rope.shape[1],
-        qk_nope_head_dim=d_nope,
+        qk_nope_head_dim=options.qk_nope_head_dim if options.qk_nope_head_dim is not None else d_nope,
         v_head_dim=src.head_dim,
         num_rope_heads=len(plans[0].origin),
         rope_inv_freq=[p.inv_freq.tolist() for p in plans],
@@ -108,20 +114,56 @@ def mla_config(
             "family": src.family.name,
             "model_type": src.config.model_type,
             "rope_mode": options.rope_mode,
+            "num_key_value_heads": src.num_kv_heads,  # the source's (this config's is H after a NoPE reduction)
             "tool": f"mla-convert {__version__}",
         },
     )
 
 
 def layer_state(
-    src: SourceModel, weights: dict[str, torch.Tensor], plan: RopePlan, factors: Factors, d_nope: int
+    src: SourceModel,
+    weights: dict[str, torch.Tensor],
+    plan: RopePlan,
+    factors: Factors,
+    d_nope: int,
+    nope_width: int | None = None,
+    moments: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """One layer's MLA attention tensors (float32), keyed by name inside ``self_attn`` (``q_proj.weight``,
-    ..., ``rope_inv_freq``)."""
-    tensors = layer_tensors(weights, pad_plan(plan, d_nope), factors, src.num_heads, src.attention_scaling)
+    ..., ``rope_inv_freq``).
+
+    Args:
+        d_nope: the checkpoint's ``qk_nope_head_dim`` the plan is padded to (without a reduction).
+        nope_width: ``--qk-nope-head-dim``: the query's NoPE width reduced to it
+            (:func:`~mla_convert.convert.nope_rank.reduce_nope`, one key group per query head); None: kept.
+        moments: with ``nope_width``, the attention input's ``(E[x xᵀ] [D, D], E[x] [D])`` on the calibration text.
+    """
+    return layer_state_reduced(src, weights, plan, factors, d_nope, nope_width, moments)[0]
+
+
+def layer_state_reduced(
+    src: SourceModel,
+    weights: dict[str, torch.Tensor],
+    plan: RopePlan,
+    factors: Factors,
+    d_nope: int,
+    nope_width: int | None = None,
+    moments: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[dict[str, torch.Tensor], NopeReduction | None]:
+    """:func:`layer_state` and what the NoPE-width reduction kept (None without one)."""
+    own = plan.q_nope.shape[1]
+    padded = pad_plan(plan, own if nope_width is not None else d_nope)
+    tensors = layer_tensors(weights, padded, factors, src.num_heads, src.attention_scaling)
+    record = None
+    if nope_width is not None:
+        if moments is None:
+            raise ValueError("a NoPE-width reduction needs the layer's input moments")
+        tensors, record = reduce_nope(
+            tensors, src.num_heads, src.num_kv_heads, own, plan.q_rope.shape[1], nope_width, *moments
+        )
     out = {k: v.to(torch.float32) for k, v in tensors.items()}
     out["rope_inv_freq"] = plan.inv_freq.clone()
-    return out
+    return out, record
 
 
 def layer_record(layer: int, plan: RopePlan, factors: Factors) -> LayerRecord:

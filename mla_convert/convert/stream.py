@@ -1,28 +1,24 @@
 """The ``factor`` conversion streamed layer by layer, in bounded memory (docs/design.md §Streaming).
 
-No whole model is ever built. Token windows (calibration, held-out calibration, evaluation, a cache probe)
-enter as embedding rows and travel through the layers as hidden-state streams ``[N, T, hidden]`` (float32):
+No whole model is ever built. Token windows (calibration, held-out, evaluation, a cache probe) enter as embedding
+rows and travel through the layers as hidden-state streams ``[N, T, hidden]`` (float32):
 
-* **Pass 1** (source): per layer, read its tensors (``safe_open``/GGUF, one at a time), run every stream
-  through the source layer (the calibration windows in bfloat16 autocast unless ``--calib-precision float32``;
-  the held-out, evaluation and probe windows in float32), accumulate the calibration statistics of its attention input, keep the held-out
-  (and, for the ``o_proj`` refit, calibration) attention inputs/outputs, and build its RoPE plan and the
-  weighted K/V matrix; these go to the work folder. Ranks that depend on every layer (``--cache-budget``)
-  and the shared ``qk_nope_head_dim`` are known once pass 1 ends.
-* **Pass 2** (converted): per layer, factor, assemble, refit ``o_proj``, round to the output dtype, measure
-  the attention error on held-out tokens, run the converted streams through the MLA layer (the refit and
-  plain variants when a refit is in play) and write the layer's attention tensors. A sequential refit
-  (``--refit-o-proj sequential``) fits on the converted model's own attention inputs: the refit's calibration
-  windows travel through the converted layers as written (a stream like the held-out ones), and pass 1 keeps
-  only the source outputs for it.
-* **Finish**: the final norm and LM head score every stream (vocabulary in chunks), the refit is kept or
-  dropped on the held-out loss, the checkpoint is written shard by shard (MLP, norms and embeddings copied
-  straight from the source in the output dtype).
+* **Pass 1** (source): per layer, read its tensors one at a time, run every stream through the source layer
+  (calibration windows in bfloat16 autocast unless ``--calib-precision float32``; the others in float32),
+  accumulate the statistics of its attention input, keep the held-out (and refit) attention inputs/outputs, and
+  build its RoPE plan and weighted K/V matrix, saved to the work folder. Ranks (``--cache-budget``) and the shared
+  ``qk_nope_head_dim`` are fixed once pass 1 ends.
+* **Pass 2** (converted): per layer, factor, assemble (and reduce the NoPE width, ``--qk-nope-head-dim``), refit
+  ``o_proj``, round to the output dtype, measure the held-out attention error, run the converted streams through
+  the MLA layer (refit and plain variants when a refit is in play) and write its attention tensors. A sequential
+  refit fits on the converted model's own attention inputs: its calibration windows travel through the converted
+  layers as written.
+* **Finish**: the final norm and LM head score every stream (vocabulary in chunks), the refit is kept or dropped on
+  the held-out loss, the checkpoint is written shard by shard (MLP, norms, embeddings copied in the output dtype).
 
-Peak memory is about one layer in float32 (plus the float64 matrices of its factorization), the streams, the
-embedding/LM-head matrix in its stored dtype while it is used, and one output shard (README §Memory).
-Every step is recorded in the work folder, so ``--resume`` continues after the last finished layer with the
-same result.
+Peak memory is about one layer in float32 (plus its factorization's float64 matrices), the streams, the
+embedding/LM-head matrix while it is used, and one output shard (README §Memory). Every step is recorded in the
+work folder, so ``--resume`` continues after the last finished layer with the same result.
 """
 
 from __future__ import annotations
@@ -287,6 +283,7 @@ class StreamedConversion:
             {
                 "target": target,
                 "tokens": stats.tokens,
+                "x_mean": stats.x_mean,  # with E[x xᵀ] (target.xx): the input moments of a NoPE-width reduction
                 "refit": (stats.x, stats.out),
                 "held": HeldOut(torch.cat(held_x), torch.cat(held_out)) if held_x else None,
             },
@@ -338,7 +335,8 @@ class StreamedConversion:
         plan = load_torch(self._layer_file(i, "plan.pt"))
         factors = factor_layer(p1["target"], config.kv_lora_rank[i], self.options.factorization)
         source = self._source_tensors(i)
-        attn = layer_state(src, self._attention(i, source), plan, factors, config.qk_nope_head_dim)
+        width, moments = self.options.qk_nope_head_dim, (p1["target"].xx, p1["x_mean"])
+        attn = layer_state(src, self._attention(i, source), plan, factors, config.qk_nope_head_dim, width, moments)
         for name, tensor in attn.items():
             if name != "rope_inv_freq":
                 check_fits(f"{layer_prefix(i)}self_attn.{name}", tensor, self.dtype)

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from mla_convert.convert.engine import ENGINE_ROWS, TARGETS
+from mla_convert.convert.engine import ENGINE_HEAD_DIMS, ENGINE_ROWS, TARGETS, engine_nope_width
 from mla_convert.errors import UserError
 
 #: The epsilon every exported norm uses (``rms_norm_eps``): transformers' ``DeepseekV3RMSNorm`` default, which
@@ -56,9 +56,9 @@ LINEAR_MARGIN = 2.0**-25
 GEOMETRIC_RTOL = 1e-6
 #: Shapes ``export --target`` writes.
 #: (qk_nope_head_dim, qk_rope_head_dim, v_head_dim) vLLM's GPU MLA prefill accepts on Hopper (smallest first).
-VLLM_GPU_HEAD_DIMS = ((64, 64, 128), (128, 64, 128), (192, 64, 256))
+VLLM_GPU_HEAD_DIMS = ENGINE_HEAD_DIMS["vllm"]
 #: (qk_nope_head_dim, qk_rope_head_dim, v_head_dim) of vLLM's CPU MLA backends (AMX_MLA, CPU_SDPA_MLA).
-VLLM_CPU_HEAD_DIMS = ((128, 64, 128),)
+VLLM_CPU_HEAD_DIMS = ENGINE_HEAD_DIMS["vllm-cpu"]
 #: The latent width vLLM's FlashMLA (GPU) and AMX_MLA (CPU) decode take.
 VLLM_KV_LORA_RANK = ENGINE_ROWS["vllm"][0]  # the latent width of the engine row (convert/engine.py)
 #: The decode backend each target expects.
@@ -255,7 +255,9 @@ def _head_dims(target: str, d_n: int, d_v: int, head_dim: int, d_r: int, dtype: 
             return nope, v
     raise ExportError(
         f"qk_nope_head_dim {d_n} / v_head_dim {d_v} exceed every shape --target {target} accepts "
-        f"({', '.join(f'{a}/{c}' for a, _, c in shapes)}); export with --target transformers"
+        f"({', '.join(f'{a}/{c}' for a, _, c in shapes)}); convert with --qk-nope-head-dim "
+        f"{engine_nope_width(target, d_v, None) or shapes[-1][0]} (a per-head low-rank of the NoPE score, exact when "
+        "it is at least min(head_dim, kv_lora_rank)) or export with --target transformers"
     )
 
 
@@ -337,7 +339,7 @@ def plan_export(config: Any, dtype: torch.dtype, target: str = "transformers") -
         "eos_token_id": c.eos_token_id,
         "pad_token_id": c.pad_token_id,
     }
-    d_src = 2 * c.num_key_value_heads * head_dim
+    d_src = 2 * int(c.source.get("num_key_value_heads", c.num_key_value_heads)) * head_dim  # the source's KV heads
     return ExportPlan(
         config=cfg,
         target=target,

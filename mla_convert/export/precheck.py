@@ -155,6 +155,7 @@ def export_problems(src: Any, options: Any, target: str = "transformers") -> lis
         options: the :class:`~mla_convert.convert.options.ConvertOptions`.
         target: one of :data:`~mla_convert.export.deepseek_v3.TARGETS`.
     """
+    from mla_convert.convert.engine import engine_nope_width
     from mla_convert.convert.options import geometry
 
     if target not in TARGETS:
@@ -187,9 +188,20 @@ def export_problems(src: Any, options: Any, target: str = "transformers") -> lis
                        f"{half}: a per-layer selection can span more; use --rope-strategy high --rope-pairs "
                        f"{min(slots, max(geo.rope_pairs, 1))} (or --target transformers)")
         shapes = VLLM_GPU_HEAD_DIMS if target == "vllm" else VLLM_CPU_HEAD_DIMS
-        if not any(src.head_dim <= nope and src.head_dim <= v for nope, _, v in shapes):
-            out.append(f"head_dim {src.head_dim} is wider than every head shape --target {target} accepts "
-                       f"({', '.join(f'{a}/{c}' for a, _, c in shapes)}); use --target transformers")
+        accepted = ", ".join(f"{a}/{c}" for a, _, c in shapes)
+        # the query's real NoPE width: d + 2r(G-2) with one shared rope head, or --qk-nope-head-dim
+        width = geo.query_nope_width if options.qk_nope_head_dim is None else options.qk_nope_head_dim
+        if not any(src.head_dim <= v for *_, v in shapes):
+            out.append(f"head_dim {src.head_dim} is wider than every value head --target {target} accepts "
+                       f"({accepted}); use --target transformers")
+        elif not any(width <= nope and src.head_dim <= v for nope, _, v in shapes):
+            fix = engine_nope_width(target, src.head_dim, options.kv_lora_rank)
+            exact = fix is not None and fix >= min(src.head_dim, options.kv_lora_rank or src.head_dim)
+            origin = ("--qk-nope-head-dim" if options.qk_nope_head_dim is not None else
+                      f"head_dim {src.head_dim} + 2 x {geo.rope_pairs} pairs x ({src.num_kv_heads} KV heads - 2)")
+            out.append(f"the query's NoPE width {width} ({origin}) is wider than every qk_nope/v_head shape "
+                       f"--target {target} accepts ({accepted}): use --qk-nope-head-dim {fix} (a per-head "
+                       f"low-rank of the NoPE score, {'exact here' if exact else 'lossy'}) or --target transformers")
         if options.kv_lora_rank is not None and options.kv_lora_rank > VLLM_KV_LORA_RANK:
             out.append(f"--kv-lora-rank {options.kv_lora_rank} is over {VLLM_KV_LORA_RANK}, the latent vLLM's MLA "
                        "backends take")

@@ -500,7 +500,8 @@ def rung_ledger(
     cfg = model.config
     # the source as loaded (float32) when it is measured, else in the converted cache's element size
     src_elem = elem if source_model is None else torch.empty(0, dtype=source_model.dtype).element_size()
-    src_formula = 2 * cfg.num_key_value_heads * cfg.v_head_dim * src_elem
+    # the source's KV heads (a NoPE-width reduction gives the MLA config one key group per query head)
+    src_formula = 2 * int(cfg.source.get("num_key_value_heads", cfg.num_key_value_heads)) * cfg.v_head_dim * src_elem
     rung.record("source KV cache formula 2 x n_kv x head_dim x elem (bytes/token/layer)", src_formula)
     if source_model is not None:
         measured = measure_cache(source_model, probe)["bytes_per_token_per_layer"]
