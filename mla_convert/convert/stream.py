@@ -94,16 +94,11 @@ class Streamed:
 
 
 def _cache_record(measured: list[tuple[int, int]], tokens: int, dtype: torch.dtype) -> dict[str, Any]:
-    nbytes = sum(b for b, _ in measured)
-    values = sum(v for _, v in measured)
-    layers = len(measured)
-    return {
-        "values_per_token_per_layer": values / tokens / layers,
-        "bytes_per_token_per_layer": nbytes / tokens / layers,
-        "dtype": str(dtype).replace("torch.", ""),
-        "tokens": tokens,
-        "layers": layers,
-    }
+    """Per token and layer: values and bytes of the measured ``(bytes, values)`` of each layer's cache."""
+    per = tokens * len(measured)
+    return {"values_per_token_per_layer": sum(v for _, v in measured) / per,
+            "bytes_per_token_per_layer": sum(b for b, _ in measured) / per,
+            "dtype": str(dtype).replace("torch.", ""), "tokens": tokens, "layers": len(measured)}  # fmt: skip
 
 
 class StreamedConversion:
@@ -161,10 +156,8 @@ class StreamedConversion:
         table = read_checked(self.src, name, self.src.storage_dtype(name), torch.device("cpu"))
         check_fits(name, table, self.dtype)
         t = self.texts
-        out = {
-            role: table[ids].to(torch.float32).to(self.device)
-            for role, ids in (("calib", t.calib), ("held", t.held), ("eval", t.eval), ("probe", t.probe))
-        }
+        roles = (("calib", t.calib), ("held", t.held), ("eval", t.eval), ("probe", t.probe))
+        out = {role: table[ids].to(torch.float32).to(self.device) for role, ids in roles}
         del table
         self.src.release()
         return out
