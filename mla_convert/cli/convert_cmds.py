@@ -23,7 +23,7 @@ from mla_convert.cli.render import (
 )
 from mla_convert.convert.engine import ENGINE_ROWS
 from mla_convert.convert.options import ConvertOptions, shard_size_of
-from mla_convert.convert.resolve import Resolution
+from mla_convert.convert.resolve import Resolution, check_sizes_given
 from mla_convert.sources.locate import locate_source
 
 SHAPE_HELP = (
@@ -69,6 +69,7 @@ def inspect(
     options = build_options(ConvertOptions, values)
     with user_errors():
         check_options(options, None)
+        check_sizes_given(options, [k for k in ConvertOptions.model_fields if given_on_command_line(k)])
         check_target(target)
         locate_source(source)
     from mla_convert.convert.estimate import parse_size
@@ -136,6 +137,7 @@ def factor(
     options = build_options(ConvertOptions, values)  # every flag, before anything heavy is imported
     with user_errors():
         check_options(options, None)  # every rule that needs no source, before any I/O
+        check_sizes_given(options, [k for k in ConvertOptions.model_fields if given_on_command_line(k)])
         shard_size = shard_size_of(max_shard_size)
         check_output(out, overwrite)  # refuse an occupied OUT before the source is read
         check_export(out, export, overwrite, target)

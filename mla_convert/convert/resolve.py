@@ -50,8 +50,17 @@ class Resolution:
     choices: dict[str, str] = field(default_factory=dict)
 
 
-def _budget(options: ConvertOptions, src: SourceShape, given: Collection[str]) -> tuple[ConvertOptions, str]:
-    """Step 1: the cache size in values per token per layer, and its origin."""
+def check_sizes_given(options: ConvertOptions, given: Collection[str]) -> None:
+    """Refuse cache sizes given together that replace each other (no source needed: the CLI asks before any I/O).
+
+    Raises:
+        OptionsError: two of ``--cache-fraction``, ``--cache-budget``, ``--kv-lora-rank`` given (one line).
+    """
+    if "cache_fraction" in given and "cache_budget" in given:
+        raise OptionsError(
+            f"--cache-fraction and --cache-budget {options.cache_budget:g} both given: the budget is an absolute size "
+            "that replaces the fraction; give only one of them"
+        )
     if "cache_budget" in given and "kv_lora_rank" in given:
         raise OptionsError(
             f"--cache-budget and --kv-lora-rank {options.kv_lora_rank} both given: "
@@ -62,11 +71,11 @@ def _budget(options: ConvertOptions, src: SourceShape, given: Collection[str]) -
             f"--cache-fraction and --kv-lora-rank {options.kv_lora_rank} both given: "
             "--kv-lora-rank fixes one latent width for every layer and replaces the fraction; give only one of them"
         )
-    if "cache_fraction" in given and "cache_budget" in given:
-        raise OptionsError(
-            f"--cache-fraction and --cache-budget {options.cache_budget:g} both given: the budget is an absolute "
-            "size that replaces the fraction; give only one of them"
-        )
+
+
+def _budget(options: ConvertOptions, src: SourceShape, given: Collection[str]) -> tuple[ConvertOptions, str]:
+    """Step 1: the cache size in values per token per layer, and its origin."""
+    check_sizes_given(options, given)
     if options.kv_lora_rank is not None:
         return options, "given (--kv-lora-rank)"
     width = source_width(src)

@@ -103,7 +103,10 @@ def measured_rope_pairs(options: ConvertOptions, src: SourceShape, path: Path | 
         notes.append(f"measured on head_dim {shape.get('head_dim')} with {shape.get('num_kv_heads')} KV heads, a "
                      f"prior for this source's head_dim {src.head_dim} with {src.num_kv_heads}")
     extra = "; ".join(notes)
-    why = (f"--rope-pairs {pairs}: the RoPE share measured best at {100 * frac:.2f} % of the source's cache "
+    at = f"{100 * frac:.2f} % of the source's cache"
+    if frac < points[0][0] or frac > points[-1][0]:
+        at = f"{100 * near[0]:.2f} % of the source's cache, the nearest measured size to this {100 * frac:.2f} %"
+    why = (f"--rope-pairs {pairs}: the RoPE share measured best at {at} "
            f"({share:.2f} of the row; {model}, dev windows, measured_splits.json"
            f"{'; ' + extra if extra else ''}); pass --rope-pairs to choose")
     return pairs, why
