@@ -29,8 +29,8 @@ from mla_convert.sources.locate import locate_source
 SHAPE_HELP = (
     "The engine the conversion is for: transformers (any shape) | vllm (GPU, and SGLang) | vllm-cpu. vllm and "
     "vllm-cpu allocate 512 + 64 values per token per layer, so the conversion is shaped to fill that row (one "
-    "shared rope head of up to 32 frequencies, one kv_lora_rank up to 512 in every layer) unless --cache-budget or "
-    "--rope-mode is given."
+    "shared rope head of up to 32 frequencies, one kv_lora_rank up to 512 in every layer) unless --cache-fraction, "
+    "--cache-budget or --rope-mode is given (then converted as asked; the export lines say whether it fits)."
 )
 SOURCE_HELP = (
     "A HF folder (safetensors), a .gguf file, or 'smollm2-135m' (the bundled SmolLM2-135M-Instruct)."

@@ -103,9 +103,11 @@ class ConvertOptions(BaseModel):
     )
     qk_nope_head_dim: int | None = Field(
         None,
-        description="reduce the query's NoPE width to this many dims per head (a per-head low-rank of the NoPE "
-        "score, activation-weighted; exact when the rank allows; no cache cost); not given: keep it (--target vllm "
-        "and vllm-cpu set it when the width exceeds what the engine takes)",
+        description="reduce each query head's NoPE width (qk_nope_head_dim: with one shared rope head it is "
+        "head_dim + 2 x rope pairs x (KV heads - 2), the other KV heads' mixed components of each kept frequency) to "
+        "this many dims (a per-head low-rank of the NoPE score, activation-weighted; exact at min(head_dim, "
+        "kv_lora_rank) or more; no cache cost); not given: keep it (--target vllm and vllm-cpu set it when the width "
+        "exceeds what the engine takes)",
     )
     text: str = Field(
         "wikipedia",
