@@ -53,8 +53,9 @@ def test_inspect_says_the_setting_before_any_work(g8):
         assert res.exit_code == 0, res.output
         assert "--qk-nope-head-dim 128" in res.output and "exact" in res.output
         assert f"--target {target}: exact; engine cache 576" in res.output
-    res = runner.invoke(app, ["inspect", str(g8), "--rope-strategy", "high", "--rope-pairs", "30"],
-                        env={"COLUMNS": "400"})
+    # 12.5 % (256 values): the tiny's hidden size 256 bounds the latent below the 31.25 % default
+    res = runner.invoke(app, ["inspect", str(g8), "--rope-strategy", "high", "--rope-pairs", "30", "--cache-fraction",
+                              "0.125"], env={"COLUMNS": "400"})  # fmt: skip
     assert res.exit_code == 0, res.output
     assert "--target vllm: not exact: the query's NoPE width 488" in res.output
     assert "use --qk-nope-head-dim 128" in res.output
