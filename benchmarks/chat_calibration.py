@@ -3,7 +3,7 @@ on plain Wikipedia text and on chat-templated conversations, scored as it is ser
 
 Rows: the source; ``factor smollm2-135m`` (16,384 Wikipedia tokens, the default); ``factor --text
 chats.jsonl,messages=messages`` (conversations built from the Wikipedia *calibration* split's articles: a user asks
-for a summary of an article's opening, the assistant answers with its first sentences; rendered with the model's
+for a summary of a 1,200-character passage, the assistant answers with its first sentences; rendered with the model's
 chat template). Columns: perplexity on 8 x 512 Wikipedia evaluation-split tokens whose windows start with the
 tokenizer's BOS (``<|im_start|>``, what every chat prompt opens with) and without it, the chat KL to the source
 and top-1 agreement on its greedy 32-token answers to 8 news-evaluation prompts (``adapt``'s chat probe), and the
@@ -27,19 +27,23 @@ RUNS = Path(__file__).resolve().parent / "runs" / "chat-calib"
 RESULT = Path(__file__).resolve().parent / "results" / "chat_calibration.md"
 
 
-def calibration_chats(path: Path, count: int = 120) -> Path:
-    """Write ``count`` conversations from the Wikipedia calibration split's articles to ``path`` (JSON lines)."""
+def calibration_chats(path: Path, count: int = 400, chunk: int = 1200) -> Path:
+    """Write ``count`` conversations from the Wikipedia calibration split's articles to ``path`` (JSON lines): each
+    article is cut into ``chunk``-character passages, one conversation per passage, so the chat file carries more
+    than the default 16,384 calibration tokens after ``factor``'s own split (a shorter file calibrates on less, with a
+    warning)."""
     from mla_convert.text.corpora import load_documents
     from mla_convert.text.windows import split_documents
 
     docs = split_documents(load_documents("wikipedia"))["calibration"]
+    passages = [(d, d.text[i : i + chunk]) for d in docs for i in range(0, len(d.text) - chunk // 2, chunk)]
     rows = []
-    for d in docs[:count]:
-        sentences = d.text.replace("\n", " ").split(". ")
+    for d, text in passages[:: max(1, len(passages) // count)][:count]:
+        sentences = text.replace("\n", " ").split(". ")
         rows.append({"messages": [
-            {"role": "user", "content": "Summarize the opening of this article:\n\n" + d.text[:1200]},
+            {"role": "user", "content": "Summarize this passage:\n\n" + text},
             {"role": "assistant", "content": ". ".join(sentences[:2]).strip() + "."},
-            {"role": "user", "content": "What is the article about, in a few words?"},
+            {"role": "user", "content": "Which article is it from?"},
             {"role": "assistant", "content": d.title or " ".join(sentences[0].split()[:6])},
         ]})  # fmt: skip
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -111,9 +115,9 @@ def main() -> None:
                                    add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]  # fmt: skip
     ref_bos, ref_plain = perplexity(source, with_bos), perplexity(source, plain)
     lines = [
-        "| calibration | ppl wiki, BOS-opened (x source) | ppl wiki, no BOS (x source) | chat KL | chat top-1 | "
+        "| calibration (tokens) | ppl wiki, BOS-opened (x source) | ppl wiki, no BOS (x source) | chat KL | chat top-1 | "
         "'The capital of France is' | chat: 'What is the capital of France?' |",
-        "|---|---:|---:|---:|---:|---|---|",
+        "|---|---:|---:|---:|---:|---|---|",  # fmt: skip
         f"| source | {ref_bos:.2f} | {ref_plain:.2f} | 0 | 1 | {greedy(source, prompt, 8, tok)!r} | "
         f"{greedy(source, chat, 12, tok)!r} |",
     ]
@@ -121,7 +125,8 @@ def main() -> None:
         model = load_checkpoint(folder).eval()
         bos, no_bos = perplexity(model, with_bos), perplexity(model, plain)
         div = chat_divergence(model, source, probe)
-        lines.append(f"| {name} | {bos:.2f} (x{bos / ref_bos:.2f}) | {no_bos:.2f} (x{no_bos / ref_plain:.2f}) | "
+        tokens = json.loads((folder / "report.json").read_text())["text"]["calibration_tokens"]
+        lines.append(f"| {name} ({tokens:,}) | {bos:.2f} (x{bos / ref_bos:.2f}) | {no_bos:.2f} (x{no_bos / ref_plain:.2f}) | "
                      f"{div['chat_kl']:.3f} | {div['chat_top1']:.3f} | {greedy(model, prompt, 8, tok)!r} | "
                      f"{greedy(model, chat, 12, tok)!r} |")  # fmt: skip
     head = ("SmolLM2-135M-Instruct at its default size (120 of 384 values, 31.25 %), `factor` defaults otherwise; "

@@ -96,6 +96,7 @@ def to_markdown(report: dict[str, Any]) -> str:
         "calibration documents (disjoint from the evaluation ones); per-layer attention error on held-out "
         "calibration tokens.",
         "",
+        *[f"**Warning:** {w}" + "\n" for w in report.get("warnings", [])],
         "| measure | source | converted |",
         "|---|---:|---:|",
         f"| perplexity | {e['reference_perplexity']:.3f} | {e['perplexity']:.3f} |",

@@ -194,6 +194,8 @@ def factor(
                 highlight=False,
                 markup=False,
             )
+    for warning in report.get("warnings", []):
+        err_console.print(f"warning: {warning}", highlight=False, markup=False)
     e = report["model"]["eval"]
     console.print(
         f"wrote {out}: perplexity {e['perplexity']:.3f} (source {e['reference_perplexity']:.3f}) on {e['tokens']} tokens, "

@@ -70,9 +70,13 @@ class TextSplit:
     calibration_documents: int | None = None
 
 
-def calibration_windows(tokenizer: Any, docs: list[Document], window: int, count: int) -> SpreadWindows:
+def calibration_windows(
+    tokenizer: Any, docs: list[Document], window: int, count: int, count_documents: bool = True
+) -> SpreadWindows:
     """The calibration and held-out windows ``factor`` uses: ``count`` (and up to :data:`HELD_OUT_WINDOWS`
     held-out) windows of ``window`` tokens spread evenly across the calibration documents ``docs``.
+    ``count_documents=False`` for text whose documents hold EOS themselves (chat-templated turns end with it): the
+    windows' documents are then not counted (``documents`` None) rather than miscounted.
 
     Raises:
         TextError: the documents give fewer than 2 windows.
@@ -85,7 +89,8 @@ def calibration_windows(tokenizer: Any, docs: list[Document], window: int, count
             f"calibration text gives {every.shape[0]} window(s) of {window} tokens; need at least 2 "
             "(use more text or a shorter --window)"
         )
-    return spread_windows(every, count, HELD_OUT_WINDOWS, getattr(tokenizer, "eos_token_id", None))
+    eos = getattr(tokenizer, "eos_token_id", None) if count_documents else None
+    return spread_windows(every, count, HELD_OUT_WINDOWS, eos)
 
 
 def text_documents(text: str, tokenizer: Any) -> tuple[list[Document], str]:
@@ -124,7 +129,10 @@ def prepare_text(tokenizer: Any, options: ConvertOptions) -> TextSplit:
     """
     docs, name = text_documents(options.text, tokenizer)
     splits = split_documents(docs)
-    picked = calibration_windows(tokenizer, splits["calibration"], options.window, options.calibration_windows())
+    chat = "messages=" in options.text  # rendered turns end with EOS: the separator count is not a document count
+    picked = calibration_windows(
+        tokenizer, splits["calibration"], options.window, options.calibration_windows(), count_documents=not chat
+    )
     evaluation = token_windows(
         tokenizer, splits["evaluation"], options.window, options.eval_windows, bos=adds_bos(tokenizer)
     )
@@ -276,6 +284,14 @@ def run_factor(
             f"only {text.calibration.numel()} calibration tokens for hidden size {src.hidden_size}: the statistics "
             "cannot describe the activations (energies near 1 and errors near 0 mean nothing); use more "
             "--calib-tokens or a longer --window"
+        )
+    asked = options.calibration_windows()
+    if text.calibration.shape[0] < asked:
+        warnings.append(
+            f"the calibration text gives {text.calibration.shape[0]} window(s) of {options.window} tokens where "
+            f"{asked} were asked ({text.calibration.numel()} of {asked * options.window} tokens; "
+            f"{text.name}): the statistics come from less text than the budget; give more text or fewer "
+            "--calib-tokens"
         )
     probe = text.evaluation[:1, :128]
     texts = Texts(text.calibration, text.held_out, text.evaluation, probe)

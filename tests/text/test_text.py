@@ -349,3 +349,44 @@ def test_factor_calibrates_on_chat_templated_text(tmp_path: Path) -> None:
     assert (text.calibration == start).sum() >= 4  # role tokens, tokenized as the special token they are
     with pytest.raises(TextError, match="weight= and loss= are adaptation keys"):
         text_documents(f"{chats},messages=messages,weight=2", tok)
+
+
+def test_chat_text_too_short_for_the_budget_is_said(tmp_path: Path) -> None:
+    """A chat file that gives fewer calibration windows than the budget asks is a warning in the report (and on
+    the command line), and chat turns (each ending with EOS) are not counted as documents."""
+    import json
+
+    from chats import news_chats
+    from tiny import copy_tokenizer
+    from transformers import AutoTokenizer
+
+    from mla_convert.convert.job import prepare_text
+    from mla_convert.convert.options import ConvertOptions
+
+    copy_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": m}) + "\n" for m in news_chats(40)))
+    opts = ConvertOptions(text=f"{chats},messages=messages", window=64, calib_windows=4, eval_windows=1)
+    text = prepare_text(tok, opts)
+    assert text.calibration_documents is None  # not the count of EOS-ended turns
+    plain = prepare_text(tok, ConvertOptions(text="wikipedia", window=64, calib_windows=4, eval_windows=1))
+    assert plain.calibration_documents is not None and plain.calibration_documents >= 2
+    short = prepare_text(tok, opts.model_copy(update={"calib_windows": 100000}))
+    assert short.calibration.shape[0] < 100000
+    # the command line says so, and so does the report
+    from tiny import write_tiny_llama
+    from typer.testing import CliRunner
+
+    from mla_convert.cli.commands import app
+
+    src = write_tiny_llama(tmp_path / "src")
+    copy_tokenizer(src)
+    out = tmp_path / "mla"
+    res = CliRunner().invoke(app, ["factor", str(src), str(out), "--text", f"{chats},messages=messages", "--window",
+                                   "64", "--calib-windows", "400", "--eval-windows", "1", "--dtype", "float32"])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert "warning: the calibration text gives" in res.output and "where 400 were asked" in res.output
+    report = json.loads((out / "report.json").read_text())
+    assert any("where 400 were asked" in w for w in report["warnings"])
+    assert "**Warning:** the calibration text gives" in (out / "report.md").read_text()
