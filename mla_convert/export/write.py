@@ -26,6 +26,7 @@ from mla_convert.export.deepseek_v3 import (
     export_other,
     other_names,
     plan_export,
+    top_level_keys,
 )
 
 #: Formats ``export`` writes.
@@ -365,6 +366,9 @@ def export_checkpoint(
         ds.architectures = ["DeepseekV3ForCausalLM"]
         ds.dtype = plan.record()["dtype"]  # type: ignore[attr-defined]
         ds.save_pretrained(str(staged))
+        written = staged / "config.json"  # the keys engines read beside transformers' (MLX-LM: rope_theta)
+        written.write_text(json.dumps({**json.loads(written.read_text()), **top_level_keys(plan)}, indent=2,
+                                      sort_keys=True) + "\n")
         tensors.release()
         result = None
         if check:
