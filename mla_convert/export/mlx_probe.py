@@ -93,7 +93,7 @@ def _kv_cache(cache: list[Any]) -> dict[str, Any]:
     """What MLX-LM's prompt cache holds after the last greedy prompt: per layer its class, the heads and width of
     its ``keys`` (DeepSeek-V3 in MLX-LM: the normalised latent) and ``values`` (the rotated rope key), the tokens
     held and the dtype."""
-    layers = []
+    layers: list[dict[str, Any]] = []
     for c in cache:
         keys, values = getattr(c, "keys", None), getattr(c, "values", None)
         if keys is None or values is None:
