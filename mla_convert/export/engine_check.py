@@ -1,6 +1,8 @@
-"""Serve an export in a real vLLM and compare with our MLA model: the proof that an export is exact where it runs.
+"""Serve an export in a real vLLM (or MLX-LM) and compare with our MLA model: the proof that an export is exact
+where it runs.
 
 ``python -m mla_convert.export.engine_check CKPT EXPORT --vllm-python PY [--json OUT.json] [--table OUT.md]``
+``python -m mla_convert.export.engine_check CKPT EXPORT --mlx-python PY [--json OUT.json] [--table OUT.md]``
 
 1. Real text: :data:`WINDOWS` x :data:`WINDOW` tokens of the Wikipedia evaluation split, and two prompts
    (:data:`PROMPTS`), tokenized with CKPT's tokenizer.
@@ -18,6 +20,13 @@ greedy token our argmax; our model's own bf16 gives mean ~0.05. A wrong export (
 rotary kernel) gives mean > 1. The max is the tail of 254 rounding errors: a conversion of the same model whose
 weights differ only by LAPACK threading (1 vs 2 threads) gave vLLM max 0.691 at mean 0.038, with our own bf16 model
 at max 0.443 / mean 0.036 on the same tokens; so the max allowed grows with that measured floor. Raises nothing on a mismatch: the record says ``passed: false`` and why.
+
+MLX-LM (:func:`check_mlx`, ``PY`` from ``scripts/mlx_env.sh``): :mod:`mla_convert.export.mlx_probe` loads EXPORT with
+``mlx_lm.load`` and scores :data:`MLX_WINDOWS` x :data:`MLX_WINDOW` tokens (one forward: MLX-LM's prefill path) and
+:data:`MLX_NEW_TOKENS` greedy tokens per prompt through its prompt cache (its absorbed decode path), in the export's
+dtype; the same comparison with our model, with :data:`MLX_FLOAT32` for a float32 export (the bfloat16 thresholds
+above otherwise), and the keys MLX-LM resolved (``rope_theta``, ``kv_a_layernorm`` eps, no MoE layer) and the cache
+it holds (latent + rope key per token per layer) checked against the export's record.
 """
 
 from __future__ import annotations
@@ -49,7 +58,9 @@ TIMEOUT_S = 600
 MLX_WINDOW = 64
 MLX_WINDOWS = 2
 MLX_NEW_TOKENS = 16
-#: Thresholds of a float32 export in MLX-LM (float32 on its CPU): measured TBD.
+#: Thresholds of a float32 export in MLX-LM (float32 on its CPU). Measured on the SmolLM2 reference export (mlx 0.32.4,
+#: mlx-lm 0.32.2): mean 1.3e-4 / max 2.5e-4 over 126 tokens, 32/32 greedy tokens our argmax; the same files without the
+#: top-level rope_theta (MLX-LM's default 10000) gave mean 0.23 / max 2.04 and 2 greedy tokens off our argmax.
 MLX_FLOAT32 = {"mean": 1e-3, "max": 1e-2, "greedy_margin": 1e-3}
 
 
@@ -316,6 +327,30 @@ def table(record: dict[str, Any], what: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def mlx_table(record: dict[str, Any], what: str) -> str:
+    """The parity table (markdown) of a :func:`check_mlx` record; ``what`` names the checkpoint and command."""
+    d, f, g, m = record["logprob_abs_diff"], record["ours_bf16_abs_diff"], record["greedy"], record["model"]
+    layer = record["kv_cache"]["per_layer"] or {}
+    cache = (f"{layer.get('class')}: latent {layer['keys']['width']} + rope key {layer['values']['width']} "
+             f"({layer['dtype']}) per token, {record['kv_cache']['layers']} layers" if "keys" in layer else "not read")
+    t = record["thresholds"]
+    rows = [
+        ("engine", f"{record['engine']}, {record['dtype']}"),
+        ("text", f"{record['text']} ({record['tokens_scored']} tokens scored)"),
+        ("prompt log-prob vs ours (float32): mean / max abs diff", f"{d['mean']:.2e} / {d['max']:.2e}"),
+        ("ours in bfloat16 vs ours in float32 (rounding floor)", f"{f['mean']:.3f} / {f['max']:.3f}"),
+        ("greedy tokens (MLX-LM's cached decode) that are our argmax",
+         f"{g['argmax_equal']} / {g['count']} (worst margin {g['max_margin']:.2e})"),
+        ("keys MLX-LM resolved", f"rope_theta {m['rope_theta']:.6g}, kv_a_layernorm eps {m['kv_a_layernorm_eps']:g}, "
+                                 f"{m['moe_layers']} MoE layers"),
+        ("cache MLX-LM holds", cache),
+        ("thresholds", f"mean <= {t['mean']:g}, max <= {t['max']:g}, greedy within {t['greedy_margin']:g} logits"),
+        ("result", "passed" if record["passed"] else "FAILED: " + "; ".join(record["reasons"])),
+    ]
+    lines = [f"Measured by `{what}`.", "", "| | |", "|---|---|"] + [f"| {a} | {b} |" for a, b in rows]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command line (module docstring); exit 1 when the export does not match."""
     import argparse
@@ -323,14 +358,20 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mla_convert.export.engine_check", description=__doc__.splitlines()[0])
     p.add_argument("ckpt", type=Path)
     p.add_argument("export", type=Path)
-    p.add_argument("--vllm-python", required=True)
+    engine = p.add_mutually_exclusive_group(required=True)
+    engine.add_argument("--vllm-python")
+    engine.add_argument("--mlx-python", help="the python of scripts/mlx_env.sh: check the export in MLX-LM")
     p.add_argument("--json", type=Path)
     p.add_argument("--table", type=Path)
     p.add_argument("--what", default="bash scripts/serve_check.sh")
     p.add_argument("--custom-ops", action="store_true", help="vLLM as shipped (its CPU rotary kernel on)")
     a = p.parse_args(argv)
-    record = check_vllm(a.ckpt, a.export, a.vllm_python, a.custom_ops)
-    text = table(record, a.what)
+    if a.mlx_python:
+        record = check_mlx(a.ckpt, a.export, a.mlx_python)
+        text = mlx_table(record, a.what)
+    else:
+        record = check_vllm(a.ckpt, a.export, a.vllm_python, a.custom_ops)
+        text = table(record, a.what)
     if a.json:
         a.json.write_text(json.dumps(record, indent=1) + "\n")
     if a.table:
