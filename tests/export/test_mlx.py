@@ -22,7 +22,7 @@ SMALL_FLAGS = ["--calib-windows", "2", "--window", "64", "--eval-windows", "1", 
                "--rope-pairs", "4"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # session: set up before reference_ckpt, so a skip converts nothing
 def mlx_python() -> str:
     python = os.environ.get("MLA_MLX_PYTHON", "")
     if not python or not Path(python).is_file():
