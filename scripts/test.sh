@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up from nothing and run the checks: ruff, mypy on the package, then the test suite (with vLLM's CPU build).
+# Set up from nothing and run the checks: ruff, mypy on the package, then the test suite (with vLLM's CPU build
+# and MLX-LM).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -17,5 +18,11 @@ fi
 if [ "${MLA_SKIP_VLLM:-0}" != 1 ]; then
     MLA_VLLM_PYTHON=$(bash scripts/vllm_env.sh)
     export MLA_VLLM_PYTHON MLA_REQUIRE_VLLM=1
+fi
+# MLX-LM on the CPU (its own venv of MLX's Linux wheels, built once per machine, ~1-3 min) for tests/export/test_mlx.py,
+# which fails rather than skips here. MLA_SKIP_MLX=1 skips it.
+if [ "${MLA_SKIP_MLX:-0}" != 1 ]; then
+    MLA_MLX_PYTHON=$(bash scripts/mlx_env.sh)
+    export MLA_MLX_PYTHON MLA_REQUIRE_MLX=1
 fi
 .venv/bin/python -m pytest -q --durations=30 tests "$@"

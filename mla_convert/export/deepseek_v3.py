@@ -50,6 +50,15 @@ from mla_convert.errors import UserError
 #: The epsilon every exported norm uses (``rms_norm_eps``): transformers' ``DeepseekV3RMSNorm`` default, which
 #: its ``kv_a_layernorm`` always applies; vLLM and SGLang apply ``rms_norm_eps`` to every norm.
 DS_NORM_EPS = 1e-6
+#: The expert keys of a dense export (``config.json``): every count 0. transformers' ``DeepseekV3Config`` takes ints
+#: only (no null) and would default absent keys to DeepSeek-V3's 256 experts; vLLM, SGLang and MLX-LM build MoE only
+#: for layers at or above ``first_k_dense_replace`` (``num_hidden_layers`` here); llama.cpp's ``convert_hf_to_gguf.py``
+#: writes these counts as ``expert_count``, ``expert_used_count``, ``expert_group_count``, ``expert_group_used_count``,
+#: ``expert_shared_count``, and llama.cpp requires all of them 0 when there are no experts (it aborts on 1).
+DENSE_EXPERT_KEYS = {"n_shared_experts": 0, "n_routed_experts": 0, "n_group": 0, "topk_group": 0, "num_experts_per_tok": 0}
+#: The epsilon MLX-LM's DeepSeek-V3 hard-codes for ``kv_a_layernorm`` (``mlx_lm/models/deepseek_v3.py``, 0.32.2), as
+#: transformers does: the bias-free latent norm is exact in both because it is :data:`DS_NORM_EPS`.
+MLX_KV_A_NORM_EPS = 1e-6
 #: ``mean((beta c)^2) <= LINEAR_MARGIN * 2 * eps``: the latent norm's deviation from linear, relative, for any input.
 LINEAR_MARGIN = 2.0**-25
 #: Largest relative difference between a kept frequency and the ``default`` rope's float32 table.
@@ -154,6 +163,14 @@ class ExportPlan:
             "cache_values_per_token_per_layer": self.cache_values_per_token,
             "dtype": str(self.dtype).replace("torch.", ""),
         }
+
+
+def top_level_keys(plan: ExportPlan) -> dict[str, Any]:
+    """``config.json`` keys written beside what ``DeepseekV3Config.save_pretrained`` writes: ``rope_theta`` at the top
+    level, equal to ``rope_parameters.rope_theta`` (transformers 5 folds a top-level ``rope_theta`` into
+    ``rope_parameters`` and does not write it back; MLX-LM's DeepSeek-V3 reads only the top-level key and defaults to
+    10000, a different function; llama.cpp's converter reads either)."""
+    return {"rope_theta": plan.rope.parameters["rope_theta"]}
 
 
 # ------------------------------------------------------------------------------------------------ rope
@@ -314,11 +331,9 @@ def plan_export(config: Any, dtype: torch.dtype, target: str = "transformers") -
         "num_hidden_layers": c.num_hidden_layers,
         "num_attention_heads": c.num_attention_heads,
         "num_key_value_heads": c.num_attention_heads,
-        "n_shared_experts": 1,
-        "n_routed_experts": 1,
-        "n_group": 1,
-        "topk_group": 1,
-        "num_experts_per_tok": 1,
+        # a dense model has no experts: counts 0 (transformers and vLLM build a dense MLP below first_k_dense_replace
+        # and never read them; llama.cpp's converter copies them into GGUF keys and llama.cpp aborts on 1 expert)
+        **DENSE_EXPERT_KEYS,
         "routed_scaling_factor": 1.0,
         "first_k_dense_replace": c.num_hidden_layers,  # every layer a dense DeepseekV3MLP
         "num_nextn_predict_layers": 0,

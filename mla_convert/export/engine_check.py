@@ -1,6 +1,8 @@
-"""Serve an export in a real vLLM and compare with our MLA model: the proof that an export is exact where it runs.
+"""Serve an export in a real vLLM (or MLX-LM) and compare with our MLA model: the proof that an export is exact
+where it runs.
 
 ``python -m mla_convert.export.engine_check CKPT EXPORT --vllm-python PY [--json OUT.json] [--table OUT.md]``
+``python -m mla_convert.export.engine_check CKPT EXPORT --mlx-python PY [--json OUT.json] [--table OUT.md]``
 
 1. Real text: :data:`WINDOWS` x :data:`WINDOW` tokens of the Wikipedia evaluation split, and two prompts
    (:data:`PROMPTS`), tokenized with CKPT's tokenizer.
@@ -18,6 +20,13 @@ greedy token our argmax; our model's own bf16 gives mean ~0.05. A wrong export (
 rotary kernel) gives mean > 1. The max is the tail of 254 rounding errors: a conversion of the same model whose
 weights differ only by LAPACK threading (1 vs 2 threads) gave vLLM max 0.691 at mean 0.038, with our own bf16 model
 at max 0.443 / mean 0.036 on the same tokens; so the max allowed grows with that measured floor. Raises nothing on a mismatch: the record says ``passed: false`` and why.
+
+MLX-LM (:func:`check_mlx`, ``PY`` from ``scripts/mlx_env.sh``): :mod:`mla_convert.export.mlx_probe` loads EXPORT with
+``mlx_lm.load`` and scores :data:`MLX_WINDOWS` x :data:`MLX_WINDOW` tokens (one forward: MLX-LM's prefill path) and
+:data:`MLX_NEW_TOKENS` greedy tokens per prompt through its prompt cache (its absorbed decode path), in the export's
+dtype; the same comparison with our model, with :data:`MLX_FLOAT32` for a float32 export (the bfloat16 thresholds
+above otherwise), and the keys MLX-LM resolved (``rope_theta``, ``kv_a_layernorm`` eps, no MoE layer) and the cache
+it holds (latent + rope key per token per layer) checked against the export's record.
 """
 
 from __future__ import annotations
@@ -44,22 +53,62 @@ FLOOR_FACTOR = 2.0
 GREEDY_MARGIN = 0.1
 #: Wall-clock limit of the vLLM process (seconds): import, load, two generate calls.
 TIMEOUT_S = 600
+#: MLX-LM's text (:func:`check_mlx`): fewer tokens than vLLM's, since MLX's Linux CPU wheel multiplies matrices with
+#: the reference BLAS (~1 GFLOP/s here: one 128-token forward of the 135M reference takes ~35 s).
+MLX_WINDOW = 64
+MLX_WINDOWS = 2
+MLX_NEW_TOKENS = 16
+#: Thresholds of a float32 export in MLX-LM (float32 on its CPU). Measured on the SmolLM2 reference export (mlx 0.32.4,
+#: mlx-lm 0.32.2): mean 1.3e-4 / max 2.5e-4 over 126 tokens, 32/32 greedy tokens our argmax; the same files without the
+#: top-level rope_theta (MLX-LM's default 10000) gave mean 0.23 / max 2.04 and 2 greedy tokens off our argmax.
+MLX_FLOAT32 = {"mean": 1e-3, "max": 1e-2, "greedy_margin": 1e-3}
 
 
-def build_request(tokenizer: Any) -> dict[str, Any]:
-    """The token ids vLLM scores and continues (real text, :data:`PROMPTS`)."""
+def build_request(
+    tokenizer: Any, window: int = WINDOW, windows: int = WINDOWS, new_tokens: int = NEW_TOKENS,
+    dtype: str | None = "bfloat16",
+) -> dict[str, Any]:
+    """The token ids an engine scores (``windows`` x ``window`` tokens of real text) and continues (:data:`PROMPTS`,
+    ``new_tokens`` greedy tokens each), in ``dtype`` (None: the export's own)."""
     from mla_convert.text.corpora import load_documents
     from mla_convert.text.windows import adds_bos, split_documents, token_windows
 
     docs = split_documents(load_documents("wikipedia"))["evaluation"]
-    ids = token_windows(tokenizer, docs, WINDOW, WINDOWS, bos=adds_bos(tokenizer))
+    ids = token_windows(tokenizer, docs, window, windows, bos=adds_bos(tokenizer))
     return {
         "score": ids.tolist(),
         "greedy": [tokenizer(p).input_ids for p in PROMPTS],
-        "new_tokens": NEW_TOKENS,
-        "dtype": "bfloat16",
+        "new_tokens": new_tokens,
+        "dtype": dtype,
         "custom_ops": False,
     }
+
+
+def run_probe(
+    python: str, probe: str, export: Path, request: dict[str, Any], engine: str
+) -> tuple[dict[str, Any], str]:
+    """Run the probe script ``probe`` (a file beside this module) with ``python`` on ``export``; returns (its result,
+    its log).
+
+    Raises:
+        RuntimeError: the ``engine`` process failed or timed out (the message ends with its last log lines).
+    """
+    script = Path(__file__).with_name(probe)
+    with tempfile.TemporaryDirectory(prefix=f"mla-{engine.lower().replace(' ', '-')}-") as tmp:
+        req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        req.write_text(json.dumps(request))
+        try:
+            done = subprocess.run(
+                [python, str(script), str(export), str(req), str(res)],
+                capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp,
+            )
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"{engine} did not finish within {TIMEOUT_S} s") from None
+        log = done.stdout + done.stderr
+        if done.returncode != 0 or not res.is_file():
+            tail = "\n".join(log.strip().splitlines()[-15:])
+            raise RuntimeError(f"{engine} exited with {done.returncode} on {export}:\n{tail}")
+        return json.loads(res.read_text()), log
 
 
 def run_vllm(python: str, export: Path, request: dict[str, Any], custom_ops: bool = False) -> tuple[dict[str, Any], str]:
@@ -68,22 +117,7 @@ def run_vllm(python: str, export: Path, request: dict[str, Any], custom_ops: boo
     Raises:
         RuntimeError: the vLLM process failed or timed out (the message ends with its last log lines).
     """
-    probe = Path(__file__).with_name("vllm_probe.py")
-    with tempfile.TemporaryDirectory(prefix="mla-vllm-") as tmp:
-        req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
-        req.write_text(json.dumps({**request, "custom_ops": custom_ops}))
-        try:
-            done = subprocess.run(
-                [python, str(probe), str(export), str(req), str(res)],
-                capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp,
-            )
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"vLLM did not finish within {TIMEOUT_S} s") from None
-        log = done.stdout + done.stderr
-        if done.returncode != 0 or not res.is_file():
-            tail = "\n".join(log.strip().splitlines()[-15:])
-            raise RuntimeError(f"vLLM exited with {done.returncode} on {export}:\n{tail}")
-        return json.loads(res.read_text()), log
+    return run_probe(python, "vllm_probe.py", export, {**request, "custom_ops": custom_ops}, "vLLM")
 
 
 def _token_logprobs(model: Any, ids: list[int]) -> torch.Tensor:
@@ -94,22 +128,27 @@ def _token_logprobs(model: Any, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), x[0, 1:]]
 
 
-def compare(ckpt: Path, export: Path, request: dict[str, Any], result: dict[str, Any], log: str) -> dict[str, Any]:
-    """Our model (``ckpt``, float32) against vLLM's ``result`` on ``request``: the record of
-    :func:`check_vllm` (figures, thresholds, ``passed``, ``reasons``)."""
+def against_ours(
+    ckpt: Path, request: dict[str, Any], result: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor, list[list[float]]]:
+    """Our model (``ckpt``, float32) against an engine's ``result`` on ``request`` (any probe's JSON).
+
+    Returns:
+        ``diff [N]``: |our log p - the engine's| of every scored token (float64); ``floor [N]``: the same for our
+        own model in bfloat16 against float32 (the rounding floor of a bf16 engine); ``margins``: for each greedy
+        prompt, our max logit minus our logit of each token the engine picked (0 where it is our argmax).
+    """
     import copy
 
     from mla_convert.mla.checkpoint import load_checkpoint
 
     ours = load_checkpoint(ckpt).float().eval()
     ours_bf16 = copy.deepcopy(ours).to(torch.bfloat16)  # parameters only: RoPE frequencies stay float32
-    record = json.loads((export / "mla_manifest.json").read_text())["export"]
     d, floor = [], []
     for ids, theirs in zip(request["score"], result["prompt_logprobs"], strict=True):
         mine = _token_logprobs(ours, ids)
         d.append((mine - torch.tensor(theirs, dtype=torch.float64)).abs())
         floor.append((mine - _token_logprobs(ours_bf16, ids)).abs())
-    diff, bf16 = torch.cat(d), torch.cat(floor)
     margins = []
     with torch.no_grad():
         for prompt, gen in zip(request["greedy"], result["greedy"], strict=True):
@@ -117,6 +156,14 @@ def compare(ckpt: Path, export: Path, request: dict[str, Any], result: dict[str,
             logits = ours(input_ids=torch.tensor([seq])).logits[0, len(prompt) - 1 : -1].double()
             picked = logits[torch.arange(len(gen["tokens"])), torch.tensor(gen["tokens"])]
             margins.append((logits.max(-1).values - picked).tolist())
+    return torch.cat(d), torch.cat(floor), margins
+
+
+def compare(ckpt: Path, export: Path, request: dict[str, Any], result: dict[str, Any], log: str) -> dict[str, Any]:
+    """Our model (``ckpt``, float32) against vLLM's ``result`` on ``request``: the record of
+    :func:`check_vllm` (figures, thresholds, ``passed``, ``reasons``)."""
+    record = json.loads((export / "mla_manifest.json").read_text())["export"]
+    diff, bf16, margins = against_ours(ckpt, request, result)
     worst = max(max(m) for m in margins)
     backends = sorted(set(re.findall(r"Using (\w+) (?:MLA prefill )?backend", log)))
     width = record["kv_lora_rank"] + 2 * record["rope"]["slots"]
@@ -177,6 +224,87 @@ def check_vllm(ckpt: Path, export: Path, python: str, custom_ops: bool = False) 
     return record
 
 
+def compare_mlx(ckpt: Path, export: Path, request: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+    """Our model (``ckpt``, float32) against MLX-LM's ``result`` (:mod:`~mla_convert.export.mlx_probe`) on
+    ``request``: the record of :func:`check_mlx` (figures, thresholds, ``passed``, ``reasons``).
+
+    Besides the numbers, the keys MLX-LM resolved are checked against the export's record: ``rope_theta`` (MLX-LM
+    reads only the top-level key), the latent norm's epsilon (MLX-LM hard-codes 1e-6), no MoE layer, and its cache:
+    one latent head of ``kv_lora_rank`` (keys) and one rope key of ``qk_rope_head_dim`` (values) per token per layer.
+    """
+    record = json.loads((export / "mla_manifest.json").read_text())["export"]
+    diff, bf16, margins = against_ours(ckpt, request, result)
+    worst = max(max(m) for m in margins)
+    model, rope = result["model"], 2 * record["rope"]["slots"]
+    float32 = model["dtype"] == "float32"
+    limits = dict(MLX_FLOAT32) if float32 else {
+        "mean": MEAN_MAX, "max": max(ABS_MAX, FLOOR_FACTOR * float(bf16.max())), "greedy_margin": GREEDY_MARGIN}
+    reasons = []
+    if float(diff.mean()) > limits["mean"] or float(diff.max()) > limits["max"]:
+        reasons.append(f"prompt log-probabilities differ by mean {float(diff.mean()):.3g} / max {float(diff.max()):.3g} "
+                       f"(allowed {limits['mean']:g} / {limits['max']:.3g})")
+    if worst > limits["greedy_margin"]:
+        reasons.append(f"a greedy token MLX-LM picked is {worst:.3g} logits below our argmax "
+                       f"(allowed {limits['greedy_margin']:g})")
+    theta = float(record["rope"]["parameters"]["rope_theta"])
+    if abs(model["rope_theta"] - theta) > 1e-9 * theta:
+        reasons.append(f"MLX-LM applies rope_theta {model['rope_theta']:g}, the export's is {theta:g} (the top-level "
+                       "rope_theta key of config.json)")
+    if model["kv_a_layernorm_eps"] != record["latent_norm"]["eps"]:
+        reasons.append(f"MLX-LM's kv_a_layernorm eps is {model['kv_a_layernorm_eps']:g}, the export's latent norm is "
+                       f"exact for {record['latent_norm']['eps']:g} only")
+    if model["moe_layers"]:
+        reasons.append(f"MLX-LM built {model['moe_layers']} MoE layers for a dense export")
+    layers = result["kv_cache"]["layers"]
+    shape = {"class": "KVCache", "keys": {"heads": 1, "width": record["kv_lora_rank"]},
+             "values": {"heads": 1, "width": rope}}
+    if not layers or any({k: x.get(k) for k in shape} != shape for x in layers):
+        reasons.append(f"MLX-LM's cache is not one latent of {record['kv_lora_rank']} and one rope key of {rope} "
+                       f"per token per layer: {layers[:1]}")
+    return {
+        "engine": f"MLX-LM {result['mlx_lm']} (MLX {result['mlx']}, {result['device']})",
+        "dtype": model["dtype"],
+        "text": f"wikipedia evaluation split, {len(request['score'])} x {len(request['score'][0])} tokens",
+        "tokens_scored": int(diff.numel()),
+        "logprob_abs_diff": {"mean": float(diff.mean()), "max": float(diff.max())},
+        "ours_bf16_abs_diff": {"mean": float(bf16.mean()), "max": float(bf16.max())},
+        "greedy": {
+            "prompts": list(PROMPTS),
+            "tokens": [g["tokens"] for g in result["greedy"]],
+            "max_margin": worst,
+            "argmax_equal": sum(m == 0.0 for row in margins for m in row),
+            "count": sum(len(row) for row in margins),
+        },
+        "model": model,
+        "kv_cache": {"layers": len(layers), "per_layer": layers[0] if layers else None},
+        "kv_cache_values_per_token_per_layer": record["kv_lora_rank"] + rope,
+        "thresholds": {k: round(v, 6) for k, v in limits.items()},
+        "mlx_load_s": result["load_s"],
+        "mlx_wall_s": result["wall_s"],
+        "passed": not reasons,
+        "reasons": reasons,
+    }
+
+
+def check_mlx(ckpt: Path, export: Path, python: str, dtype: str | None = None) -> dict[str, Any]:
+    """Load ``export`` (written from ``ckpt``) with ``mlx_lm.load`` in the MLX-LM venv of ``python`` and compare
+    (:func:`compare_mlx`) on :data:`MLX_WINDOWS` x :data:`MLX_WINDOW` tokens and :data:`MLX_NEW_TOKENS` greedy
+    tokens per prompt; ``dtype`` casts MLX's parameters (None: the export's own).
+
+    Raises:
+        RuntimeError: MLX-LM failed to run (not a mismatch: that is ``passed: false``).
+    """
+    from transformers import AutoTokenizer
+
+    started = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(str(ckpt))
+    request = build_request(tokenizer, MLX_WINDOW, MLX_WINDOWS, MLX_NEW_TOKENS, dtype)
+    result, _ = run_probe(python, "mlx_probe.py", export, request, "MLX-LM")
+    record = compare_mlx(ckpt, export, request, result)
+    record["wall_s"] = round(time.perf_counter() - started, 1)
+    return record
+
+
 def table(record: dict[str, Any], what: str) -> str:
     """The parity table (markdown) of a :func:`check_vllm` record; ``what`` names the checkpoint and command."""
     d, f, g = record["logprob_abs_diff"], record["ours_bf16_abs_diff"], record["greedy"]
@@ -199,6 +327,30 @@ def table(record: dict[str, Any], what: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def mlx_table(record: dict[str, Any], what: str) -> str:
+    """The parity table (markdown) of a :func:`check_mlx` record; ``what`` names the checkpoint and command."""
+    d, f, g, m = record["logprob_abs_diff"], record["ours_bf16_abs_diff"], record["greedy"], record["model"]
+    layer = record["kv_cache"]["per_layer"] or {}
+    cache = (f"{layer.get('class')}: latent {layer['keys']['width']} + rope key {layer['values']['width']} "
+             f"({layer['dtype']}) per token, {record['kv_cache']['layers']} layers" if "keys" in layer else "not read")
+    t = record["thresholds"]
+    rows = [
+        ("engine", f"{record['engine']}, {record['dtype']}"),
+        ("text", f"{record['text']} ({record['tokens_scored']} tokens scored)"),
+        ("prompt log-prob vs ours (float32): mean / max abs diff", f"{d['mean']:.2e} / {d['max']:.2e}"),
+        ("ours in bfloat16 vs ours in float32 (rounding floor)", f"{f['mean']:.3f} / {f['max']:.3f}"),
+        ("greedy tokens (MLX-LM's cached decode) that are our argmax",
+         f"{g['argmax_equal']} / {g['count']} (worst margin {g['max_margin']:.2e})"),
+        ("keys MLX-LM resolved", f"rope_theta {m['rope_theta']:.6g}, kv_a_layernorm eps {m['kv_a_layernorm_eps']:g}, "
+                                 f"{m['moe_layers']} MoE layers"),
+        ("cache MLX-LM holds", cache),
+        ("thresholds", f"mean <= {t['mean']:g}, max <= {t['max']:g}, greedy within {t['greedy_margin']:g} logits"),
+        ("result", "passed" if record["passed"] else "FAILED: " + "; ".join(record["reasons"])),
+    ]
+    lines = [f"Measured by `{what}`.", "", "| | |", "|---|---|"] + [f"| {a} | {b} |" for a, b in rows]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command line (module docstring); exit 1 when the export does not match."""
     import argparse
@@ -206,14 +358,20 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mla_convert.export.engine_check", description=__doc__.splitlines()[0])
     p.add_argument("ckpt", type=Path)
     p.add_argument("export", type=Path)
-    p.add_argument("--vllm-python", required=True)
+    engine = p.add_mutually_exclusive_group(required=True)
+    engine.add_argument("--vllm-python")
+    engine.add_argument("--mlx-python", help="the python of scripts/mlx_env.sh: check the export in MLX-LM")
     p.add_argument("--json", type=Path)
     p.add_argument("--table", type=Path)
     p.add_argument("--what", default="bash scripts/serve_check.sh")
     p.add_argument("--custom-ops", action="store_true", help="vLLM as shipped (its CPU rotary kernel on)")
     a = p.parse_args(argv)
-    record = check_vllm(a.ckpt, a.export, a.vllm_python, a.custom_ops)
-    text = table(record, a.what)
+    if a.mlx_python:
+        record = check_mlx(a.ckpt, a.export, a.mlx_python)
+        text = mlx_table(record, a.what)
+    else:
+        record = check_vllm(a.ckpt, a.export, a.vllm_python, a.custom_ops)
+        text = table(record, a.what)
     if a.json:
         a.json.write_text(json.dumps(record, indent=1) + "\n")
     if a.table:

@@ -25,6 +25,10 @@ def serve_commands(path: str, record: dict[str, Any]) -> list[str]:
         "# transformers (any target)",
         "from transformers import AutoModelForCausalLM",
         f"model = AutoModelForCausalLM.from_pretrained('{path}')  # DeepseekV3ForCausalLM",
+        "# MLX-LM (any target; the latent and rope key cached per layer; its own venv: bash scripts/mlx_env.sh)",
+        f"mlx_lm.generate --model {path} --prompt 'The capital of France is'",
+        "# llama.cpp: mla-convert export --format gguf (llama.cpp's convert_hf_to_gguf.py converts this folder but",
+        "# writes no attention.q_lora_rank, which llama.cpp requires unless the model has 26 or 27 layers)",
     ]
     if target == "vllm-cpu":
         return [

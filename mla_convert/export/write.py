@@ -26,6 +26,7 @@ from mla_convert.export.deepseek_v3 import (
     export_other,
     other_names,
     plan_export,
+    top_level_keys,
 )
 
 #: Formats ``export`` writes.
@@ -238,9 +239,10 @@ def model_card(ckpt: Path, plan: ExportPlan, check: dict[str, Any] | None) -> st
         f"# {ckpt.name} as DeepSeek-V3",
         "",
         f"A DeepSeek-V3-format export (`mla-convert export --format deepseek-v3 --target {plan.target}`) of the MLA "
-        f"checkpoint `{ckpt.name}`. No attention bias, `rope_type: default`, `lm_head` written: stock transformers "
-        "and vLLM compute the same function from it (both checked by mla-convert; SGLang reads the same subset, not "
-        "run by mla-convert); see mla-convert's docs/export.md and docs/serving.md.",
+        f"checkpoint `{ckpt.name}`. No attention bias, `rope_type: default`, `lm_head` written, `rope_theta` also "
+        "at the top level, expert counts 0: stock transformers, vLLM and MLX-LM compute the same function from it (each "
+        "checked by mla-convert; SGLang reads the same subset, not run by mla-convert); see mla-convert's "
+        "docs/export.md and docs/serving.md.",
         "",
         cache_line(record),
         f"RoPE: `rope_theta` {plan.rope.parameters['rope_theta']:.6g}, {len(plan.rope.inv_freq)} slots "
@@ -365,6 +367,9 @@ def export_checkpoint(
         ds.architectures = ["DeepseekV3ForCausalLM"]
         ds.dtype = plan.record()["dtype"]  # type: ignore[attr-defined]
         ds.save_pretrained(str(staged))
+        written = staged / "config.json"  # the keys engines read beside transformers' (MLX-LM: rope_theta)
+        written.write_text(json.dumps({**json.loads(written.read_text()), **top_level_keys(plan)}, indent=2,
+                                      sort_keys=True) + "\n")
         tensors.release()
         result = None
         if check:
