@@ -180,3 +180,17 @@ def test_gguf_refusals_before_any_work(tmp_path):
     gelu = write_tiny_llama(tmp_path / "gelu", hidden_act="gelu")
     assert any("SiLU only" in p for p in export_problems(open_source(gelu), ConvertOptions(), fmt="gguf"))
     assert any("drop --target" in p for p in export_problems(open_source(llama), ConvertOptions(), "vllm", "gguf"))
+
+
+def test_recipe_gguf_export_is_checked_at_load(tmp_path):
+    """A recipe's ``export: {format: gguf}`` is checked against llama.cpp before any work, in its own keys."""
+    from mla_convert.recipes.load import load_recipe
+    from mla_convert.recipes.schema import RecipeError
+
+    text = ("name: t\nsource: smollm2-135m\noutput: " + str(tmp_path / "job") + "\n"
+            "factor: {rope_mode: per-head, rope_pairs: 8}\nexport: {format: gguf}\n")
+    with pytest.raises(RecipeError) as exc:
+        load_recipe("t.yaml", text=text)
+    assert any(p.startswith("export.target") and "rope_mode shared" in p for p in exc.value.problems)
+    ok = load_recipe("t.yaml", text=text.replace("rope_mode: per-head, rope_pairs: 8", "rope_pairs: 24"))
+    assert ok.recipe.export is not None and ok.recipe.export.format == "gguf"
