@@ -153,7 +153,8 @@ def export(
     check: bool = typer.Option(
         True,
         help="Measure parity against CKPT on real text, float32: the whole model (logits, greedy tokens) up to 2 GiB, "
-        "layer by layer (each layer, then the logits) above.",
+        "layer by layer (each layer, then the logits) above; --format gguf: the file served in llama.cpp, when it is "
+        "installed (MLA_LLAMACPP_PYTHON or scripts/llamacpp_env.sh's venv).",
     ),
     dtype: str = typer.Option(
         "auto",
