@@ -11,10 +11,11 @@ argmax or within :data:`GREEDY_MARGIN` logits of it, llama.cpp tokenizes the pro
 its KV cache is K-only with ``kv_lora_rank + qk_rope_head_dim`` values per token per layer (the latent and the rope
 key; V a view of K).
 
-Thresholds (float32 weights, f16 cache): measured on the SmolLM2 reference export (llama-cpp-python 0.3.36, CPU),
-mean 0.0013 / max 0.031 over 2 x 128 tokens, 32/32 greedy tokens our argmax (the f16 cache rounding); a wrong split
-of ``kv_b_proj`` or a missing transpose gives mean > 1. Quantized files are measured with the same code and are not
-held to these thresholds (``quantized: true``). Raises nothing on a mismatch: the record says ``passed: false``.
+Thresholds (float32 weights, f16 cache): measured on the SmolLM2 reference export (llama-cpp-python 0.3.36, CPU,
+2 threads) mean 0.0011 / max 0.0085 over 2 x 128 tokens, 32/32 greedy tokens our argmax (the f16 cache's rounding;
+a tester saw mean 0.001 / max 0.028 over 2 x 256); ``attn_k_b`` with its heads in reverse order (a mapping bug that
+loads) gives mean 0.28 / max 2.5. Quantized files are measured with the same code and are not held to these
+thresholds (``quantized: true``). Raises nothing on a mismatch: the record says ``passed: false``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 MEAN_MAX = 0.01
-ABS_MAX = 0.15
+ABS_MAX = 0.1
 GREEDY_MARGIN = 0.05
 #: The context llama.cpp is created with (cache cells): the KV figures are per token, any size gives the same.
 N_CTX = 1024
