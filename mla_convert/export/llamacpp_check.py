@@ -64,8 +64,9 @@ def run_llamacpp(python: str, model: Path, request: dict[str, Any]) -> tuple[dic
 
 
 def kv_cache(log: str) -> dict[str, Any] | None:
-    """The KV cache llama.cpp allocated, from its log line: MiB of K and V, their types, cells and layers, and the
-    values per token per layer each holds (None when the line is missing)."""
+    """The KV cache llama.cpp allocated, from its log line: MiB of K and V, their types, cells and layers, the
+    values per token per layer each holds and how finely the log's two decimals of MiB give them (``resolution``,
+    values); None when the line is missing."""
     m = _KV_LINE.search(log)
     if not m:
         return None
@@ -76,6 +77,7 @@ def kv_cache(log: str) -> dict[str, Any] | None:
         return round(mib * 2**20 / (cells * layers * _BYTES.get(t, 2)), 1)
 
     return {"cells": cells, "layers": layers, "k_type": k_type, "k_mib": k_mib, "v_type": v_type, "v_mib": v_mib,
+            "resolution": round(0.005 * 2**20 / (cells * layers * _BYTES.get(k_type, 2)), 3),  # the log's 0.01 MiB
             "k_values_per_token_per_layer": values(k_mib, k_type), "v_values_per_token_per_layer": values(v_mib, v_type),
             "values_per_token_per_layer": values(k_mib, k_type) + values(v_mib, v_type)}
 
@@ -127,7 +129,8 @@ def check_llamacpp(ckpt: Path, model: Path, python: str, source_gguf: Path | Non
     ids = request["greedy"]
     if result["tokenized"] != ids:
         reasons.append(f"llama.cpp tokenizes the prompts as {result['tokenized']}, the checkpoint's tokenizer as {ids}")
-    if cache is None or cache["v_mib"] != 0.0 or round(cache["k_values_per_token_per_layer"]) != width:
+    if cache is None or cache["v_mib"] != 0.0 or (
+            abs(cache["k_values_per_token_per_layer"] - width) > cache["resolution"] + 0.05):
         reasons.append(f"llama.cpp's KV cache is not K-only with {width} values per token per layer: {cache}")
     out: dict[str, Any] = {
         "engine": f"llama.cpp (llama-cpp-python {result['llama_cpp']}, CPU, 2 threads)",

@@ -19,6 +19,8 @@ from typer.testing import CliRunner
 
 from mla_convert.cli.commands import app
 
+SMALL = ["--calib-windows", "2", "--window", "64", "--eval-windows", "1"]
+
 
 @pytest.fixture(scope="module")
 def llamacpp_python() -> str:
@@ -58,19 +60,30 @@ def test_reference_gguf_is_exact_in_llamacpp(llamacpp_python, reference_gguf, re
     assert record["cache_ratio"] <= 0.45
 
 
-def test_export_check_runs_llamacpp(llamacpp_python, reference_ckpt, tmp_path, monkeypatch):
+def test_export_check_runs_llamacpp(llamacpp_python, tmp_path, monkeypatch):
     """``export --format gguf --dtype q8_0`` goes through llama.cpp's quantizer and serves the file before it is
-    renamed into place (the parity printed; a quantized file is not held to the float thresholds)."""
+    renamed into place (the parity printed; a quantized file is not held to the float thresholds). A tiny conversion
+    (SmolLM2's vocabulary, tokenizer keys from the bundled SmolLM2 GGUF) keeps it quick."""
     from gguf import GGMLQuantizationType as T
     from gguf import GGUFReader
+    from tiny import copy_tokenizer, write_tiny_llama
 
+    from mla_convert.export import gguf_file
+    from mla_convert.sources.assets import bundled_gguf_path
+
+    src = write_tiny_llama(tmp_path / "src")
+    copy_tokenizer(src)
+    ckpt = tmp_path / "mla"
+    res = CliRunner().invoke(app, ["--quiet", "factor", str(src), str(ckpt), *SMALL, "--cache-budget", "40"])
+    assert res.exit_code == 0, res.output + str(res.exception)
+    monkeypatch.setattr(gguf_file, "source_gguf", lambda ckpt: bundled_gguf_path())
     monkeypatch.setenv("MLA_LLAMACPP_PYTHON", llamacpp_python)
     out = tmp_path / "q8.gguf"
-    res = CliRunner().invoke(app, ["export", str(reference_ckpt), str(out), "--format", "gguf", "--dtype", "q8_0"])
+    res = CliRunner().invoke(app, ["export", str(ckpt), str(out), "--format", "gguf", "--dtype", "q8_0"])
     assert res.exit_code == 0, res.output + str(res.exception)
     text = " ".join(res.output.split())
     assert "GGUF (q8_0)" in text and "llama.cpp parity: log-prob mean/max |d|" in text
     tensors = {t.name: t for t in GGUFReader(str(out)).tensors}
     assert tensors["blk.0.attn_q.weight"].tensor_type == T.Q8_0
     assert tensors["blk.0.attn_kv_a_mqa.weight"].tensor_type == T.F32  # its latent rows need float32's range
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["q8.gguf"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mla", "q8.gguf", "src"]
