@@ -63,7 +63,16 @@ def adapt(
             from mla_convert.mla.checkpoint import checkpoint_dtype
             from mla_convert.mla.configuration import MLAConfig
 
-            plan_export(MLAConfig.from_pretrained(str(ckpt)), getattr(torch, checkpoint_dtype(ckpt)), target)
+            if export == "gguf":
+                from mla_convert.export.deepseek_v3 import ExportError
+                from mla_convert.export.gguf_file import gguf_plan, tokenizer_problem
+
+                gguf_plan(MLAConfig.from_pretrained(str(ckpt)), checkpoint_dtype(ckpt))
+                problem = tokenizer_problem(ckpt)
+                if problem:
+                    raise ExportError(problem)
+            else:
+                plan_export(MLAConfig.from_pretrained(str(ckpt)), getattr(torch, checkpoint_dtype(ckpt)), target)
         if options.source:
             locate_source(options.source)
     from mla_convert.adapt.train import run_adapt

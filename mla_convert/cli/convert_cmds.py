@@ -156,7 +156,10 @@ def factor(
         if export:
             from mla_convert.export.precheck import export_problems
 
-            problems = export_problems(src, options, target)
+            problems = export_problems(src, options, target, export)
+            if export == "gguf" and not any(f.suffix == ".gguf" for f in src.origin_files):
+                problems.append("the GGUF export carries the tokenizer from a .gguf SOURCE's tokenizer keys and this "
+                                "source is a folder: convert the model's .gguf file, or --export deepseek-v3")
             if problems:
                 fail(f"--export {export} --target {target} would not be exact: " + "; ".join(problems))
         say(

@@ -16,7 +16,12 @@ from mla_convert.cli.render import (
 from mla_convert.convert.options import shard_size_of
 from mla_convert.mla.checkpoint import read_checkpoint_config
 
-EXPORT_HELP = "Also write OUT in a serving format (deepseek-v3) into the sibling folder OUT-FORMAT."
+EXPORT_HELP = (
+    "Also write OUT in a serving format: deepseek-v3 (the sibling folder OUT-deepseek-v3) or gguf (llama.cpp "
+    "deepseek2, the sibling file OUT.gguf)."
+)
+#: Formats ``export --format`` / ``--export`` write.
+EXPORT_FORMATS = ("deepseek-v3", "gguf")
 TARGET_HELP = (
     "engine shape of the export: transformers (the checkpoint's widths, per-layer ranks padded to the largest) | "
     "vllm (GPU and SGLang: kv_lora_rank 512 + rope 64 for FlashMLA, qk_nope/v_head 64/128, 128/128 or 192/256) | "
@@ -39,16 +44,37 @@ def check_export(out: Path, fmt: str | None, overwrite: bool, target: str = "tra
     if fmt is None:
         check_target(target)  # without --export it shapes the conversion alone
         return
-    if fmt != "deepseek-v3":
-        fail(f"--export {fmt!r} is not one of deepseek-v3")
+    if fmt not in EXPORT_FORMATS:
+        fail(f"--export {fmt!r} is not one of {', '.join(EXPORT_FORMATS)}")
     check_target(target)
+    if fmt == "gguf":
+        from mla_convert.export.gguf_file import check_gguf_output
+
+        check_gguf_target(target)
+        check_gguf_output(gguf_sibling(out), overwrite)
+        return
     check_output(out.with_name(f"{out.name}-{fmt}"), overwrite)
+
+
+def check_gguf_target(target: str) -> None:
+    """``--format gguf`` writes the checkpoint's widths (llama.cpp takes any): the vLLM shapes are refused."""
+    if target != "transformers":
+        fail(f"--target {target} shapes a DeepSeek-V3 export for vLLM; --format gguf writes the checkpoint's own widths "
+             "(llama.cpp's MLA takes any): drop --target")
+
+
+def gguf_sibling(out: Path) -> Path:
+    """Where ``factor/adapt --export gguf`` write the GGUF of OUT: the sibling file ``OUT.gguf``."""
+    return out.with_name(f"{out.name}.gguf")
 
 
 def export_after(out: Path, fmt: str, overwrite: bool, target: str = "transformers") -> None:
     """Export the finished OUT (``--export``) and print what was written and how to serve it."""
     from mla_convert.export.write import export_checkpoint, export_folder
 
+    if fmt == "gguf":
+        run_gguf_export(out, gguf_sibling(out), "auto", overwrite, True)
+        return
     dest = export_folder(out, fmt)
     with user_errors():
         manifest = export_checkpoint(out, dest, fmt, overwrite, note=note, target=target)
@@ -62,6 +88,30 @@ def print_export(dest: Path, manifest: dict[str, Any]) -> None:
     console.print(export_line(dest, manifest), highlight=False, markup=False)
     for line in serve_commands(str(dest), manifest["export"]):
         console.print("  " + line, highlight=False, markup=False)
+
+
+def run_gguf_export(ckpt: Path, out: Path, dtype: str, overwrite: bool, check: bool) -> None:
+    """Write the GGUF of ``ckpt`` (:func:`~mla_convert.export.gguf_file.export_gguf`) and print what was written, its
+    cache, the parity llama.cpp measured (when it is installed) and how to run it."""
+    from mla_convert.export.gguf_file import export_gguf
+
+    with user_errors():
+        path, record = export_gguf(ckpt, out, dtype, overwrite, note=note, check=check)
+    cache = record["cache_values_per_token_per_layer"]
+    msg = (f"wrote {path}: llama.cpp deepseek2 GGUF ({record['dtype']}), kv_lora_rank {record['kv_lora_rank']}, "
+           f"rope_theta {record['rope']['parameters']['rope_theta']:.6g} ({record['rope']['slots']} pairs), K-only cache "
+           f"{cache['llama_cpp']:.0f} values/token/layer (MLA checkpoint {cache['mla']:.1f}, source {cache['source']:.0f})")
+    p = record.get("parity")
+    if isinstance(p, dict):
+        d, g = p["logprob_abs_diff"], p["greedy"]
+        msg += (f"; llama.cpp parity: log-prob mean/max |d| {d['mean']:.4f} / {d['max']:.4f} on {p['tokens_scored']} tokens, "
+                f"{g['argmax_equal']}/{g['count']} greedy tokens our argmax")
+    else:
+        msg += f"; {p}"
+    console.print(msg, highlight=False, markup=False)
+    for line in (f"  python -c \"from llama_cpp import Llama; Llama('{path}')\"  # llama-cpp-python",
+                 f"  llama-cli -m {path}  # llama.cpp; also Ollama / LM Studio (deepseek2 architecture)"):
+        console.print(line, highlight=False, markup=False)
 
 
 def export_line(dest: Path, manifest: dict[str, Any]) -> str:
@@ -93,34 +143,55 @@ def export(
     out: Path = typer.Argument(
         ..., help="Output folder (built in a temporary sibling, renamed when complete)."
     ),
-    format: str = typer.Option("deepseek-v3", "--format", help="Target format: deepseek-v3."),
+    format: str = typer.Option(
+        "deepseek-v3", "--format",
+        help="Target format: deepseek-v3 (a folder) | gguf (one llama.cpp deepseek2 file: OUT ending in .gguf, or "
+        "OUT/model.gguf).",
+    ),
     overwrite: bool = typer.Option(False, help="Replace a non-empty OUT."),
     max_shard_size: str = typer.Option("2GB", help="Largest output shard (e.g. 500MB, 5GB)."),
     check: bool = typer.Option(
         True,
         help="Measure parity against CKPT on real text, float32: the whole model (logits, greedy tokens) up to 2 GiB, "
-        "layer by layer (each layer, then the logits) above.",
+        "layer by layer (each layer, then the logits) above; --format gguf: the file served in llama.cpp, when it is "
+        "installed (MLA_LLAMACPP_PYTHON or scripts/llamacpp_env.sh's venv).",
     ),
     dtype: str = typer.Option(
         "auto",
         help="Written dtype: auto (the checkpoint's; bfloat16 for --target vllm/vllm-cpu) | float32 | bfloat16 "
-        "(float16 cannot hold the latent norm).",
+        "(float16 cannot hold the latent norm). --format gguf also takes float16 and llama.cpp's quantized types "
+        "(q8_0, q4_k_m, q5_k_m, q6_k, ...: through llama.cpp's own quantizer, which must be installed).",
     ),
     target: str = typer.Option("transformers", "--target", help=TARGET_HELP[0].upper() + TARGET_HELP[1:]),
 ) -> None:
-    """Write CKPT in a format serving engines load: DeepSeek-V3 (transformers and vLLM, both checked; SGLang not run).
+    """Write CKPT in a format serving engines load: DeepSeek-V3 (transformers and vLLM, both checked; SGLang not run)
+    or a llama.cpp GGUF (--format gguf: deepseek2, K-only latent cache at the checkpoint's width).
 
     No attention bias, rope_type default, lm_head written: the mapping is exact (docs/export.md); --target pads
     to the shapes an engine's MLA kernels take. The parity measured is printed and recorded in OUT's manifest,
     with the serve commands.
 
     Example: mla-convert export out/smollm2-mla out/smollm2-ds3 --target vllm-cpu
+    Example: mla-convert export out/smollm2-mla out/smollm2-mla.gguf --format gguf --dtype q8_0
     """
     from mla_convert.artifacts.output import check_output
 
     with user_errors():  # wrong folders, before the model libraries are imported
-        if format != "deepseek-v3":
-            fail(f"--format {format!r} is not one of deepseek-v3")
+        if format not in EXPORT_FORMATS:
+            fail(f"--format {format!r} is not one of {', '.join(EXPORT_FORMATS)}")
+        if format == "gguf":
+            from mla_convert.export.gguf_file import GGUF_DTYPES, check_gguf_output, gguf_destination
+
+            if dtype not in GGUF_DTYPES:
+                fail(f"--dtype {dtype!r} is not one of {', '.join(GGUF_DTYPES)} for --format gguf")
+            check_gguf_target(target)
+            if read_checkpoint_config(ckpt, require_mla=True).get("model_type") != "mla":
+                fail(f"{ckpt} is already a DeepSeek-V3 export; export the MLA checkpoint it came from")
+            check_gguf_output(gguf_destination(out), overwrite, ckpt)
+    if format == "gguf":
+        run_gguf_export(ckpt, out, dtype, overwrite, check)
+        return
+    with user_errors():
         if dtype not in ("auto", "float32", "bfloat16", "float16"):
             fail(f"--dtype {dtype!r} is not one of auto, float32, bfloat16, float16")
         check_target(target)

@@ -128,6 +128,23 @@ def _token_logprobs(model: Any, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), x[0, 1:]]
 
 
+def agreement(ours: Any, request: dict[str, Any], result: dict[str, Any]) -> tuple[torch.Tensor, list[list[float]]]:
+    """An engine's ``result`` against our model ``ours`` (float32) on ``request``: ``|d log p|`` of every scored token
+    (``[N]`` float64, nats) and, per greedy prompt, how many logits each token the engine picked is below our argmax
+    (0 where it is our argmax)."""
+    d = []
+    for ids, theirs in zip(request["score"], result["prompt_logprobs"], strict=True):
+        d.append((_token_logprobs(ours, ids) - torch.tensor(theirs, dtype=torch.float64)).abs())
+    margins = []
+    with torch.no_grad():
+        for prompt, gen in zip(request["greedy"], result["greedy"], strict=True):
+            seq = prompt + gen["tokens"]
+            logits = ours(input_ids=torch.tensor([seq])).logits[0, len(prompt) - 1 : -1].double()
+            picked = logits[torch.arange(len(gen["tokens"])), torch.tensor(gen["tokens"])]
+            margins.append((logits.max(-1).values - picked).tolist())
+    return torch.cat(d), margins
+
+
 def against_ours(
     ckpt: Path, request: dict[str, Any], result: dict[str, Any]
 ) -> tuple[torch.Tensor, torch.Tensor, list[list[float]]]:
@@ -144,19 +161,9 @@ def against_ours(
 
     ours = load_checkpoint(ckpt).float().eval()
     ours_bf16 = copy.deepcopy(ours).to(torch.bfloat16)  # parameters only: RoPE frequencies stay float32
-    d, floor = [], []
-    for ids, theirs in zip(request["score"], result["prompt_logprobs"], strict=True):
-        mine = _token_logprobs(ours, ids)
-        d.append((mine - torch.tensor(theirs, dtype=torch.float64)).abs())
-        floor.append((mine - _token_logprobs(ours_bf16, ids)).abs())
-    margins = []
-    with torch.no_grad():
-        for prompt, gen in zip(request["greedy"], result["greedy"], strict=True):
-            seq = prompt + gen["tokens"]
-            logits = ours(input_ids=torch.tensor([seq])).logits[0, len(prompt) - 1 : -1].double()
-            picked = logits[torch.arange(len(gen["tokens"])), torch.tensor(gen["tokens"])]
-            margins.append((logits.max(-1).values - picked).tolist())
-    return torch.cat(d), torch.cat(floor), margins
+    diff, margins = agreement(ours, request, result)
+    floor = torch.cat([(_token_logprobs(ours, ids) - _token_logprobs(ours_bf16, ids)).abs() for ids in request["score"]])
+    return diff, floor, margins
 
 
 def compare(ckpt: Path, export: Path, request: dict[str, Any], result: dict[str, Any], log: str) -> dict[str, Any]:

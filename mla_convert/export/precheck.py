@@ -147,13 +147,16 @@ def steer_for_export(
     )
 
 
-def export_problems(src: Any, options: Any, target: str = "transformers") -> list[str]:
+def export_problems(src: Any, options: Any, target: str = "transformers", fmt: str = "deepseek-v3") -> list[str]:
     """Reasons a conversion of ``src`` with ``options`` would not export exactly to ``target`` (empty: it will).
 
     Args:
         src: a :class:`~mla_convert.sources.checkpoint.SourceModel` (config and shapes only).
         options: the :class:`~mla_convert.convert.options.ConvertOptions`.
         target: one of :data:`~mla_convert.export.deepseek_v3.TARGETS`.
+        fmt: ``deepseek-v3`` or ``gguf`` (llama.cpp's ``deepseek2``: the checkpoint's widths, ``--target
+            transformers`` only; no attention or MLP bias, SiLU MLP, one plain rope table; float16 is fine there,
+            the file keeps ``attn_kv_a_mqa`` float32).
     """
     from mla_convert.convert.engine import engine_nope_width
     from mla_convert.convert.options import geometry
@@ -161,6 +164,12 @@ def export_problems(src: Any, options: Any, target: str = "transformers") -> lis
     if target not in TARGETS:
         return [f"--target {target!r} is not one of {', '.join(TARGETS)} (SGLang: --target vllm)"]
     out: list[str] = []
+    gguf = fmt == "gguf"
+    if gguf and target != "transformers":
+        out.append(f"--export gguf writes the checkpoint's own widths for llama.cpp (any width): drop --target {target}")
+    act = getattr(src.config, "hidden_act", "silu")
+    if gguf and act != "silu":
+        out.append(f"the source MLP uses {act!r}; llama.cpp's deepseek2 computes SiLU only")
     geo = geometry(options, src)
     half = src.head_dim // 2
     if geo.rope_heads != 1 or geo.rope_pairs == 0:
@@ -171,15 +180,16 @@ def export_problems(src: Any, options: Any, target: str = "transformers") -> lis
                    f"one rope head holds each once: use --rope-pairs {half} or fewer")
     biased = [p for p in ("q", "k", "v", "o") if src.family.has_bias(p, src.config)]
     if biased:
-        out.append(f"the source has attention biases ({', '.join(p + '_proj' for p in biased)}): vLLM and SGLang build "
-                   "DeepSeek attention without biases and drop them silently; no DeepSeek-V3 export is exact there")
+        where = ("llama.cpp's deepseek2 attention has no biases; no GGUF export is exact" if gguf else "vLLM and SGLang "
+                 "build DeepSeek attention without biases and drop them silently; no DeepSeek-V3 export is exact there")
+        out.append(f"the source has attention biases ({', '.join(p + '_proj' for p in biased)}): {where}")
     if getattr(src.config, "mlp_bias", False):
         out.append("the source MLP has biases; DeepSeek-V3's dense MLP has none")
     scaled = rope_type(src) != "default"
     problem = scaled_rope_problem(src, options, target)
     if problem:
         out.append(problem)
-    if options.dtype == "float16":
+    if options.dtype == "float16" and not gguf:
         out.append("--dtype float16 cannot hold the bias-free latent norm of the export; use --dtype bfloat16")
     if target != "transformers":
         slots = VLLM_GPU_HEAD_DIMS[0][1] // 2
@@ -244,4 +254,10 @@ def export_lines(src: Any, options: Any, given: Collection[str] = ()) -> list[st
                      f"0..{plain_pairs(src) - 1} are the ones {rope_type(src)} leaves unscaled)")
         lines.append(f"  --export deepseek-v3 --target {target}: "
                      + (f"exact{steer}; {cache}" if not problems else "not exact: " + problems[0]))
+        if target == "transformers":  # llama.cpp: the same widths, K-only cache
+            gguf = export_problems(src, steered, target, "gguf")
+            gguf_line = ("  --export gguf (llama.cpp deepseek2): " + (
+                f"exact{steer}; K-only cache at least {served:g} values/token/layer (MLA {mla:g}, source {source}; "
+                "per-layer ranks are padded to the largest)" if not gguf else "not exact: " + gguf[0]))
+    lines.append(gguf_line)
     return lines

@@ -188,6 +188,10 @@ def _export(
         say(f"export: skipped, {stage.why}")
         return
     say(f"export: running ({stage.why})")
+    if recipe.export.format == "gguf":
+        _export_gguf(recipe, target, stage.folder, cid, say)
+        done["export"] = "ran"
+        return
     export_checkpoint(
         target,
         stage.folder,
@@ -198,3 +202,18 @@ def _export(
         target=recipe.export.target,
     )
     done["export"] = "ran"
+
+
+def _export_gguf(recipe: Any, target: Path, folder: Path, cid: str | None, say: Callable[[str], None]) -> None:
+    """``export: {format: gguf}``: ``<output>/export/model.gguf`` and a small ``mla_manifest.json`` beside it (the
+    parent's canonical id and the export record, which tell the next run whether the file is up to date)."""
+    import json
+
+    from mla_convert.artifacts.manifest import MANIFEST
+    from mla_convert.artifacts.output import atomic_folder
+    from mla_convert.export.gguf_file import export_gguf
+
+    with atomic_folder(folder) as staged:
+        _, record = export_gguf(target, staged / "model.gguf", recipe.export.dtype, note=say)
+        manifest = {"parent": {"canonical_id": cid, "checkpoint": target.name}, "export": record}
+        atomic_write_text(staged / MANIFEST, json.dumps(manifest, indent=1) + "\n")

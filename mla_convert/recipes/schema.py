@@ -56,7 +56,10 @@ class ExportSettings(BaseModel):
     """The optional last stage: ``mla-convert export`` of the last checkpoint into ``<output>/export``."""
 
     model_config = ConfigDict(extra="forbid")
-    format: Literal["deepseek-v3"] = Field("deepseek-v3", description="target format (docs/export.md)")
+    format: Literal["deepseek-v3", "gguf"] = Field(
+        "deepseek-v3", description="target format (docs/export.md): deepseek-v3 (a folder) | gguf (export/model.gguf, "
+        "llama.cpp deepseek2)"
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="written dtype (auto: the checkpoint's; float16 is refused: it cannot hold the latent norm)"
     )

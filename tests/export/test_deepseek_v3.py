@@ -308,8 +308,8 @@ def test_export_refuses_bad_inputs(exported, reference_ckpt, tmp_path):
     assert res.exit_code == 2 and "pass --overwrite" in res.output
     res = runner.invoke(app, ["export", str(out), str(tmp_path / "again")])
     assert res.exit_code == 2 and "is already a DeepSeek-V3 export" in res.output  # an export is not re-exported
-    res = runner.invoke(app, ["export", str(reference_ckpt), str(tmp_path / "x"), "--format", "gguf"])
-    assert res.exit_code == 2 and "--format 'gguf' is not one of deepseek-v3" in res.output
+    res = runner.invoke(app, ["export", str(reference_ckpt), str(tmp_path / "x"), "--format", "onnx"])
+    assert res.exit_code == 2 and "--format 'onnx' is not one of deepseek-v3, gguf" in res.output
     assert not (tmp_path / "x").exists() and not (tmp_path / "again").exists()
 
 

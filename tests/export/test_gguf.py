@@ -1,0 +1,196 @@
+"""``export --format gguf`` without llama.cpp: the file read back with the gguf package's own reader, and the
+refusals before any work (issue 35, item 1). llama.cpp itself runs the file in tests/export/test_llamacpp.py.
+
+Oracles: the keys llama.cpp's deepseek2 loader reads (llama-cpp-python 0.3.36, ``load_arch_hparams``) written as
+numbers here; ``attn_k_b`` / ``attn_v_b`` checked through ggml's ``mul_mat`` semantics (``out[h, t, i] = sum_k
+a[h, i, k] b[h, t, k]``, numpy) against the key and value rows of the DeepSeek-V3 export's ``kv_b_proj`` that stock
+transformers runs (tests/export/test_deepseek_v3.py): the absorbed score ``(W_UK^T q) . c`` must equal ``q . (W_UK c)``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tiny import copy_tokenizer, write_tiny_family, write_tiny_llama
+from typer.testing import CliRunner
+
+import mla_convert  # noqa: F401
+from mla_convert.cli.commands import app
+from mla_convert.convert.options import ConvertOptions
+from mla_convert.export import gguf_file
+from mla_convert.export.precheck import export_problems
+from mla_convert.sources.checkpoint import open_source
+
+SMALL = ["--calib-windows", "2", "--window", "64", "--eval-windows", "1"]
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    """A tiny MLA conversion (2 layers, 4 heads / 2 KV heads, SmolLM2's vocabulary)."""
+    root = tmp_path_factory.mktemp("gguf")
+    src = write_tiny_llama(root / "src")
+    copy_tokenizer(src)
+    out = root / "mla"
+    res = CliRunner().invoke(app, ["--quiet", "factor", str(src), str(out), *SMALL, "--cache-budget", "40"])
+    assert res.exit_code == 0, res.output + str(res.exception)
+    return out
+
+
+@pytest.fixture
+def bundled_tokenizer(monkeypatch):
+    """The tiny conversion's tokenizer is SmolLM2's: carry it from the bundled SmolLM2 GGUF."""
+    from mla_convert.sources.assets import bundled_gguf_path
+
+    monkeypatch.setattr(gguf_file, "source_gguf", lambda ckpt: bundled_gguf_path())
+
+
+def _export(ckpt: Path, out: Path, *extra: str) -> str:
+    res = CliRunner().invoke(app, ["export", str(ckpt), str(out), "--format", "gguf", "--no-check", *extra])
+    assert res.exit_code == 0, res.output + str(res.exception)
+    return res.output
+
+
+def _read(path: Path) -> tuple[dict, dict]:
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(path))
+    return {k: f.contents() for k, f in r.fields.items()}, {t.name: t for t in r.tensors}
+
+
+def test_gguf_keys_and_tensors_read_back(tiny_ckpt, bundled_tokenizer, tmp_path):
+    from mla_convert.export.deepseek_v3 import export_state_dict
+    from mla_convert.mla.checkpoint import load_checkpoint
+
+    out = tmp_path / "tiny.gguf"
+    output = _export(tiny_ckpt, out, "--dtype", "float32")
+    assert f"wrote {out}: llama.cpp deepseek2 GGUF (float32)" in " ".join(output.split())
+    keys, tensors = _read(out)
+    model = load_checkpoint(tiny_ckpt).eval()
+    plan, ds = export_state_dict(model, torch.float32)
+    c = model.config
+    d_c, d_r, h, d_n, d_v = max(c.kv_lora_rank), 2 * len(plan.rope.inv_freq), 4, plan.qk_nope_head_dim, plan.v_head_dim
+    a = "deepseek2."
+    assert keys["general.architecture"] == "deepseek2"
+    assert keys[a + "block_count"] == 2 and keys[a + "leading_dense_block_count"] == 2
+    assert keys[a + "attention.head_count"] == 4 and keys[a + "attention.head_count_kv"] == 1
+    assert keys[a + "attention.q_lora_rank"] == 0 and keys[a + "attention.kv_lora_rank"] == d_c
+    assert keys[a + "attention.key_length"] == d_c + d_r and keys[a + "attention.value_length"] == d_c
+    assert keys[a + "attention.key_length_mla"] == d_n + d_r and keys[a + "attention.value_length_mla"] == d_v
+    assert keys[a + "rope.dimension_count"] == d_r
+    assert keys[a + "rope.freq_base"] == pytest.approx(plan.rope.parameters["rope_theta"], rel=1e-6)
+    assert keys[a + "attention.layer_norm_rms_epsilon"] == pytest.approx(1e-6)
+    assert keys[a + "expert_shared_count"] == 0 and keys[a + "expert_feed_forward_length"] == 128
+    assert not any(k.startswith(a + "expert_count") or k.startswith(a + "expert_used") for k in keys)
+    assert len(keys["tokenizer.ggml.tokens"]) == 49152 and keys["tokenizer.ggml.model"] == "gpt2"
+    assert "<|im_start|>" in keys["tokenizer.chat_template"]
+    expected = {"token_embd.weight", "output_norm.weight", "output.weight"} | {
+        f"blk.{i}.{n}.weight" for i in range(2) for n in ("attn_norm", "ffn_norm", "attn_q", "attn_kv_a_mqa",
+                                                           "attn_kv_a_norm", "attn_k_b", "attn_v_b", "attn_output",
+                                                           "ffn_gate", "ffn_up", "ffn_down")}
+    assert set(tensors) == expected
+    # ggml shapes (ne, fastest first) as llama.cpp's loader creates them
+    assert list(tensors["blk.0.attn_k_b.weight"].shape) == [d_n, d_c, h]
+    assert list(tensors["blk.0.attn_v_b.weight"].shape) == [d_c, d_v, h]
+    assert list(tensors["blk.0.attn_kv_a_mqa.weight"].shape) == [64, d_c + d_r]
+    assert list(tensors["blk.0.attn_q.weight"].shape) == [64, h * (d_n + d_r)]
+    for i in range(2):
+        p = f"model.layers.{i}."
+        for name, ours in (("attn_q", "self_attn.q_proj"), ("attn_kv_a_mqa", "self_attn.kv_a_proj_with_mqa"),
+                           ("attn_kv_a_norm", "self_attn.kv_a_layernorm"), ("attn_output", "self_attn.o_proj"),
+                           ("ffn_down", "mlp.down_proj")):
+            np.testing.assert_array_equal(np.asarray(tensors[f"blk.{i}.{name}.weight"].data).reshape(-1),
+                                          ds[p + ours + ".weight"].numpy().reshape(-1))
+        kv_b = ds[p + "self_attn.kv_b_proj.weight"].double().view(h, d_n + d_v, d_c)
+        k_b = torch.from_numpy(np.asarray(tensors[f"blk.{i}.attn_k_b.weight"].data).copy()).double()  # [H, d_c, d_N]
+        v_b = torch.from_numpy(np.asarray(tensors[f"blk.{i}.attn_v_b.weight"].data).copy()).double()  # [H, d_V, d_c]
+        q, lat = torch.randn(h, 5, d_n, dtype=torch.float64), torch.randn(7, d_c, dtype=torch.float64)
+        q_abs = torch.einsum("hik,htk->hti", k_b, q)  # ggml_mul_mat(wk_b, q_nope)
+        stock = torch.einsum("htk,hkc,jc->htj", q, kv_b[:, :d_n], lat)  # q . (W_UK c), DeepSeek-V3's kv_b rows
+        torch.testing.assert_close(torch.einsum("hti,ji->htj", q_abs, lat), stock, rtol=1e-9, atol=1e-9)
+        out_lat = torch.randn(h, 5, d_c, dtype=torch.float64)
+        torch.testing.assert_close(torch.einsum("hji,hti->htj", v_b, out_lat),  # ggml_mul_mat(wv_b, latent_out)
+                                   torch.einsum("hjc,htc->htj", kv_b[:, d_n:], out_lat), rtol=1e-9, atol=1e-9)
+    np.testing.assert_array_equal(np.asarray(tensors["output.weight"].data), ds["lm_head.weight"].numpy())
+
+
+def test_gguf_float_types(tiny_ckpt, bundled_tokenizer, tmp_path):
+    """float16 keeps attn_kv_a_mqa float32 (its scaled latent rows are subnormal in float16); 1-D tensors are float32."""
+    from gguf import GGMLQuantizationType as T
+
+    for dtype, matrix in (("float16", T.F16), ("bfloat16", T.BF16)):
+        out = tmp_path / f"{dtype}.gguf"
+        _export(tiny_ckpt, out, "--dtype", dtype)
+        _, tensors = _read(out)
+        assert tensors["blk.0.attn_q.weight"].tensor_type == matrix
+        assert tensors["blk.1.attn_k_b.weight"].tensor_type == matrix
+        assert tensors["blk.0.attn_kv_a_norm.weight"].tensor_type == T.F32
+        assert tensors["blk.0.attn_kv_a_mqa.weight"].tensor_type == (T.F32 if dtype == "float16" else T.BF16)
+        assert tensors["blk.0.attn_kv_a_mqa.weight"].data.any()
+
+
+def test_gguf_output_rules(tiny_ckpt, bundled_tokenizer, tmp_path, monkeypatch):
+    """A folder OUT gets model.gguf; an existing file needs --overwrite; --target is refused; a quantized type without
+    llama.cpp names the install command; nothing is left behind."""
+    _export(tiny_ckpt, tmp_path / "folder", "--dtype", "float32")
+    assert (tmp_path / "folder" / "model.gguf").is_file()
+    runner = CliRunner()
+    res = runner.invoke(app, ["export", str(tiny_ckpt), str(tmp_path / "folder"), "--format", "gguf", "--no-check"])
+    assert res.exit_code != 0 and "pass --overwrite" in res.output
+    res = runner.invoke(app, ["export", str(tiny_ckpt), str(tmp_path / "t.gguf"), "--format", "gguf", "--target",
+                              "vllm-cpu"])
+    assert res.exit_code != 0 and "drop --target" in " ".join(res.output.split())
+    monkeypatch.delenv("MLA_LLAMACPP_PYTHON", raising=False)
+    monkeypatch.setenv("MLA_LLAMACPP_VENV_ROOT", str(tmp_path / "none"))
+    res = runner.invoke(app, ["export", str(tiny_ckpt), str(tmp_path / "q.gguf"), "--format", "gguf", "--dtype", "q8_0"])
+    assert res.exit_code != 0 and "bash scripts/llamacpp_env.sh" in " ".join(res.output.split())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]
+
+
+def test_folder_source_tokenizer_is_refused(tiny_ckpt, tmp_path):
+    """A checkpoint converted from a Hugging Face folder: no source GGUF to carry the tokenizer from."""
+    res = CliRunner().invoke(app, ["export", str(tiny_ckpt), str(tmp_path / "t.gguf"), "--format", "gguf"])
+    text = " ".join(res.output.split())
+    assert res.exit_code != 0 and "tokenizer" in text and "--format deepseek-v3" in text
+    assert not (tmp_path / "t.gguf").exists() and not list(tmp_path.iterdir())
+
+
+def test_gguf_refusals_before_any_work(tmp_path):
+    """Biases, per-head RoPE, a scaled RoPE selection and a non-SiLU MLP are refused from the config alone; factor
+    --export gguf stops before the source's weights are read."""
+    qwen2 = write_tiny_family(tmp_path / "qwen2", "qwen2")
+    copy_tokenizer(qwen2)
+    problems = export_problems(open_source(qwen2), ConvertOptions(cache_budget=24, rope_pairs=4), fmt="gguf")
+    assert any("llama.cpp's deepseek2 attention has no biases" in p for p in problems)
+    res = CliRunner().invoke(app, ["factor", str(qwen2), str(tmp_path / "out"), "--export", "gguf", *SMALL,
+                                   "--cache-budget", "24"])
+    assert res.exit_code != 0 and "would not be exact" in res.output and not (tmp_path / "out").exists()
+    llama = write_tiny_llama(tmp_path / "llama")
+    assert export_problems(open_source(llama), ConvertOptions(), fmt="gguf") == []
+    per_head = export_problems(open_source(llama), ConvertOptions(rope_mode="per-head"), fmt="gguf")
+    assert per_head and "--rope-mode shared" in per_head[0]
+    assert export_problems(open_source(llama), ConvertOptions(dtype="float16"), fmt="gguf") == []  # float16 is fine
+    scaled = write_tiny_llama(tmp_path / "llama3", rope_parameters=LLAMA3, max_position_embeddings=131072)
+    given = export_problems(open_source(scaled), ConvertOptions(rope_strategy="2-norm", rope_pairs=6), fmt="gguf")
+    assert any("llama3-scaled" in p and "--rope-strategy high" in p for p in given)
+    gelu = write_tiny_llama(tmp_path / "gelu", hidden_act="gelu")
+    assert any("SiLU only" in p for p in export_problems(open_source(gelu), ConvertOptions(), fmt="gguf"))
+    assert any("drop --target" in p for p in export_problems(open_source(llama), ConvertOptions(), "vllm", "gguf"))
+
+
+def test_recipe_gguf_export_is_checked_at_load(tmp_path):
+    """A recipe's ``export: {format: gguf}`` is checked against llama.cpp before any work, in its own keys."""
+    from mla_convert.recipes.load import load_recipe
+    from mla_convert.recipes.schema import RecipeError
+
+    text = ("name: t\nsource: smollm2-135m\noutput: " + str(tmp_path / "job") + "\n"
+            "factor: {rope_mode: per-head, rope_pairs: 8}\nexport: {format: gguf}\n")
+    with pytest.raises(RecipeError) as exc:
+        load_recipe("t.yaml", text=text)
+    assert any(p.startswith("export.target") and "rope_mode shared" in p for p in exc.value.problems)
+    ok = load_recipe("t.yaml", text=text.replace("rope_mode: per-head, rope_pairs: 8", "rope_pairs: 24"))
+    assert ok.recipe.export is not None and ok.recipe.export.format == "gguf"

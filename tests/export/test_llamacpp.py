@@ -1,0 +1,89 @@
+"""A real llama.cpp: the reference conversion exported ``--format gguf --dtype float32`` and served by llama.cpp
+(llama-cpp-python 0.3.36 built from its sdist, CPU) computes what our MLA model computes, with a K-only latent
+cache of ``kv_lora_rank + qk_rope_head_dim`` values per token per layer (issue 35, item 3).
+
+The llama.cpp venv comes from ``scripts/llamacpp_env.sh`` (``scripts/test.sh`` builds it and sets
+``MLA_LLAMACPP_PYTHON``). Without it these tests skip, except under ``MLA_REQUIRE_LLAMACPP=1`` (CI), where they fail.
+Oracle: our MLA checkpoint in float32 (itself tested against the source), and the source GGUF's own cache in the
+same engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mla_convert.cli.commands import app
+
+SMALL = ["--calib-windows", "2", "--window", "64", "--eval-windows", "1"]
+
+
+@pytest.fixture(scope="module")
+def llamacpp_python() -> str:
+    python = os.environ.get("MLA_LLAMACPP_PYTHON", "")
+    if not python or not Path(python).is_file():
+        if os.environ.get("MLA_REQUIRE_LLAMACPP") == "1":
+            pytest.fail("MLA_REQUIRE_LLAMACPP=1 but MLA_LLAMACPP_PYTHON names no python: run bash scripts/llamacpp_env.sh")
+        pytest.skip("no llama.cpp venv (MLA_LLAMACPP_PYTHON): bash scripts/llamacpp_env.sh builds one")
+    return python
+
+
+@pytest.fixture(scope="module")
+def reference_gguf(llamacpp_python, reference_ckpt, tmp_path_factory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("llamacpp") / "smollm2-mla.gguf"
+    res = CliRunner().invoke(app, ["export", str(reference_ckpt), str(out), "--format", "gguf", "--dtype", "float32",
+                                   "--no-check"])
+    assert res.exit_code == 0, res.output + str(res.exception)
+    return out, res.output
+
+
+def test_reference_gguf_is_exact_in_llamacpp(llamacpp_python, reference_gguf, reference_ckpt):
+    from mla_convert.export.llamacpp_check import ABS_MAX, GREEDY_MARGIN, MEAN_MAX, check_llamacpp
+    from mla_convert.sources.assets import bundled_gguf_path
+
+    out, _ = reference_gguf
+    record = check_llamacpp(reference_ckpt, out, llamacpp_python, source_gguf=bundled_gguf_path())
+    assert record["passed"], record["reasons"]
+    d, g = record["logprob_abs_diff"], record["greedy"]
+    assert d["mean"] <= MEAN_MAX and d["max"] <= ABS_MAX and record["tokens_scored"] == 254
+    assert g["count"] == 32 and g["max_margin"] <= GREEDY_MARGIN and g["argmax_equal"] >= 30
+    ranks = json.loads((reference_ckpt / "config.json").read_text())["kv_lora_rank"]
+    cache, source = record["kv_cache"], record["source_kv_cache"]
+    # K-only: the latent padded to the largest layer rank, and the rope key; V is a view of K
+    assert cache["k_type"] == "f16" and cache["v_mib"] == 0.0 and cache["layers"] == 30
+    assert cache["values_per_token_per_layer"] == record["kv_cache_values_per_token_per_layer"] == max(ranks) + 64
+    assert source["values_per_token_per_layer"] == 384 and source["v_mib"] == source["k_mib"]  # 2 x 3 KV heads x 64
+    assert record["cache_ratio"] <= 0.45
+
+
+def test_export_check_runs_llamacpp(llamacpp_python, tmp_path, monkeypatch):
+    """``export --format gguf --dtype q8_0`` goes through llama.cpp's quantizer and serves the file before it is
+    renamed into place (the parity printed; a quantized file is not held to the float thresholds). A tiny conversion
+    (SmolLM2's vocabulary, tokenizer keys from the bundled SmolLM2 GGUF) keeps it quick."""
+    from gguf import GGMLQuantizationType as T
+    from gguf import GGUFReader
+    from tiny import copy_tokenizer, write_tiny_llama
+
+    from mla_convert.export import gguf_file
+    from mla_convert.sources.assets import bundled_gguf_path
+
+    src = write_tiny_llama(tmp_path / "src")
+    copy_tokenizer(src)
+    ckpt = tmp_path / "mla"
+    res = CliRunner().invoke(app, ["--quiet", "factor", str(src), str(ckpt), *SMALL, "--cache-budget", "40"])
+    assert res.exit_code == 0, res.output + str(res.exception)
+    monkeypatch.setattr(gguf_file, "source_gguf", lambda ckpt: bundled_gguf_path())
+    monkeypatch.setenv("MLA_LLAMACPP_PYTHON", llamacpp_python)
+    out = tmp_path / "q8.gguf"
+    res = CliRunner().invoke(app, ["export", str(ckpt), str(out), "--format", "gguf", "--dtype", "q8_0"])
+    assert res.exit_code == 0, res.output + str(res.exception)
+    text = " ".join(res.output.split())
+    assert "GGUF (q8_0)" in text and "llama.cpp parity: log-prob mean/max |d|" in text
+    tensors = {t.name: t for t in GGUFReader(str(out)).tensors}
+    assert tensors["blk.0.attn_q.weight"].tensor_type == T.Q8_0
+    assert tensors["blk.0.attn_kv_a_mqa.weight"].tensor_type == T.F32  # its latent rows need float32's range
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mla", "q8.gguf", "src"]
