@@ -10,7 +10,7 @@ and top-1 agreement on its greedy 32-token answers to 8 news-evaluation prompts 
 greedy continuation of "The capital of France is" (plain, 8 tokens) and the chat answer to "What is the capital of
 France?" (through the chat template, 12 tokens).
 
-    .venv/bin/python benchmarks/chat_calibration.py [--readme]
+    .venv/bin/python benchmarks/chat_calibration.py [--readme]   # --readme: results/chat_calibration.md + README block
 
 Conversions are written to ``benchmarks/runs/chat-calib/`` and reused when present (delete them to re-run).
 """
@@ -87,7 +87,7 @@ def greedy(model: torch.nn.Module, ids: torch.Tensor, n: int, tok: object) -> st
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--readme", action="store_true", help="also write results/chat_calibration.md")
+    ap.add_argument("--readme", action="store_true", help="also write results/chat_calibration.md and README's block")
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     from transformers import AutoTokenizer
@@ -135,7 +135,10 @@ def main() -> None:
     table = "\n".join([head, "", *lines, ""])
     print(table)
     if args.readme:
+        from readme import replace_block
+
         RESULT.write_text(table)
+        replace_block("chat-calibration", table)
 
 
 if __name__ == "__main__":
