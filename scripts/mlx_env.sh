@@ -31,6 +31,8 @@ touch "$tmp/.complete"
 # venvs hard-code their path in scripts; python -m works from any path, and we only call bin/python
 rm -rf "$venv"
 mv "$tmp" "$venv"
+# the console scripts (vllm, mlx_lm.generate, ...) and bin/activate name the build folder: point them at the venv
+grep -rlI -- "$tmp" "$venv/bin" 2>/dev/null | while read -r f; do sed -i "s|$tmp|$venv|g" "$f"; done
 trap - EXIT
 echo "mlx_env: built in $(( $(date +%s) - start )) s" >&2
 echo "$venv/bin/python"

@@ -192,8 +192,11 @@ def export(
         run_gguf_export(ckpt, out, dtype, overwrite, check)
         return
     with user_errors():
+        if out.suffix.lower() == ".gguf":
+            fail(f"OUT {out} ends in .gguf but --format {format} writes a folder: for llama.cpp give --format gguf")
         if dtype not in ("auto", "float32", "bfloat16", "float16"):
-            fail(f"--dtype {dtype!r} is not one of auto, float32, bfloat16, float16")
+            quantized = " (quantized types are for --format gguf)" if dtype.lower().startswith("q") else ""
+            fail(f"--dtype {dtype!r} is not one of auto, float32, bfloat16, float16{quantized}")
         check_target(target)
         shard_size_of(max_shard_size)
         if read_checkpoint_config(ckpt, require_mla=True).get("model_type") != "mla":

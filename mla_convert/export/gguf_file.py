@@ -421,8 +421,12 @@ def _parity(ckpt: Path, path: Path, python: str | None, say: Callable[[str], Non
     try:
         result = check_llamacpp(ckpt, path, python)
     except RuntimeError as exc:
-        raise ExportError(f"llama.cpp could not run the GGUF export of {ckpt} ({str(exc).splitlines()[0]}); nothing "
-                          "was written: this is a bug, please report it") from None
+        lines = [x.strip() for x in str(exc).splitlines() if x.strip()]
+        last = lines[-1] if len(lines) > 1 else ""
+        raise ExportError(f"llama.cpp ({python}) could not run the GGUF export of {ckpt}: {lines[0] if lines else exc}"
+                          f"{' ... ' + last if last else ''}; nothing was written. If that python has no "
+                          "llama-cpp-python, point MLA_LLAMACPP_PYTHON at one (bash scripts/llamacpp_env.sh builds "
+                          "it) or export with --no-check") from None
     if not result["passed"]:
         raise ExportError(f"llama.cpp does not run the GGUF export of {ckpt} as it computes: "
                           f"{'; '.join(result['reasons'])}; nothing was written: this is a bug, please report it")
@@ -431,9 +435,16 @@ def _parity(ckpt: Path, path: Path, python: str | None, say: Callable[[str], Non
 
 def find_llamacpp() -> str | None:
     """The python of a llama.cpp venv: ``MLA_LLAMACPP_PYTHON``, else the venv ``scripts/llamacpp_env.sh`` built
-    (``$MLA_LLAMACPP_VENV_ROOT`` or ``~/.cache/mla-convert``, a complete one), else None."""
+    (``$MLA_LLAMACPP_VENV_ROOT`` or ``~/.cache/mla-convert``, a complete one), else None.
+
+    Raises:
+        ExportError: ``MLA_LLAMACPP_PYTHON`` is set but names no file (a set variable is never ignored silently).
+    """
     env = os.environ.get("MLA_LLAMACPP_PYTHON")
-    if env and Path(env).is_file():
+    if env:
+        if not Path(env).is_file():
+            raise ExportError(f"MLA_LLAMACPP_PYTHON={env} is not a file; point it at the python of a venv with "
+                              "llama-cpp-python (bash scripts/llamacpp_env.sh builds one and prints it) or unset it")
         return env
     root = Path(os.environ.get("MLA_LLAMACPP_VENV_ROOT", Path.home() / ".cache" / "mla-convert"))
     for venv in sorted(root.glob("llamacpp-*")):

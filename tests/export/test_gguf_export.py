@@ -148,6 +148,15 @@ def test_gguf_output_rules(tiny_ckpt, bundled_tokenizer, tmp_path, monkeypatch):
     monkeypatch.setenv("MLA_LLAMACPP_VENV_ROOT", str(tmp_path / "none"))
     res = runner.invoke(app, ["export", str(tiny_ckpt), str(tmp_path / "q.gguf"), "--format", "gguf", "--dtype", "q8_0"])
     assert res.exit_code != 0 and "bash scripts/llamacpp_env.sh" in " ".join(res.output.split())
+    monkeypatch.setenv("MLA_LLAMACPP_PYTHON", str(tmp_path / "no-such-python"))  # set: never ignored silently
+    res = runner.invoke(app, ["export", str(tiny_ckpt), str(tmp_path / "q.gguf"), "--format", "gguf", "--dtype", "q8_0"])
+    assert res.exit_code == 2 and "is not a file" in " ".join(res.output.split()), res.output
+    for extra in (["--dtype", "float32"], ["--dtype", "q8_0"]):  # a .gguf OUT with the folder format
+        res = runner.invoke(app, ["export", str(tiny_ckpt), str(tmp_path / "d.gguf"), *extra])
+        text = " ".join(res.output.split())
+        assert res.exit_code == 2 and "give --format gguf" in text, res.output
+    res = runner.invoke(app, ["export", str(tiny_ckpt), str(tmp_path / "d"), "--dtype", "q8_0"])
+    assert res.exit_code == 2 and "quantized types are for --format gguf" in " ".join(res.output.split())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]
 
 
