@@ -162,6 +162,11 @@ def factor(
                                 "source is a folder: convert the model's .gguf file, or --export deepseek-v3")
             if problems:
                 fail(f"--export {export} --target {target} would not be exact: " + "; ".join(problems))
+        from mla_convert.convert.device import calib_precision_note, resolve_device
+
+        slow = calib_precision_note(options.calib_precision, resolve_device(options.device))
+        if slow:
+            err_console.print(f"warning: {slow}", highlight=False, markup=False)
         say(
             f"source: {src.origin} ({src.family.name}, {src.num_layers} layers, {src.num_heads}/{src.num_kv_heads} heads)"
         )
