@@ -135,7 +135,7 @@ def main() -> None:
     table = "\n".join([head, "", *lines, ""])
     print(table)
     if args.readme:
-        from readme import replace_block
+        from blocks import replace_block
 
         RESULT.write_text(table)
         replace_block("chat-calibration", table)

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from readme import replace_block
+from blocks import replace_block
 from transformers import AutoTokenizer
 from transformers.cache_utils import DynamicCache
 

@@ -99,7 +99,7 @@ def main() -> None:
     (RESULTS / "engine_shape.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     if a.readme:
-        from readme import replace_block
+        from blocks import replace_block
 
         replace_block("engine-shape", "\n".join(lines))
 

@@ -62,6 +62,26 @@ def _tiny_sources(root: Path) -> dict[str, tuple[str, list[str]]]:
     return {"tiny llama (random, 1 KV head), full keep": (str(folder), flags)}
 
 
+def table(rows: list[dict]) -> str:
+    """The export table (caption and one line per export) of ``export.json``'s rows."""
+    cols = list(rows[0])
+    lines = [
+        "Written by `python benchmarks/export.py --readme` (2-core CPU). Cache in values per token per layer; "
+        "parity: stock `DeepseekV3ForCausalLM` vs our MLA checkpoint, both run in float32 on 2 x 128 tokens of "
+        "the Wikipedia evaluation split; greedy tokens through stock `generate()`. The checkpoints are bfloat16, so "
+        "the float32 exports measure the mapping alone; the bfloat16 ones also round the residual writers (times "
+        "sqrt(1e-6 / eps), docs/export.md) once more. `cache export` is what the engine allocates.",
+        "",
+        "| " + " | ".join(cols) + " |",
+        "|" + "---|" * len(cols),
+    ]
+    for r in rows:
+        cells = [f"{v:.2e}" if k == "max abs Δlogit" else (f"{v:g}" if isinstance(v, float) else str(v))
+                 for k, v in r.items()]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--readme", action="store_true")
@@ -97,29 +117,14 @@ def main() -> None:
             print(rows[-1], flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "export.json").write_text(json.dumps(rows, indent=2) + "\n")
-    cols = list(rows[0])
-    lines = [
-        "Written by `python benchmarks/export.py --readme` (2-core CPU). Cache in values per token per layer; "
-        "parity: stock `DeepseekV3ForCausalLM` vs our MLA checkpoint, both run in float32 on 2 x 128 tokens of "
-        "the Wikipedia evaluation split; greedy tokens through stock `generate()`. The checkpoints are bfloat16, so "
-        "the float32 exports measure the mapping alone; the bfloat16 ones also round the residual writers (times "
-        "sqrt(1e-6 / eps), docs/export.md) once more. `cache export` is what the engine allocates.",
-        "",
-        "| " + " | ".join(cols) + " |",
-        "|" + "---|" * len(cols),
-    ]
-    for r in rows:
-        cells = [f"{v:.2e}" if k == "max abs Δlogit" else (f"{v:g}" if isinstance(v, float) else str(v))
-                 for k, v in r.items()]
-        lines.append("| " + " | ".join(cells) + " |")
-    table = "\n".join(lines)
-    (RESULTS / "export.md").write_text(table + "\n")
-    print(table)
+    table_text = table(rows)
+    (RESULTS / "export.md").write_text(table_text + "\n")
+    print(table_text)
     if a.readme:
         sys.path.insert(0, str(ROOT / "benchmarks"))
-        from readme import replace_block
+        from blocks import replace_block
 
-        replace_block("export", table)
+        replace_block("export", table_text)
 
 
 if __name__ == "__main__":

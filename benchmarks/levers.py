@@ -38,7 +38,7 @@ from pathlib import Path
 
 import protocol
 import torch
-from readme import replace_block
+from blocks import replace_block
 
 from mla_convert.convert.assemble import pad_plan
 from mla_convert.convert.build import convert_windows
