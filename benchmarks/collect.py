@@ -55,18 +55,19 @@ COLLECTORS: dict[str, Callable[[], str]] = {
     "validate": _validate,
     "vllm-parity": lambda: _mod("readme").vllm_parity_block(_json("vllm_parity.json")),
     "engine-parity": lambda: _mod("engine_parity").block(_json("engine_parity.json")),
-    "decode": lambda: _text("decode.md"),
+    "decode": lambda: _mod("decode").collect_block(RESULTS / "decode.md"),
+    # the run folders (metrics.jsonl) are not in git: the table their last --collect stored is the record
     "adapt": lambda: _mod("adapt").recorded_table(),
     "scale": lambda: _mod("scale").collect_block(),
     "second-model": lambda: _mod("second_model").block(),
     "perplexity": _perplexity,
-    "levers": lambda: _text("levers.md"),
+    "levers": lambda: _mod("levers").block(_text("levers.md").splitlines()),
     "calibration": lambda: _mod("calibration").block(
         [json.loads(x) for x in _text("calibration.jsonl").splitlines()], 16
     ),
-    "chat-calibration": lambda: _text("chat_calibration.md"),
+    "chat-calibration": lambda: _mod("chat_calibration").collect_block(),
     "export": lambda: _mod("export").table(_json("export.json")),  # type: ignore[arg-type]
-    "engine-shape": lambda: _text("engine_shape.md"),
+    "engine-shape": lambda: _mod("engine_shape").collect_block(),
 }
 
 

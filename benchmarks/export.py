@@ -12,6 +12,7 @@ the engine allocates), the rope table, and max |Δlogit| / greedy tokens equal m
 ``scripts/serve_check.sh``.
 
     .venv/bin/python benchmarks/export.py [--readme] [--keep DIR]
+    .venv/bin/python benchmarks/export.py --collect --readme     # the block again from results/export.json
 
 Results go to ``benchmarks/results/export.json`` and ``export.md``; ``--readme`` writes the table between
 README.md's ``<!-- export:start -->`` / ``<!-- export:end -->`` markers.
@@ -86,7 +87,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--readme", action="store_true")
     ap.add_argument("--keep", type=Path, default=None, help="keep the checkpoints and exports here")
+    ap.add_argument("--collect", action="store_true", help="measure nothing: the table again from results/export.json")
     a = ap.parse_args()
+    if a.collect:
+        text = table(json.loads((RESULTS / "export.json").read_text()))
+        print(text)
+        if a.readme:
+            sys.path.insert(0, str(ROOT / "benchmarks"))
+            from blocks import replace_block
+
+            replace_block("export", text)
+        return
     root = a.keep or Path(tempfile.mkdtemp(prefix="mla-export-"))
     root.mkdir(parents=True, exist_ok=True)
     rows = []
