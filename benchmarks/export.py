@@ -63,6 +63,21 @@ def _tiny_sources(root: Path) -> dict[str, tuple[str, list[str]]]:
     return {"tiny llama (random, 1 KV head), full keep": (str(folder), flags)}
 
 
+def transformers_block(rows: list[dict]) -> str:
+    """The README's line on the reference conversion served by stock transformers, from ``export.json``'s rows of
+    the default SmolLM2 conversion with ``--target transformers``."""
+    ref = [r for r in rows if r["conversion"].startswith("SmolLM2-135M, default") and r["target"] == "transformers"]
+    parts = [f"{r['export dtype']} export max |Δlogit| {r['max abs Δlogit']:.2e}, {r['greedy equal']} greedy tokens equal"
+             for r in ref]  # fmt: skip
+    c = ref[0]
+    return (
+        f"Stock `DeepseekV3ForCausalLM` on the reference conversion (written by `python benchmarks/export.py --readme` "
+        f"from `benchmarks/results/export.json`): {'; '.join(parts)}; cache {c['cache export']:g} values per token per "
+        f"layer (the checkpoint's {c['cache MLA']:g} with the per-layer ranks padded to the largest; source "
+        f"{c['cache source']:g})."
+    )
+
+
 def table(rows: list[dict]) -> str:
     """The export table (caption and one line per export) of ``export.json``'s rows."""
     cols = list(rows[0])
@@ -97,6 +112,7 @@ def main() -> None:
             from blocks import replace_block
 
             replace_block("export", text)
+            replace_block("export-transformers", transformers_block(json.loads((RESULTS / "export.json").read_text())))
         return
     root = a.keep or Path(tempfile.mkdtemp(prefix="mla-export-"))
     root.mkdir(parents=True, exist_ok=True)
@@ -136,6 +152,7 @@ def main() -> None:
         from blocks import replace_block
 
         replace_block("export", table_text)
+        replace_block("export-transformers", transformers_block(rows))
 
 
 if __name__ == "__main__":
