@@ -153,6 +153,14 @@ def recorded(results: Path, present: dict[str, int]) -> tuple[list[str], list[st
     return keep_rows, keep_curves
 
 
+HEADER = "# Adaptation benchmark\n\n`python benchmarks/adapt.py --collect` wrote this table.\n\n"
+
+
+def recorded_table() -> str:
+    """The table the last ``--collect`` stored in ``results/adapt.md`` (what ``--readme`` put in the block)."""
+    return RESULTS.read_text().removeprefix(HEADER)
+
+
 def table() -> str:
     marks = (0, 100_000, 500_000, 1_000_000)
     rows = [
@@ -270,20 +278,11 @@ def main() -> None:
     text = table()
     print(text)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(
-        "# Adaptation benchmark\n\n`python benchmarks/adapt.py --collect` wrote this table.\n\n" + text
-    )
+    RESULTS.write_text(HEADER + text)
     if args.readme:
-        readme = ROOT / "README.md"
-        body = readme.read_text()
-        new = re.sub(
-            r"<!-- adapt:start -->.*<!-- adapt:end -->",
-            lambda _m: "<!-- adapt:start -->\n" + text + "<!-- adapt:end -->",
-            body,
-            flags=re.S,
-        )
-        readme.write_text(new)
+        from blocks import replace_block
 
+        replace_block("adapt", text)
 
 if __name__ == "__main__":
     main()

@@ -109,8 +109,8 @@ def main() -> None:
     publish(done, a.eval, a.readme)
 
 
-def publish(done: list[dict], eval_windows: int, readme: bool) -> None:
-    """Write ``calibration.md`` (and with ``readme`` the README block) from the logged rows."""
+def block(done: list[dict], eval_windows: int) -> str:
+    """The calibration table of the logged rows measured on ``eval_windows`` windows per text."""
     lines = [
         f"SmolLM2-135M-Instruct, default options but the calibration windows; perplexity ratio to the source on "
         f"{eval_windows} x {WINDOW} tokens of each text's evaluation split (never calibrated on). Written by "
@@ -123,12 +123,18 @@ def publish(done: list[dict], eval_windows: int, readme: bool) -> None:
         if r["eval_windows"] == eval_windows:
             lines.append(f"| {r['budget']} | {r['rope_pairs']} | {r['selection'].replace('(default)', '(old default)')} | "
                          f"{r['calib_tokens']} | {r['calib_documents']} | {r['wikipedia ratio']:.2f} | {r['news ratio']:.2f} |")
-    (RESULTS / "calibration.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    if readme:
-        from readme import replace_block
+    return "\n".join(lines)
 
-        replace_block("calibration", "\n".join(lines))
+
+def publish(done: list[dict], eval_windows: int, readme: bool) -> None:
+    """Write ``calibration.md`` (and with ``readme`` its block) from the logged rows."""
+    text = block(done, eval_windows)
+    (RESULTS / "calibration.md").write_text(text + "\n")
+    print(text)
+    if readme:
+        from blocks import replace_block
+
+        replace_block("calibration", text)
 
 if __name__ == "__main__":
     main()

@@ -85,10 +85,24 @@ def greedy(model: torch.nn.Module, ids: torch.Tensor, n: int, tok: object) -> st
     return str(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))  # type: ignore[attr-defined]
 
 
+def collect_block() -> str:
+    """The ``chat-calibration`` block from the table the last measuring run stored (``RESULT``)."""
+    return RESULT.read_text().strip("\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--readme", action="store_true", help="also write results/chat_calibration.md and README's block")
+    ap.add_argument("--collect", action="store_true", help="measure nothing: the block again from results/chat_calibration.md")
     args = ap.parse_args()
+    if args.collect:
+        table = collect_block()
+        print(table)
+        if args.readme:
+            from blocks import replace_block
+
+            replace_block("chat-calibration", table)
+        return
     torch.set_num_threads(max(1, torch.get_num_threads()))
     from transformers import AutoTokenizer
 
@@ -135,7 +149,7 @@ def main() -> None:
     table = "\n".join([head, "", *lines, ""])
     print(table)
     if args.readme:
-        from readme import replace_block
+        from blocks import replace_block
 
         RESULT.write_text(table)
         replace_block("chat-calibration", table)

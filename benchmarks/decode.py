@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from readme import replace_block
+from blocks import replace_block
 from transformers import AutoTokenizer
 from transformers.cache_utils import DynamicCache
 
@@ -511,6 +511,14 @@ def gpu_bench(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
 
 
 # ----------------------------------------------------------------------------------------- output
+RESULTS = Path(__file__).parent / "results"
+
+
+def collect_block(path: Path) -> str:
+    """The ``decode`` block from the tables a run stored in ``path`` (``results/decode.md``): they are the block."""
+    return path.read_text().strip("\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", type=Path, help="converted MLA checkpoint (made here when missing)")
@@ -557,7 +565,14 @@ def main() -> None:
         help="Markdown output (default benchmarks/results/decode.md; with --gpu, decode_gpu.md beside it)",
     )
     ap.add_argument("--json", type=Path, help="also write the GPU part's record (one dict per row) here")
+    ap.add_argument("--collect", action="store_true", help="measure nothing: the block again from --out's stored tables")
     args = ap.parse_args()
+    if args.collect:
+        text = collect_block(args.out or RESULTS / "decode.md")
+        print(text)
+        if args.readme:
+            replace_block("decode", text)
+        return
     if args.gpu and not torch.cuda.is_available():
         print(
             "no CUDA device: the GPU benchmark needs one (torch.cuda.is_available() is False); nothing written"

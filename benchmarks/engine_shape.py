@@ -40,12 +40,27 @@ def served(ranks: list[int], rope: int) -> dict[str, int]:
     return {"mla": round(sum(ranks) / len(ranks) + rope), "transformers": max(ranks) + rope, "vllm": vllm}
 
 
+def collect_block() -> str:
+    """The ``engine-shape`` block from the table the last run stored (``results/engine_shape.md``, written from
+    ``engine_shape.jsonl`` and the protocol's calibration counts)."""
+    return (RESULTS / "engine_shape.md").read_text().strip("\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--wiki", type=int, default=16, help="Wikipedia evaluation windows of 512")
     ap.add_argument("--news", type=int, default=8, help="news evaluation windows of 512")
     ap.add_argument("--readme", action="store_true")
+    ap.add_argument("--collect", action="store_true", help="measure nothing: the block again from results/engine_shape.md")
     a = ap.parse_args()
+    if a.collect:
+        text = collect_block()
+        print(text)
+        if a.readme:
+            from blocks import replace_block
+
+            replace_block("engine-shape", text)
+        return
     proto = protocol.load(None, 8, {"wiki@512": a.wiki, "news@512": a.news})
     base = {k: evaluate(proto.model, ids).perplexity for k, ids in proto.evals.items()}
     log = RESULTS / "engine_shape.jsonl"
@@ -99,7 +114,7 @@ def main() -> None:
     (RESULTS / "engine_shape.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     if a.readme:
-        from readme import replace_block
+        from blocks import replace_block
 
         replace_block("engine-shape", "\n".join(lines))
 

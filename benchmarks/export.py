@@ -12,6 +12,7 @@ the engine allocates), the rope table, and max |Δlogit| / greedy tokens equal m
 ``scripts/serve_check.sh``.
 
     .venv/bin/python benchmarks/export.py [--readme] [--keep DIR]
+    .venv/bin/python benchmarks/export.py --collect --readme     # the block again from results/export.json
 
 Results go to ``benchmarks/results/export.json`` and ``export.md``; ``--readme`` writes the table between
 README.md's ``<!-- export:start -->`` / ``<!-- export:end -->`` markers.
@@ -62,11 +63,57 @@ def _tiny_sources(root: Path) -> dict[str, tuple[str, list[str]]]:
     return {"tiny llama (random, 1 KV head), full keep": (str(folder), flags)}
 
 
+def transformers_block(rows: list[dict]) -> str:
+    """The README's line on the reference conversion served by stock transformers, from ``export.json``'s rows of
+    the default SmolLM2 conversion with ``--target transformers``."""
+    ref = [r for r in rows if r["conversion"].startswith("SmolLM2-135M, default") and r["target"] == "transformers"]
+    parts = [f"{r['export dtype']} export max |Δlogit| {r['max abs Δlogit']:.2e}, {r['greedy equal']} greedy tokens equal"
+             for r in ref]  # fmt: skip
+    c = ref[0]
+    return (
+        f"Stock `DeepseekV3ForCausalLM` on the reference conversion (written by `python benchmarks/export.py --readme` "
+        f"from `benchmarks/results/export.json`): {'; '.join(parts)}; cache {c['cache export']:g} values per token per "
+        f"layer (the checkpoint's {c['cache MLA']:g} with the per-layer ranks padded to the largest; source "
+        f"{c['cache source']:g})."
+    )
+
+
+def table(rows: list[dict]) -> str:
+    """The export table (caption and one line per export) of ``export.json``'s rows."""
+    cols = list(rows[0])
+    lines = [
+        "Written by `python benchmarks/export.py --readme` (2-core CPU). Cache in values per token per layer; "
+        "parity: stock `DeepseekV3ForCausalLM` vs our MLA checkpoint, both run in float32 on 2 x 128 tokens of "
+        "the Wikipedia evaluation split; greedy tokens through stock `generate()`. The checkpoints are bfloat16, so "
+        "the float32 exports measure the mapping alone; the bfloat16 ones also round the residual writers (times "
+        "sqrt(1e-6 / eps), docs/export.md) once more. `cache export` is what the engine allocates.",
+        "",
+        "| " + " | ".join(cols) + " |",
+        "|" + "---|" * len(cols),
+    ]
+    for r in rows:
+        cells = [f"{v:.2e}" if k == "max abs Δlogit" else (f"{v:g}" if isinstance(v, float) else str(v))
+                 for k, v in r.items()]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--readme", action="store_true")
     ap.add_argument("--keep", type=Path, default=None, help="keep the checkpoints and exports here")
+    ap.add_argument("--collect", action="store_true", help="measure nothing: the table again from results/export.json")
     a = ap.parse_args()
+    if a.collect:
+        text = table(json.loads((RESULTS / "export.json").read_text()))
+        print(text)
+        if a.readme:
+            sys.path.insert(0, str(ROOT / "benchmarks"))
+            from blocks import replace_block
+
+            replace_block("export", text)
+            replace_block("export-transformers", transformers_block(json.loads((RESULTS / "export.json").read_text())))
+        return
     root = a.keep or Path(tempfile.mkdtemp(prefix="mla-export-"))
     root.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -97,29 +144,15 @@ def main() -> None:
             print(rows[-1], flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "export.json").write_text(json.dumps(rows, indent=2) + "\n")
-    cols = list(rows[0])
-    lines = [
-        "Written by `python benchmarks/export.py --readme` (2-core CPU). Cache in values per token per layer; "
-        "parity: stock `DeepseekV3ForCausalLM` vs our MLA checkpoint, both run in float32 on 2 x 128 tokens of "
-        "the Wikipedia evaluation split; greedy tokens through stock `generate()`. The checkpoints are bfloat16, so "
-        "the float32 exports measure the mapping alone; the bfloat16 ones also round the residual writers (times "
-        "sqrt(1e-6 / eps), docs/export.md) once more. `cache export` is what the engine allocates.",
-        "",
-        "| " + " | ".join(cols) + " |",
-        "|" + "---|" * len(cols),
-    ]
-    for r in rows:
-        cells = [f"{v:.2e}" if k == "max abs Δlogit" else (f"{v:g}" if isinstance(v, float) else str(v))
-                 for k, v in r.items()]
-        lines.append("| " + " | ".join(cells) + " |")
-    table = "\n".join(lines)
-    (RESULTS / "export.md").write_text(table + "\n")
-    print(table)
+    table_text = table(rows)
+    (RESULTS / "export.md").write_text(table_text + "\n")
+    print(table_text)
     if a.readme:
         sys.path.insert(0, str(ROOT / "benchmarks"))
-        from readme import replace_block
+        from blocks import replace_block
 
-        replace_block("export", table)
+        replace_block("export", table_text)
+        replace_block("export-transformers", transformers_block(rows))
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import protocol
 import torch
-from readme import replace_block
+from blocks import replace_block
 
 from mla_convert.convert.assemble import pad_plan
 from mla_convert.convert.build import convert_windows
@@ -284,13 +284,18 @@ def main() -> None:
     publish(lines, args.out, args.readme)
 
 
+def block(lines: list[str]) -> str:
+    """The ``levers`` block: the stored table (``results/levers.md``, rows merged by ``--publish``) as it is."""
+    return "\n".join(lines).strip("\n")
+
+
 def publish(lines: list[str], out: Path, readme: bool) -> None:
     """Print the table; with ``readme``, write its README block and the levers ``factor`` takes per cache size."""
     print("\n".join(lines))
     for size, (pairs, levers, why) in sorted(choose_levers(lines).items()):
         print(f"{size} values, r={pairs}: {levers} ({why})")
     if readme:
-        replace_block("levers", "\n".join(lines))
+        replace_block("levers", block(lines))
         record_levers(lines)
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import protocol
-from readme import replace_block
+from blocks import replace_block
 
 from mla_convert.convert.build import convert_windows
 from mla_convert.convert.job import HELD_OUT_WINDOWS

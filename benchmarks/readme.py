@@ -1,11 +1,15 @@
-"""Write README.md's generated blocks from recorded artifacts, so no figure there is typed by hand.
+"""Write the generated blocks (README.md, docs/*.md) from recorded artifacts, so no figure there is typed by hand.
 
     .venv/bin/python benchmarks/readme.py reference            # reference table <- manifests/smollm2-135m-reference.json
+    .venv/bin/python benchmarks/readme.py recipe               # recipe factor line <- the same manifest
     .venv/bin/python benchmarks/readme.py validate out/smollm2-mla   # validate block <- CKPT/validation.json
+                                                               # (kept as benchmarks/results/validation.json)
     .venv/bin/python benchmarks/readme.py rungs                # rung table <- mla_convert/validate/spec.py
+    .venv/bin/python benchmarks/readme.py vllm-parity          # vLLM table <- results/vllm_parity.json
 
 The other blocks are written by the benchmarks themselves (``perplexity.py --readme``, ``decode.py
---readme``, ``adapt.py --collect --readme``); they use :func:`replace_block` from here.
+--readme``, ``adapt.py --collect --readme``, ...); every writer puts its block with
+:func:`blocks.replace_block` into README.md or the page of docs/ that holds its markers.
 """
 
 from __future__ import annotations
@@ -15,28 +19,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+from blocks import replace_block
+
 from mla_convert.validate.report import table_cell
 from mla_convert.validate.result import format_value
 from mla_convert.validate.spec import RUNGS
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
 PINNED = ROOT / "manifests" / "smollm2-135m-reference.json"
-
-
-def replace_block(name: str, body: str, readme: Path = README) -> None:
-    """Replace the text between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` in ``readme``.
-
-    Raises:
-        SystemExit: when the markers are missing (the README section was renamed or removed).
-    """
-    text = readme.read_text()
-    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-    if start not in text or end not in text:
-        raise SystemExit(f"error: {readme} has no {start} ... {end} block; add the markers where it belongs")
-    head, rest = text.split(start, 1)
-    tail = rest.split(end, 1)[1]
-    readme.write_text(f"{head}{start}\n{body.rstrip()}\n{end}{tail}")
+RESULTS = ROOT / "benchmarks" / "results"
 
 
 def reference_block(manifest: dict[str, Any]) -> str:
@@ -65,7 +56,7 @@ def reference_block(manifest: dict[str, Any]) -> str:
         f"| mean held-out attention-output error per layer | | {rec['mean_attn_rel_error']:.3f} |",
         f"| calibration | | {cal['tokens']:,} tokens spread across the {len(cal['documents'])} documents of the calibration split |",
         f"| time: source pass / convert + eval passes / whole command ({run['threads']} threads; the pinned run "
-        f"was made inside the test suite, timings by stage on an idle machine are in the scale table below) | | "
+        f"was made inside the test suite, timings by stage on an idle machine are in the scale table of docs/results.md) | | "
         f"{t['source_pass_s']:.0f} s / {t['convert_pass_s']:.0f} s / {run['wall_s']:.0f} s |",
         f"| peak resident memory | | {run['peak_rss_mb'] / 1024:.1f} GB |",
     ]
@@ -118,24 +109,54 @@ def validate_block(result: dict[str, Any], ckpt: str) -> str:
     return "\n".join(lines)
 
 
+def recipe_block(manifest: dict[str, Any]) -> str:
+    """The factor stage's line that ``mla-convert run`` prints for the quick-start recipe, from the pinned
+    manifest of the same conversion (the recipe's factor stage is ``factor``'s defaults)."""
+    rec, opts, widths = manifest["reconstruction"], manifest["options"], manifest["cache_schema"]["values_per_token_per_layer"]
+    mean = sum(widths) / len(widths)
+    scored = opts["eval_windows"] * (opts["window"] - 1)  # each window scores its next-token predictions
+    return (
+        f"    factor: perplexity {rec['perplexity']:.3f} (source {rec['perplexity_source']:.3f}, "
+        f"x{rec['perplexity'] / rec['perplexity_source']:.2f}) on {scored} held-out tokens of {opts['text']}; "
+        f"cache {mean:g} values/token/layer ({mean / 384:.2%} of the source)"
+    )
+
+
+def vllm_parity_block(record: dict[str, Any]) -> str:
+    """The vLLM parity table of ``scripts/serve_check.sh`` from its stored record (``vllm_parity.json``)."""
+    from mla_convert.export.engine_check import table
+
+    return table(record, "bash scripts/serve_check.sh")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="block", required=True)
     sub.add_parser("reference", help="the reference conversion table from the pinned manifest")
+    sub.add_parser("recipe", help="the quick-start recipe's factor line from the pinned manifest")
     sub.add_parser("rungs", help="the validation ladder's rung table from mla_convert/validate/spec.py")
-    v = sub.add_parser("validate", help="the validation block from CKPT/validation.json")
-    v.add_argument("ckpt", help="a checkpoint folder that `mla-convert validate` has run on")
+    sub.add_parser("vllm-parity", help="the vLLM parity table from benchmarks/results/vllm_parity.json")
+    v = sub.add_parser("validate", help="the validation block from CKPT/validation.json (stored as results/validation.json)")
+    v.add_argument("ckpt", nargs="?", help="a checkpoint folder that `mla-convert validate` has run on "
+                   "(none: the stored benchmarks/results/validation.json)")  # fmt: skip
     args = ap.parse_args()
     if args.block == "reference":
         replace_block("reference", reference_block(json.loads(PINNED.read_text())))
+    elif args.block == "recipe":
+        replace_block("recipe", recipe_block(json.loads(PINNED.read_text())))
     elif args.block == "rungs":
         replace_block("rungs", rungs_block())
+    elif args.block == "vllm-parity":
+        replace_block("vllm-parity", vllm_parity_block(json.loads((RESULTS / "vllm_parity.json").read_text())))
     else:
-        path = Path(args.ckpt) / "validation.json"
-        if not path.exists():
-            raise SystemExit(f"error: {path} not found; run `mla-convert validate {args.ckpt}` first")
-        replace_block("validate", validate_block(json.loads(path.read_text()), args.ckpt))
-    print(f"updated the {args.block} block of {README}")
+        if args.ckpt:
+            path = Path(args.ckpt) / "validation.json"
+            if not path.exists():
+                raise SystemExit(f"error: {path} not found; run `mla-convert validate {args.ckpt}` first")
+            (RESULTS / "validation.json").write_text(path.read_text())
+        result = json.loads((RESULTS / "validation.json").read_text())
+        replace_block("validate", validate_block(result, result["checkpoint"]))
+    print(f"updated the {args.block} block")
 
 
 if __name__ == "__main__":

@@ -375,6 +375,12 @@ def block(rows: list[dict[str, Any]], command: str) -> str:
     return "\n".join([*lines, *([""] + gen if gen else [])])
 
 
+def collect_block(names: tuple[str, ...] = ("llama8b", "qwen05b", "smollm2")) -> str:
+    """The block ``--collect --models NAMES --readme`` writes, from ``scale.json`` alone."""
+    rows = [load_results()["rows"][n] for n in MODELS if n in names]
+    return block(rows, f"python benchmarks/scale.py --collect --models {','.join(names)} --readme")
+
+
 def load_results() -> dict[str, Any]:
     return json.loads(RESULTS.read_text()) if RESULTS.exists() else {"rows": {}}
 
@@ -459,7 +465,7 @@ def main() -> None:
     TABLE.write_text(text + "\n")
     print(text)
     if args.readme:
-        from readme import replace_block
+        from blocks import replace_block
 
         replace_block("scale", text)
     if any(r["rc"] != 0 for r in rows):

@@ -88,14 +88,24 @@ def table(rows: list[dict[str, Any]], host: dict[str, Any]) -> list[str]:
     return out
 
 
+PENDING = "Not measured yet: `python benchmarks/second_model.py --readme` (about 1.5 B parameters on 2 cores: a long run)."
+
+
+def block(results: dict[str, Any] | None = None) -> str:
+    """The block ``--collect --readme`` writes from ``second_model.json`` (``results``: its content), or the
+    line saying it is not measured yet."""
+    if results is None:
+        results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"rows": {}}
+    if not results["rows"]:
+        return PENDING
+    return "\n".join(table(list(results["rows"].values()), results.get("machine", {})))
+
+
 def write_readme(lines: list[str]) -> None:
-    readme = ROOT / "README.md"
-    text = readme.read_text()
-    start, end = "<!-- second-model:start -->", "<!-- second-model:end -->"
-    if start not in text or end not in text:
-        raise SystemExit(f"README.md has no {start} / {end} markers")
-    head, rest = text.split(start, 1)
-    readme.write_text(head + start + "\n" + "\n".join(lines) + "\n" + end + rest.split(end, 1)[1])
+    """Put ``lines`` between the ``second-model`` markers (README.md, or the docs page that holds them)."""
+    from blocks import replace_block
+
+    replace_block("second-model", "\n".join(lines))
 
 
 def main() -> None:

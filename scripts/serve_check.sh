@@ -2,7 +2,7 @@
 # A real engine on the reference export: build (once) the vLLM CPU venv, convert the bundled SmolLM2 with the
 # README's defaults (or take CKPT), export it with --target vllm-cpu, serve it with vLLM's offline LLM and compare
 # with our model (mla_convert/export/engine_check.py). Writes benchmarks/results/vllm_parity.{json,md} and the
-# README's "Serve" table; exits 1 when vLLM does not compute what our model computes.
+# vllm-parity block (benchmarks/readme.py vllm-parity); exits 1 when vLLM does not compute what our model computes.
 #
 #   bash scripts/serve_check.sh [CKPT] [--no-readme]
 #
@@ -35,15 +35,6 @@ status=0
     --json benchmarks/results/vllm_parity.json --table benchmarks/results/vllm_parity.md \
     --what "bash scripts/serve_check.sh" || status=$?
 if [ "$readme" = 1 ] && [ "$status" = 0 ]; then
-    .venv/bin/python - <<'PY'
-from pathlib import Path
-readme, table = Path("README.md"), Path("benchmarks/results/vllm_parity.md").read_text()
-text = readme.read_text()
-start, end = "<!-- vllm-parity:start -->", "<!-- vllm-parity:end -->"
-if start in text and end in text:
-    head, rest = text.split(start, 1)
-    readme.write_text(head + start + "\n" + table + end + rest.split(end, 1)[1])
-    print("serve_check: README.md Serve table updated")
-PY
+    .venv/bin/python benchmarks/readme.py vllm-parity  # the block from vllm_parity.json (README or docs/)
 fi
 exit $status
