@@ -72,11 +72,14 @@ def measure(source: str, fraction: float, flags: list[str]) -> dict[str, Any]:
 
 def table(rows: list[dict[str, Any]], host: dict[str, Any]) -> list[str]:
     """The README block: one line per size."""
+    flags = sorted({r["command"].split("--device cpu", 1)[-1].strip() for r in rows} - {""})
+    extra = f" `{'`, `'.join(flags)}`" if flags else ""
     out = [
         f"Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF, `{SOURCE}`), training-free, `factor` defaults at each "
-        f"`--cache-fraction` (`--dtype bfloat16`); perplexity on {EVAL_WINDOWS} x 512 evaluation-split tokens "
-        f"(x source). Machine: {host.get('platform', '?')}, {host.get('cpus', '?')} CPUs. Written by "
-        "`python benchmarks/second_model.py --readme`.",
+        f"`--cache-fraction` (`--dtype bfloat16`{',' + extra if extra else ''}; the full command is in "
+        f"`benchmarks/results/second_model.json`); perplexity on {EVAL_WINDOWS} x 512 evaluation-split tokens "
+        f"(x source). Machine: {host.get('platform', '?')}, {host.get('cpus', '?')} CPUs"
+        f"{'; ' + host['note'] if host.get('note') else ''}. Written by `python benchmarks/second_model.py --readme`.",
         "",
         "| cache | values/token/layer | wiki | news | factor time | peak memory |",
         "|---|---:|---:|---:|---:|---:|",
@@ -115,8 +118,12 @@ def main() -> None:
     ap.add_argument("--flags", default="", help="extra factor options")
     ap.add_argument("--collect", action="store_true", help="only table the stored results")
     ap.add_argument("--readme", action="store_true")
+    ap.add_argument("--note", help="what the table must say of the machine during the runs (kept in the results)")
     args = ap.parse_args()
     results: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"rows": {}}
+    if args.note is not None:
+        results.setdefault("machine", {})["note"] = args.note
+        RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     if not args.collect:
         for frac in (float(f) for f in args.fractions.split(",")):
             if args.source == SOURCE and str(frac) in results["rows"]:

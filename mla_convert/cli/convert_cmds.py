@@ -118,7 +118,9 @@ def factor(
         "2GB", help="Largest output shard (e.g. 500MB, 5GB); one shard is held in memory while it is written."
     ),
     export: str = typer.Option(None, "--export", help=EXPORT_HELP),
-    target: str = typer.Option("transformers", "--target", help=SHAPE_HELP + " With --export, the " + TARGET_HELP),
+    target: str = typer.Option(
+        "transformers", "--target", help=SHAPE_HELP + " With --export, the " + TARGET_HELP
+    ),
     **values: Any,
 ) -> None:
     """Partial RoPE + low-rank K/V -> MLA checkpoint + report + manifest in OUT, streamed layer by layer.
@@ -158,18 +160,23 @@ def factor(
 
             problems = export_problems(src, options, target, export)
             if export == "gguf" and not any(f.suffix == ".gguf" for f in src.origin_files):
-                problems.append("the GGUF export carries the tokenizer from a .gguf SOURCE's tokenizer keys and this "
-                                "source is a folder: convert the model's .gguf file, or --export deepseek-v3")
+                problems.append(
+                    "the GGUF export carries the tokenizer from a .gguf SOURCE's tokenizer keys and this "
+                    "source is a folder: convert the model's .gguf file, or --export deepseek-v3"
+                )
             if problems:
                 fail(f"--export {export} --target {target} would not be exact: " + "; ".join(problems))
-        from mla_convert.convert.device import calib_precision_note, resolve_device
-
-        slow = calib_precision_note(options.calib_precision, resolve_device(options.device))
-        if slow:
-            err_console.print(f"warning: {slow}", highlight=False, markup=False)
         say(
             f"source: {src.origin} ({src.family.name}, {src.num_layers} layers, {src.num_heads}/{src.num_kv_heads} heads)"
         )
+        noticed: list[
+            str
+        ] = []  # warnings run_factor gives once every input check has passed, before the work
+
+        def notice(warning: str) -> None:
+            err_console.print(f"warning: {warning}", highlight=False, markup=False)
+            noticed.append(warning)
+
         try:
             with progress_bar() as cb:
                 report = run_factor(
@@ -181,6 +188,7 @@ def factor(
                     resume=resume,
                     max_shard_size=shard_size,
                     resolution=res,
+                    notice=notice,
                 )
         except KeyboardInterrupt:
             from mla_convert.convert.workdir import work_dir
@@ -203,7 +211,8 @@ def factor(
                 markup=False,
             )
     for warning in report.get("warnings", []):
-        err_console.print(f"warning: {warning}", highlight=False, markup=False)
+        if warning not in noticed:
+            err_console.print(f"warning: {warning}", highlight=False, markup=False)
     e = report["model"]["eval"]
     console.print(
         f"wrote {out}: perplexity {e['perplexity']:.3f} (source {e['reference_perplexity']:.3f}) on {e['tokens']} tokens, "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import platform
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from mla_convert.artifacts.manifest import conversion_manifest, write_manifest
 from mla_convert.artifacts.output import write_carried
 from mla_convert.artifacts.report import write_report
 from mla_convert.artifacts.shards import DEFAULT_MAX_SHARD_SIZE, write_shards
-from mla_convert.convert.device import frozen_heap, trim_heap
+from mla_convert.convert.device import calib_precision_note, frozen_heap, resolve_device, trim_heap
 from mla_convert.convert.options import ConvertOptions, check_options
 from mla_convert.convert.resolve import Resolution, resolve_options
 from mla_convert.convert.stream import ProgressFn, Streamed, StreamedConversion, Texts
@@ -108,8 +109,10 @@ def text_documents(text: str, tokenizer: Any) -> tuple[list[Document], str]:
 
     data = parse_data_spec(text)
     if data.weight is not None or data.loss != "all":
-        raise TextError(f"--text {text!r}: weight= and loss= are adaptation keys (adapt --data); drop them here")
-    keys = data.label()[len(data.source):]  # ",messages=NAME": the files are recorded by hash, not by path
+        raise TextError(
+            f"--text {text!r}: weight= and loss= are adaptation keys (adapt --data); drop them here"
+        )
+    keys = data.label()[len(data.source) :]  # ",messages=NAME": the files are recorded by hash, not by path
     return spec_documents(data, tokenizer), ("local files" if data.kind == "local" else data.source) + keys
 
 
@@ -129,9 +132,15 @@ def prepare_text(tokenizer: Any, options: ConvertOptions) -> TextSplit:
     """
     docs, name = text_documents(options.text, tokenizer)
     splits = split_documents(docs)
-    chat = "messages=" in options.text  # rendered turns end with EOS: the separator count is not a document count
+    chat = (
+        "messages=" in options.text
+    )  # rendered turns end with EOS: the separator count is not a document count
     picked = calibration_windows(
-        tokenizer, splits["calibration"], options.window, options.calibration_windows(), count_documents=not chat
+        tokenizer,
+        splits["calibration"],
+        options.window,
+        options.calibration_windows(),
+        count_documents=not chat,
     )
     evaluation = token_windows(
         tokenizer, splits["evaluation"], options.window, options.eval_windows, bos=adds_bos(tokenizer)
@@ -248,6 +257,7 @@ def run_factor(
     resume: bool = False,
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
     resolution: Resolution | None = None,
+    notice: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Convert ``src`` into an MLA checkpoint in ``out`` with report and manifest, layer by layer
     (:mod:`mla_convert.convert.stream`) in the work folder ``.OUT.factor`` (:mod:`mla_convert.convert.workdir`).
@@ -293,6 +303,9 @@ def run_factor(
             f"{text.name}): the statistics come from less text than the budget; give more text or fewer "
             "--calib-tokens"
         )
+    slow = calib_precision_note(options.calib_precision, resolve_device(options.device))
+    for warning in [*warnings, *([slow] if slow else [])] if notice is not None else []:
+        notice(warning)  # the speed note is not the checkpoint's: said, not kept in the report
     probe = text.evaluation[:1, :128]
     texts = Texts(text.calibration, text.held_out, text.evaluation, probe)
     work, done = open_work(out, job, resume)
@@ -366,7 +379,8 @@ def run_factor(
         "warnings": warnings,
         "model": {
             "eval": ev.as_dict(),
-            "o_proj_refit": {k: v for k, v in (res.refit or {}).items() if not k.startswith("window_")} or None,
+            "o_proj_refit": {k: v for k, v in (res.refit or {}).items() if not k.startswith("window_")}
+            or None,
             "cache": {
                 "source": cache_src,
                 "converted": cache_mla,
@@ -377,7 +391,9 @@ def run_factor(
             "sample": {
                 "prompt": sample_prompt,
                 "greedy_24_tokens": sample,
-                "skipped": None if sample or not sample_prompt else "model larger than the in-memory sample limit",
+                "skipped": None
+                if sample or not sample_prompt
+                else "model larger than the in-memory sample limit",
             },
             "dtype": res.dtype,
         },
@@ -402,9 +418,13 @@ def run_factor(
             "rope_pairs_chosen_by": resolution.why or "given (--rope-pairs, or a fixed --kv-lora-rank)",
         },
     }
-    manifest = conversion_manifest(src, options, res, ev, text.name, text.records, report["run"], resolution.choices)
+    manifest = conversion_manifest(
+        src, options, res, ev, text.name, text.records, report["run"], resolution.choices
+    )
     write_report(staged, report)
-    write_manifest(staged, manifest, sorted(str(p.relative_to(staged)) for p in staged.rglob("*") if p.is_file()))
+    write_manifest(
+        staged, manifest, sorted(str(p.relative_to(staged)) for p in staged.rglob("*") if p.is_file())
+    )
     publish(staged, out)
     close_work(work)
     return report

@@ -145,7 +145,8 @@ def test_control_reaches_conversion(src: Path, good_text: Path, tmp_path: Path, 
         result.stderr,
         result.exception,
     )
-    assert result.stderr == ""
+    # the tiny text's warnings are said before the work (as every warning known then is); no error, no speed note
+    assert all(line.startswith("warning: only 32 calibration tokens") for line in result.stderr.splitlines())
     assert_nothing_written(out)
 
 
@@ -161,7 +162,7 @@ def test_emulated_bfloat16_calibration_is_said_before_any_work(
     assert isinstance(result.exception, ConversionStarted), (result.exit_code, result.stderr)
     assert "runs emulated here" in result.stderr and "--calib-precision float32" in result.stderr
     result = invoke(factor_args(src, tmp_path / "out2", good_text, "--calib-precision", "float32"))
-    assert isinstance(result.exception, ConversionStarted) and result.stderr == ""
+    assert isinstance(result.exception, ConversionStarted) and "runs emulated" not in result.stderr
 
 
 # ----------------------------------------------------------------------------------------------
