@@ -304,8 +304,9 @@ def run_factor(
             "--calib-tokens"
         )
     slow = calib_precision_note(options.calib_precision, resolve_device(options.device))
-    for warning in [*warnings, *([slow] if slow else [])] if notice is not None else []:
-        notice(warning)  # the speed note is not the checkpoint's: said, not kept in the report
+    if notice is not None:
+        for warning in [*warnings, *([slow] if slow else [])]:
+            notice(warning)  # the speed note is not the checkpoint's: said, not kept in the report
     probe = text.evaluation[:1, :128]
     texts = Texts(text.calibration, text.held_out, text.evaluation, probe)
     work, done = open_work(out, job, resume)
