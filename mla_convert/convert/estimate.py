@@ -465,7 +465,9 @@ def factor_phases(options: ConvertOptions, src: Any, max_shard_size: str | int |
         if s.gguf_bytes
         else ("LM head pages", float(s.head_stored))
     )
-    phases.append(Phase("factor", "score: LM head read", pass2 + (head, ("finiteness check (one chunk)", FINITE_BYTES))))
+    phases.append(
+        Phase("factor", "score: LM head read", pass2 + (head, ("finiteness check (one chunk)", FINITE_BYTES)))
+    )
     c = min(chunk_v, s.vocab)
     score_tmp = 8.0 * 5 * (t - 1) * c + 4.0 * 2 * (t - 1) * c + c * d * (8.0 + s.out_itemsize)
     phases.append(
@@ -532,7 +534,9 @@ def factor_disk(options: ConvertOptions, src: Any) -> Disk:
         + s.rope_heads * s.d_rope * s.kv_heads * hd
     )
     attn = s.out_itemsize * (s.conv_attn_params + (d * s.heads * hd if s.refit else 0))
-    state = 4.0 * d * (tok["calib"] * (2 if s.sequential else 1) + 2 * (tok["held"] + tok["eval"] + tok["probe"]))
+    state = (
+        4.0 * d * (tok["calib"] * (2 if s.sequential else 1) + 2 * (tok["held"] + tok["eval"] + tok["probe"]))
+    )
     gguf_copies = 4.0 * n_l * s.layer_params if s.gguf_bytes else 0.0
     items = (
         (f"pass-1 files ({n_l} x {p1 / GB:.2f} GB)", n_l * p1),
@@ -548,11 +552,13 @@ def factor_disk(options: ConvertOptions, src: Any) -> Disk:
 
 
 def factor_lines(options: ConvertOptions, src: Any, max_shard_size: str | int | None = None) -> list[str]:
-    """Three lines for ``inspect``: peak memory (its phase and largest items), disk, and the time estimate.
+    """Lines for ``inspect``: peak memory (its phase and largest items), disk, the time estimate, and where this
+    machine runs the default bfloat16 calibration emulated, that note (its calibrate stage is about 4x the estimate).
 
     Raises:
         ValueError: a ``max_shard_size`` huggingface_hub cannot read.
     """
+    from mla_convert.convert.device import calib_precision_note
     from mla_convert.convert.estimate_time import FP32_GFLOPS, factor_time
     from mla_convert.convert.estimate_time import fmt_seconds as _fmt_s
     from mla_convert.convert.stream import resolve_device
@@ -563,7 +569,9 @@ def factor_lines(options: ConvertOptions, src: Any, max_shard_size: str | int | 
     parts = ", ".join(f"{k} {b / GB:.2f}" for k, b in sorted(disk.items, key=lambda kv: -kv[1])[:3])
     tim = factor_time(options, src)
     slow = ", ".join(f"{k} {_fmt_s(v)}" for k, v in sorted(tim.stages.items(), key=lambda kv: -kv[1])[:3])
-    gpu = resolve_device(options.device).type != "cpu"
+    device = resolve_device(options.device)
+    gpu = device.type != "cpu"
+    emulated = calib_precision_note(options.calib_precision, device)
     where = " (a CPU run; on a GPU the streams and layers move to its memory)" if gpu else ""
     return [
         f"peak memory: ~{top.total / GB:.1f} GB resident, in {top.name}{where} (GB: {items})",
@@ -572,4 +580,4 @@ def factor_lines(options: ConvertOptions, src: Any, max_shard_size: str | int | 
         f"time: ~{_fmt_s(tim.total)}, an estimate for the reference CPU (2 cores, {FP32_GFLOPS:.0f} GFLOP/s float32 "
         f"matmul per core, where the default conversion of the bundled model takes about 128 s){'; the GPU runs the forward passes faster' if gpu else ''}"
         f" ({slow})",
-    ]
+    ] + ([f"this machine: {emulated}"] if emulated else [])

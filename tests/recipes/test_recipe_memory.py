@@ -130,11 +130,19 @@ def test_8b_shape_stays_below_5gb_with_the_benchmark_options():
     # pass 2 removes each pass-1 file once its layer is written: the peak is the staged output with the
     # MLA attention files and plans, not the output plus every pass-1 file
     attn = per_layer["MLA attention files (bfloat16)"]
-    assert disk.work_peak == pytest.approx(disk.output + attn + per_layer["RoPE plans"] + per_layer["stream state"])
+    assert disk.work_peak == pytest.approx(
+        disk.output + attn + per_layer["RoPE plans"] + per_layer["stream state"]
+    )
     assert disk.work_peak < disk.output + 32 * p1
     smol = factor_time(ConvertOptions(dtype="bfloat16"), open_source("smollm2-135m")).total
-    assert factor_time(options, src).total > 15 * smol  # float64 d x d algebra and 36x the layer work (on 1/32 of the tokens)
-    assert len(factor_lines(options, src)) == 3
+    assert (
+        factor_time(options, src).total > 15 * smol
+    )  # float64 d x d algebra and 36x the layer work (on 1/32 of the tokens)
+    lines = factor_lines(options, src)
+    assert [ln.split(":")[0] for ln in lines[:3]] == ["peak memory", "disk", "time"]
+    assert len(lines) == 3 or (
+        len(lines) == 4 and "runs emulated here" in lines[3]
+    )  # the machine's bf16 note
 
 
 def test_estimate_covers_a_real_tiny_conversion(tmp_path: Path):
