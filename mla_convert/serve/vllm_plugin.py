@@ -19,6 +19,11 @@ from typing import Any
 ARCHITECTURE = "MLAForCausalLM"
 #: ``module:class`` of the vLLM model (imported by vLLM when a checkpoint asks for it).
 MODEL_CLASS = "mla_convert.serve.vllm_model:MLAForCausalLM"
+#: The route an export refusal names for what no DeepSeek-V3 file holds (biases, scaled RoPE): serve the checkpoint.
+PLUGIN_ROUTE = (
+    "vLLM serves the MLA checkpoint itself exactly through mla-convert's plugin, with no export (pip install "
+    "--no-deps mla-convert into vLLM's environment, then vllm serve CKPT; docs/serving.md)"
+)
 
 
 class ServeError(ValueError):
