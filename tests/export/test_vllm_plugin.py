@@ -163,3 +163,45 @@ def test_llama3_scaled_serves_exactly(served, tiny_ckpts):
         return model
 
     assert _control(tiny_ckpts["llama3"], plain_table) > FLOOR_FACTOR * record["ours_bf16_abs_diff"]["mean"]
+
+
+def test_served_shape_pads_or_refuses():
+    """The widths vLLM gets (no vLLM needed): zero padding up to the CPU backends' 512 + 64 and 128 / 128, and a
+    one-line refusal naming the factor option for what does not fit."""
+    from mla_convert.mla.configuration import MLAConfig
+    from mla_convert.serve.vllm_plugin import ServeError, served_shape
+
+    def config(**over: Any) -> MLAConfig:
+        base = dict(
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            kv_lora_rank=[19, 5],
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            num_rope_heads=1,
+        )
+        return MLAConfig(**{**base, **over})
+
+    shape = served_shape(config())
+    assert (shape.kv_lora_rank, shape.qk_rope_head_dim, shape.qk_nope_head_dim, shape.v_head_dim) == (
+        512,
+        64,
+        128,
+        128,
+    )
+    assert shape.ranks == (19, 5) and shape.cache_width == 576
+    assert (
+        served_shape(config(num_rope_heads=2, qk_rope_head_dim=32)).rope_heads == 2
+    )  # 2 x 32 fills the slot
+    for over, fix in (
+        ({"kv_lora_rank": [513, 5]}, "--kv-lora-rank 512"),
+        ({"num_rope_heads": 2, "qk_rope_head_dim": 48}, "--rope-pairs 32"),
+        ({"qk_nope_head_dim": 160}, "--qk-nope-head-dim 128"),
+    ):
+        with pytest.raises(ServeError, match=fix) as err:
+            served_shape(config(**over))
+        assert "\n" not in str(err.value)
+    gpu = served_shape(config(qk_nope_head_dim=160, v_head_dim=160), "vllm")  # FlashMLA's prefill shapes
+    assert (gpu.qk_nope_head_dim, gpu.v_head_dim) == (192, 256)
