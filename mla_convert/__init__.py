@@ -6,7 +6,9 @@ remote code. On a machine without a CUDA GPU, registering also sets ``TRITON_INT
 before anything imports Triton: the bundled decode kernel can then only run in the Triton interpreter, and
 Triton reads that switch once, when it is first imported.
 
-The one exception is the ``mla-convert`` command itself (the console script or ``python -m mla_convert``): it
+Two exceptions. Inside vLLM (``vllm`` imported first), as when vLLM loads our plugin
+(:mod:`mla_convert.serve.vllm_plugin`), nothing is registered: vLLM's environment has an older transformers, and the
+plugin imports only what it needs. The other is the ``mla-convert`` command itself (the console script or ``python -m mla_convert``): it
 starts without torch or transformers, so ``--help`` and bad options answer at once, and each command registers
 (:func:`register`) only when it loads a model. docs/design.md, "A thin CLI".
 """
@@ -67,7 +69,7 @@ def _no_gpu_device() -> bool:
     return not (os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/kfd"))
 
 
-if not _started_as_cli():
+if not _started_as_cli() and "vllm" not in sys.modules:
     register()
 elif "triton" not in sys.modules and _no_gpu_device():
     # The CLI imports torch later, inside a command, and some import may pull Triton in before register()

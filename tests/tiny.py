@@ -118,22 +118,23 @@ def leftovers(out: Path) -> list[str]:
     )
 
 
-def write_tiny_family(folder: Path, family: str) -> Path:
+def write_tiny_family(folder: Path, family: str, **overrides: Any) -> Path:
     """A random tiny ``llama`` (GQA), ``mha`` (Llama, 4 KV heads), ``mistral`` or ``qwen2`` (random q/k/v biases)
-    checkpoint in ``folder`` (seed 0)."""
+    checkpoint in ``folder`` (seed 0); ``overrides`` change :data:`TINY`'s keys."""
     import torch
 
     torch.manual_seed(0)
+    shape = {**TINY, **overrides}
     if family in ("llama", "mha"):
-        return write_tiny_llama(folder, **({"num_key_value_heads": 4} if family == "mha" else {}))
+        return write_tiny_llama(folder, **({"num_key_value_heads": 4} if family == "mha" else {}), **overrides)
     if family == "mistral":
         from transformers import MistralConfig, MistralForCausalLM
 
-        MistralForCausalLM(MistralConfig(**TINY, sliding_window=None)).save_pretrained(str(folder))
+        MistralForCausalLM(MistralConfig(**shape, sliding_window=None)).save_pretrained(str(folder))
         return folder
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    model = Qwen2ForCausalLM(Qwen2Config(**TINY))
+    model = Qwen2ForCausalLM(Qwen2Config(**shape))
     with torch.no_grad():  # transformers initialises biases to zero: make them carry something
         for layer in model.model.layers:
             for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):

@@ -46,6 +46,7 @@ import torch
 
 from mla_convert.convert.engine import ENGINE_HEAD_DIMS, ENGINE_ROWS, TARGETS, engine_nope_width
 from mla_convert.errors import UserError
+from mla_convert.serve.vllm_plugin import PLUGIN_ROUTE
 
 #: The epsilon every exported norm uses (``rms_norm_eps``): transformers' ``DeepseekV3RMSNorm`` default, which
 #: its ``kv_a_layernorm`` always applies; vLLM and SGLang apply ``rms_norm_eps`` to every norm.
@@ -221,7 +222,7 @@ def rope_slots(inv_freq: list[list[list[float]]], n_slots: int | None = None) ->
             "the kept RoPE frequencies are not powers of one ratio (a scaled source RoPE: llama3, YaRN, longrope); "
             "serving engines apply only a plain rope_theta to DeepSeek models, so no export is exact: convert with "
             "--rope-strategy high and no more --rope-pairs than the pairs the scaling leaves unscaled (factor --export "
-            "steers to them; inspect says how many)"
+            f"steers to them; inspect says how many); or, with no export, {PLUGIN_ROUTE}"
         )
     steps = {f: round(x / lam) if lam else 0 for f, x in zip(union, logs, strict=True)}
     need = max(steps.values()) + 1
@@ -301,8 +302,8 @@ def plan_export(config: Any, dtype: torch.dtype, target: str = "transformers") -
     if c.q_bias or c.kv_a_bias or c.o_bias:
         raise ExportError(
             "the source has attention biases (Qwen2-style q/k/v biases): vLLM and SGLang build DeepSeek attention "
-            "without biases and drop them silently, so no DeepSeek-V3 export is exact there; serve the MLA "
-            "checkpoint with mla-convert generate, or convert a bias-free source"
+            "without biases and drop them silently, so no DeepSeek-V3 export is exact there; instead, "
+            f"{PLUGIN_ROUTE}"
         )
     if dtype == torch.float16:
         raise ExportError(

@@ -3,6 +3,8 @@ where it runs.
 
 ``python -m mla_convert.export.engine_check CKPT EXPORT --vllm-python PY [--json OUT.json] [--table OUT.md]``
 ``python -m mla_convert.export.engine_check CKPT EXPORT --mlx-python PY [--json OUT.json] [--table OUT.md]``
+``python -m mla_convert.export.engine_check CKPT --plugin --vllm-python PY [--custom-ops]`` (CKPT itself through our
+vLLM plugin, :func:`check_plugin`; PY from ``scripts/vllm_env.sh``, which installs the plugin)
 
 1. Real text: :data:`WINDOWS` x :data:`WINDOW` tokens of the Wikipedia evaluation split, and two prompts
    (:data:`PROMPTS`), tokenized with CKPT's tokenizer.
@@ -53,6 +55,8 @@ FLOOR_FACTOR = 2.0
 GREEDY_MARGIN = 0.1
 #: Wall-clock limit of the vLLM process (seconds): import, load, two generate calls.
 TIMEOUT_S = 600
+#: Seconds more for each further checkpoint one process serves (:func:`run_probes`).
+JOB_S = 300
 #: MLX-LM's text (:func:`check_mlx`): fewer tokens than vLLM's, since MLX's Linux CPU wheel multiplies matrices with
 #: the reference BLAS (~1 GFLOP/s here: one 128-token forward of the 135M reference takes ~35 s).
 MLX_WINDOW = 64
@@ -85,30 +89,56 @@ def build_request(
 
 
 def run_probe(
-    python: str, probe: str, export: Path, request: dict[str, Any], engine: str
+    python: str, probe: str, export: Path, request: dict[str, Any], engine: str, this_package: bool = False
 ) -> tuple[dict[str, Any], str]:
     """Run the probe script ``probe`` (a file beside this module) with ``python`` on ``export``; returns (its result,
-    its log).
+    its log). ``this_package``: the engine imports this very ``mla_convert`` (its folder alone on ``PYTHONPATH``,
+    ahead of any copy installed there): the vLLM plugin as this checkout has it.
 
     Raises:
         RuntimeError: the ``engine`` process failed or timed out (the message ends with its last log lines).
     """
+    results, log = run_probes(python, probe, [(export, request)], engine, this_package)
+    return results[0], log
+
+
+def run_probes(
+    python: str, probe: str, jobs: list[tuple[Path, dict[str, Any]]], engine: str, this_package: bool = False
+) -> tuple[list[dict[str, Any]], str]:
+    """:func:`run_probe` for several ``(folder, request)`` jobs; more than one runs in one process (the probe's
+    ``--jobs`` form: one engine import for all); returns their results in order and the process's log.
+
+    Raises:
+        RuntimeError: the ``engine`` process failed or timed out (the message ends with its last log lines).
+    """
+    import os
+
     script = Path(__file__).with_name(probe)
+    limit = TIMEOUT_S + JOB_S * (len(jobs) - 1)
     with tempfile.TemporaryDirectory(prefix=f"mla-{engine.lower().replace(' ', '-')}-") as tmp:
-        req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
-        req.write_text(json.dumps(request))
+        files = []
+        for i, (folder, request) in enumerate(jobs):
+            req, res = Path(tmp) / f"request-{i}.json", Path(tmp) / f"result-{i}.json"
+            req.write_text(json.dumps(request))
+            files.append([str(folder), str(req), str(res)])
+        (Path(tmp) / "jobs.json").write_text(json.dumps(files))
+        env = dict(os.environ)
+        if this_package:
+            (Path(tmp) / "path").mkdir()
+            (Path(tmp) / "path" / "mla_convert").symlink_to(Path(__file__).resolve().parents[1])
+            env["PYTHONPATH"] = str(Path(tmp) / "path")
+        args = files[0] if len(files) == 1 else ["--jobs", str(Path(tmp) / "jobs.json")]
         try:
-            done = subprocess.run(
-                [python, str(script), str(export), str(req), str(res)],
-                capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp,
-            )
+            done = subprocess.run([python, str(script), *args], capture_output=True, text=True, timeout=limit,
+                                  cwd=tmp, env=env)
         except subprocess.TimeoutExpired:
-            raise RuntimeError(f"{engine} did not finish within {TIMEOUT_S} s") from None
+            raise RuntimeError(f"{engine} did not finish within {limit} s") from None
         log = done.stdout + done.stderr
-        if done.returncode != 0 or not res.is_file():
+        if done.returncode != 0 or not all(Path(f[2]).is_file() for f in files):
             tail = "\n".join(log.strip().splitlines()[-15:])
-            raise RuntimeError(f"{engine} exited with {done.returncode} on {export}:\n{tail}")
-        return json.loads(res.read_text()), log
+            names = ", ".join(f[0] for f in files)
+            raise RuntimeError(f"{engine} exited with {done.returncode} on {names}:\n{tail}")
+        return [json.loads(Path(f[2]).read_text()) for f in files], log
 
 
 def run_vllm(python: str, export: Path, request: dict[str, Any], custom_ops: bool = False) -> tuple[dict[str, Any], str]:
@@ -166,14 +196,13 @@ def against_ours(
     return diff, floor, margins
 
 
-def compare(ckpt: Path, export: Path, request: dict[str, Any], result: dict[str, Any], log: str) -> dict[str, Any]:
-    """Our model (``ckpt``, float32) against vLLM's ``result`` on ``request``: the record of
-    :func:`check_vllm` (figures, thresholds, ``passed``, ``reasons``)."""
-    record = json.loads((export / "mla_manifest.json").read_text())["export"]
+def compare(ckpt: Path, width: int, request: dict[str, Any], result: dict[str, Any], log: str) -> dict[str, Any]:
+    """Our model (``ckpt``, float32) against vLLM's ``result`` on ``request``, vLLM expected to cache one latent head
+    of ``width`` values per token per layer: the record of :func:`check_vllm` and :func:`check_plugin` (figures,
+    thresholds, ``passed``, ``reasons``)."""
     diff, bf16, margins = against_ours(ckpt, request, result)
     worst = max(max(m) for m in margins)
     backends = sorted(set(re.findall(r"Using (\w+) (?:MLA prefill )?backend", log)))
-    width = record["kv_lora_rank"] + 2 * record["rope"]["slots"]
     cache = result.get("kv_cache") or {}
     groups = cache.get("groups", [])
     reasons = []
@@ -226,9 +255,40 @@ def check_vllm(ckpt: Path, export: Path, python: str, custom_ops: bool = False) 
     started = time.perf_counter()
     request = build_request(AutoTokenizer.from_pretrained(str(ckpt)))
     result, log = run_vllm(python, export, request, custom_ops)
-    record = compare(ckpt, export, request, result, log)
+    export_record = json.loads((export / "mla_manifest.json").read_text())["export"]
+    width = export_record["kv_lora_rank"] + 2 * export_record["rope"]["slots"]
+    record = compare(ckpt, width, request, result, log)
     record["wall_s"] = round(time.perf_counter() - started, 1)
     return record
+
+
+def check_plugin(ckpts: list[Path], python: str, custom_ops: bool = False) -> list[dict[str, Any]]:
+    """Serve each ``mla`` checkpoint of ``ckpts`` itself in the vLLM of ``python`` through our plugin
+    (:mod:`mla_convert.serve.vllm_plugin`, this checkout's), all in one vLLM process, and compare each with our
+    float32 model as :func:`check_vllm` does (the same text, thresholds and record); vLLM must cache one latent head of
+    the plugin's served width (:func:`~mla_convert.serve.vllm_plugin.served_shape`, CPU: 512 + 64). The attention
+    backends are read from the process's log (vLLM names them once per process: the same for every checkpoint).
+
+    Raises:
+        RuntimeError: vLLM failed to run (not a mismatch: that is ``passed: false``).
+    """
+    from transformers import AutoTokenizer
+
+    from mla_convert.mla.configuration import MLAConfig
+    from mla_convert.serve.vllm_plugin import served_shape
+
+    started = time.perf_counter()
+    requests = [{**build_request(AutoTokenizer.from_pretrained(str(c))), "custom_ops": custom_ops} for c in ckpts]
+    results, log = run_probes(python, "vllm_probe.py", list(zip(ckpts, requests, strict=True)), "vLLM", True)
+    records = []
+    for ckpt, request, result in zip(ckpts, requests, results, strict=True):
+        width = served_shape(MLAConfig.from_pretrained(str(ckpt))).cache_width
+        record = compare(ckpt, width, request, result, log)
+        record["route"] = "vLLM plugin (mla_convert.serve.vllm_plugin)"
+        records.append(record)
+    for record in records:
+        record["wall_s"] = round(time.perf_counter() - started, 1)  # the one process and every comparison
+    return records
 
 
 def compare_mlx(ckpt: Path, export: Path, request: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
@@ -364,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m mla_convert.export.engine_check", description=__doc__.splitlines()[0])
     p.add_argument("ckpt", type=Path)
-    p.add_argument("export", type=Path)
+    p.add_argument("export", type=Path, nargs="?", help="the export of CKPT (not with --plugin)")
     engine = p.add_mutually_exclusive_group(required=True)
     engine.add_argument("--vllm-python")
     engine.add_argument("--mlx-python", help="the python of scripts/mlx_env.sh: check the export in MLX-LM")
@@ -372,8 +432,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--table", type=Path)
     p.add_argument("--what", default="bash scripts/serve_check.sh")
     p.add_argument("--custom-ops", action="store_true", help="vLLM as shipped (its CPU rotary kernel on)")
+    p.add_argument("--plugin", action="store_true", help="serve CKPT itself in vLLM through our plugin (no export)")
     a = p.parse_args(argv)
-    if a.mlx_python:
+    if (a.export is None) != bool(a.plugin and a.vllm_python):
+        p.error("give EXPORT, or --plugin with --vllm-python (the plugin serves CKPT itself)")
+    if a.plugin:
+        record = check_plugin([a.ckpt], a.vllm_python, a.custom_ops)[0]
+        text = table(record, a.what)
+    elif a.mlx_python:
         record = check_mlx(a.ckpt, a.export, a.mlx_python)
         text = mlx_table(record, a.what)
     else:

@@ -32,6 +32,7 @@ from mla_convert.export.deepseek_v3 import (
     _transformers_inv_freq,
     rope_slots,
 )
+from mla_convert.serve.vllm_plugin import PLUGIN_ROUTE
 
 #: The strategies whose kept pairs follow from the options alone (the others read calibration data).
 FIXED_STRATEGIES = ("high", "low", "uniform")
@@ -99,11 +100,12 @@ def scaled_rope_problem(src: Any, options: Any, target: str) -> str | None:
         return (f"the source's RoPE is {kind}-scaled and none of its {half} pairs keeps its plain frequency "
                 "rope_theta^(-2k/d), so the kept frequencies are not one plain rope_theta table (the only RoPE engines "
                 "apply to DeepSeek models) and no export is exact: convert without --export and use the MLA "
-                "checkpoint as is (--target transformers)")
+                f"checkpoint as is (--target transformers); {PLUGIN_ROUTE}")
     fix = min(geo.rope_pairs, n, slots or n)
     return (f"the source's RoPE is {kind}-scaled: only pairs 0..{n - 1} keep their plain frequency rope_theta^(-2k/d) "
             f"(the one table engines apply to DeepSeek models) and --rope-strategy {options.rope_strategy} with "
-            f"{geo.rope_pairs} pairs can keep a scaled one: use --rope-strategy high --rope-pairs {fix} (or fewer)")
+            f"{geo.rope_pairs} pairs can keep a scaled one ({PLUGIN_ROUTE}); to export, use --rope-strategy high "
+            f"--rope-pairs {fix} (or fewer)")
 
 
 def steer_for_export(
@@ -181,7 +183,8 @@ def export_problems(src: Any, options: Any, target: str = "transformers", fmt: s
     biased = [p for p in ("q", "k", "v", "o") if src.family.has_bias(p, src.config)]
     if biased:
         where = ("llama.cpp's deepseek2 attention has no biases; no GGUF export is exact" if gguf else "vLLM and SGLang "
-                 "build DeepSeek attention without biases and drop them silently; no DeepSeek-V3 export is exact there")
+                 "build DeepSeek attention without biases and drop them silently; no DeepSeek-V3 export is exact "
+                 f"there, but {PLUGIN_ROUTE}")
         out.append(f"the source has attention biases ({', '.join(p + '_proj' for p in biased)}): {where}")
     if getattr(src.config, "mlp_bias", False):
         out.append("the source MLP has biases; DeepSeek-V3's dense MLP has none")

@@ -4,6 +4,7 @@ Run with the python of a venv that has vLLM (``scripts/vllm_env.sh`` builds the 
 mla-convert, so it runs beside any vLLM install::
 
     python vllm_probe.py EXPORT REQUEST.json RESULT.json
+    python vllm_probe.py --jobs JOBS.json       # [[FOLDER, REQUEST.json, RESULT.json], ...] in one process
 
 ``REQUEST.json``: ``{"score": [[token ids], ...], "greedy": [[token ids], ...], "new_tokens": N, "dtype":
 "bfloat16", "custom_ops": false}``. ``RESULT.json``: for each ``score`` sequence the log-probability vLLM gives
@@ -119,6 +120,13 @@ def _kv_cache(llm: Any) -> dict[str, Any] | None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 4:
-        sys.exit("usage: python vllm_probe.py EXPORT REQUEST.json RESULT.json")
-    main(*sys.argv[1:])
+    if len(sys.argv) == 3 and sys.argv[1] == "--jobs":  # [[FOLDER, REQUEST.json, RESULT.json], ...]: one process
+        import gc
+
+        for job in json.loads(open(sys.argv[2]).read()):
+            main(*job)
+            gc.collect()  # the previous engine and its KV cache go before the next loads
+    elif len(sys.argv) != 4:
+        sys.exit("usage: python vllm_probe.py EXPORT REQUEST.json RESULT.json | --jobs JOBS.json")
+    else:
+        main(*sys.argv[1:])

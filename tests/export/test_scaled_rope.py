@@ -180,6 +180,7 @@ def test_refusals_come_before_any_work(sources, tmp_path):
     text = " ".join(res.output.split())
     assert res.exit_code == 2 and "linear-scaled and none of its 8 pairs keeps its plain frequency" in text
     assert "convert without --export and use the MLA checkpoint as is" in text
+    assert "through mla-convert's plugin, with no export" in text and "vllm serve CKPT" in text  # issue 36
     assert not out.exists() and not (tmp_path / "lin-deepseek-v3").exists()
     out = tmp_path / "twonorm"
     res = runner.invoke(app, ["factor", str(sources["llama3"]), str(out), *SMALL, "--cache-budget", "40", "--export",
@@ -188,6 +189,7 @@ def test_refusals_come_before_any_work(sources, tmp_path):
     text = " ".join(res.output.split())
     assert res.exit_code == 2 and "llama3-scaled: only pairs 0..3 keep their plain frequency" in text
     assert "use --rope-strategy high --rope-pairs 4 (or fewer)" in text and not out.exists()
+    assert "vLLM serves the MLA checkpoint itself exactly through mla-convert's plugin" in text
 
 
 def test_inspect_and_recipes_say_the_steering(sources, tmp_path):

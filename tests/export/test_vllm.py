@@ -2,13 +2,12 @@
 (offline ``LLM``, AMX_MLA latent cache) computes what our MLA model computes (issue 26).
 
 The vLLM venv comes from ``scripts/vllm_env.sh`` (``scripts/test.sh`` builds it and sets ``MLA_VLLM_PYTHON``).
-Without it these tests skip, except under ``MLA_REQUIRE_VLLM=1`` (CI), where they fail.
+Without it these tests skip (the ``vllm_python`` fixture, conftest.py), except under ``MLA_REQUIRE_VLLM=1`` (CI), where they fail.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -18,16 +17,6 @@ from typer.testing import CliRunner
 from mla_convert.cli.commands import app
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def vllm_python() -> str:
-    python = os.environ.get("MLA_VLLM_PYTHON", "")
-    if not python or not Path(python).is_file():
-        if os.environ.get("MLA_REQUIRE_VLLM") == "1":
-            pytest.fail("MLA_REQUIRE_VLLM=1 but MLA_VLLM_PYTHON names no python: run bash scripts/vllm_env.sh")
-        pytest.skip("no vLLM venv (MLA_VLLM_PYTHON): bash scripts/vllm_env.sh builds one")
-    return python
 
 
 @pytest.fixture(scope="module")
