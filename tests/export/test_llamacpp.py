@@ -57,7 +57,8 @@ def test_reference_gguf_is_exact_in_llamacpp(llamacpp_python, reference_gguf, re
     # default: 93 -> 96), and the rope key; V is a view of K
     padded = -(-max(ranks) // 32) * 32
     assert cache["k_type"] == "f16" and cache["v_mib"] == 0.0 and cache["layers"] == 30
-    assert cache["values_per_token_per_layer"] == record["kv_cache_values_per_token_per_layer"] == padded + 64
+    assert record["kv_cache_values_per_token_per_layer"] == padded + 64
+    assert abs(cache["values_per_token_per_layer"] - (padded + 64)) <= cache["resolution"] + 0.05  # MiB to 2 decimals
     assert source["values_per_token_per_layer"] == 384 and source["v_mib"] == source["k_mib"]  # 2 x 3 KV heads x 64
     assert record["cache_ratio"] <= 0.45
 
