@@ -6,7 +6,7 @@ The request is :func:`~mla_convert.export.engine_check.build_request`'s (real te
 CKPT's tokenizer) and the comparison :func:`~mla_convert.export.engine_check.agreement` (log-probability of every
 scored token, greedy tokens against our argmax), as for vLLM. llama.cpp (``PY``, a venv from
 ``scripts/llamacpp_env.sh``) runs :mod:`~mla_convert.export.llamacpp_probe`: float32 weights (the GGUF's), f16
-cache, 2 threads. Passed when mean |d log p| <= :data:`MEAN_MAX` and max <= :data:`ABS_MAX`, every greedy token is our
+cache, 1 thread. Passed when mean |d log p| <= :data:`MEAN_MAX` and max <= :data:`ABS_MAX`, every greedy token is our
 argmax or within :data:`GREEDY_MARGIN` logits of it, llama.cpp tokenizes the prompts as CKPT's tokenizer does, and
 its KV cache is K-only with ``kv_lora_rank + qk_rope_head_dim`` values per token per layer (the latent and the rope
 key; V a view of K).
@@ -149,7 +149,7 @@ def check_llamacpp(
             abs(cache["k_values_per_token_per_layer"] - width) > cache["resolution"] + 0.05):
         reasons.append(f"llama.cpp's KV cache is not K-only {cache_type} with {width} values per token per layer: {cache}")
     out: dict[str, Any] = {
-        "engine": f"llama.cpp (llama-cpp-python {result['llama_cpp']}, CPU, 2 threads, {cache_type} cache)",
+        "engine": f"llama.cpp (llama-cpp-python {result['llama_cpp']}, CPU, 1 thread, {cache_type} cache)",
         "dtype": record.get("dtype"),
         "quantized": quantized,
         "text": f"wikipedia evaluation split, {len(request['score'])} x {len(request['score'][0])} tokens",

@@ -10,7 +10,8 @@ the first (from its logits of every position, ``logits_all``, float64 log-softma
 the ``N`` tokens of its argmax, one decode step at a time; llama.cpp's own tokenization of each ``texts`` entry (no
 BOS, special tokens parsed); the GGUF metadata llama.cpp read; the llama.cpp version and wall times (seconds). The
 caller reads the KV cache llama.cpp allocated from its log (stderr, ``llama_kv_cache: ... K (f16): X MiB, V (f16): Y
-MiB``). Two threads; an f16 cache with flash attention off (llama-cpp-python's defaults), a quantized cache
+MiB``). One thread (two OpenMP threads spin at every barrier on a shared two-core machine: 10-100 x slower
+here); an f16 cache with flash attention off (llama-cpp-python's defaults), a quantized cache
 (``type_k`` = ``type_v``) with it on.
 """
 
@@ -35,8 +36,8 @@ def main(model: str, request_path: str, result_path: str) -> None:
     from llama_cpp import Llama
 
     cache = CACHE_TYPES[request.get("cache_type", "f16")]
-    llm = Llama(model_path=model, n_ctx=int(request.get("n_ctx", 1024)), n_batch=512, logits_all=True, n_threads=2,
-                n_threads_batch=2, seed=0, verbose=True, type_k=cache, type_v=cache, flash_attn=cache != 1)
+    llm = Llama(model_path=model, n_ctx=int(request.get("n_ctx", 1024)), n_batch=512, logits_all=True, n_threads=1,
+                n_threads_batch=1, seed=0, verbose=True, type_k=cache, type_v=cache, flash_attn=cache != 1)
     loaded = time.perf_counter()
 
     def logprobs(rows: np.ndarray) -> np.ndarray:
