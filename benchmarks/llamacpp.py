@@ -336,7 +336,8 @@ def measure(a: argparse.Namespace, results: dict[str, Any]) -> None:
     meta["machine"] = a.machine
     done = {row_key(r) for r in results["rows"]}
 
-    def add(row: dict[str, Any]) -> None:
+    def add(row: dict[str, Any], version: str) -> None:
+        meta["engine"] = f"llama.cpp (llama-cpp-python {version}, CPU)"
         results["rows"].append(row)
         done.add(row_key(row))
         store(results, a.results)
@@ -349,10 +350,9 @@ def measure(a: argparse.Namespace, results: dict[str, Any]) -> None:
                     continue
                 res, log = run(python, {"job": "kv", "model": str(files[f"{m}-f16"]), "cache_type": c,
                                         "contexts": list(CONTEXTS)})  # fmt: skip
-                meta["engine"] = f"llama.cpp (llama-cpp-python {res['llama_cpp']}, CPU, 1 thread)"
                 for row in kv_rows(log, m, c, CONTEXTS):
                     if row_key(row) not in done:
-                        add(row)
+                        add(row, res["llama_cpp"])
     if "ppl" in parts:
         for w in WEIGHTS:
             for c in CACHES:
@@ -362,7 +362,7 @@ def measure(a: argparse.Namespace, results: dict[str, Any]) -> None:
                     res, _ = run(python, {"job": "ppl", "model": str(files[f"{m}-{w}"]), "cache_type": c,
                                           "windows": ppl_ids})  # fmt: skip
                     add({"part": "ppl", "model": m, "weights": w, "cache": c, "tokens": res["tokens"],
-                         "nll": res["nll"], "ppl": math.exp(res["nll"] / res["tokens"])})  # fmt: skip
+                         "nll": res["nll"], "ppl": math.exp(res["nll"] / res["tokens"])}, res["llama_cpp"])  # fmt: skip
     if "speed" in parts:
         for rep in range(a.repeats):
             for w in speed_w:
@@ -378,7 +378,7 @@ def measure(a: argparse.Namespace, results: dict[str, Any]) -> None:
                             t = res["contexts"][str(n)]
                             add({"part": "speed", "model": m, "weights": w, "cache": c, "ctx": n, "repeat": rep,
                                  "prefill_ms": t["prefill_ms"], "decode_ms": t["decode_ms"],
-                                 "load_before": round(load, 2), "at": at})  # fmt: skip
+                                 "load_before": round(load, 2), "at": at}, res["llama_cpp"])  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
