@@ -130,6 +130,16 @@ def _ratio(a: float | None, b: float | None) -> str:
     return "—" if a is None or b is None or b == 0 else f"{a / b:.2f} x"
 
 
+def _rounds(rows: list[dict[str, Any]]) -> str:
+    """How many interleaved rounds the speed rows hold, as the caption says it."""
+    n = len({r["repeat"] for r in rows if r["part"] == "speed"})
+    return (
+        "one round (source, then MLA)"
+        if n == 1
+        else f"best of {n} interleaved rounds (who goes first alternates)"
+    )
+
+
 def ppl_table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
     """Perplexity (and file size) of the source and MLA GGUF at each weight type and cache type."""
     ppl = [r for r in rows if r["part"] == "ppl"]
@@ -235,8 +245,8 @@ def block(results: dict[str, Any]) -> str:
                      "the attention ratio as the context grows.")  # fmt: skip
         lines += ["", f"Prefill and decode time per token ({meta.get('speed_text', 'real text')}): "
                   f"{meta.get('machine', 'a shared CPU')}; one llama.cpp thread per process (two OpenMP threads "
-                  "spin at every barrier while other jobs hold the cores: 10-100 x slower here); best of the "
-                  f"interleaved rounds.{arith}", "",
+                  "spin at every barrier while other jobs hold the cores: 10-100 x slower here); "
+                  f"{_rounds(rows)}.{arith}", "",
                   *speed_table(rows, meta)]  # fmt: skip
     return "\n".join(lines)
 

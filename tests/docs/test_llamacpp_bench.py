@@ -85,6 +85,7 @@ def test_block_tables():
         in text
     )
     assert "2304 (MLA absorbed, H(2 d_c + d_R)) against 1152 (source, 2 H d), 2.00 x" in text
+    assert "best of 2 interleaved rounds" in text
     only_ppl = bench.block({"meta": {}, "rows": _rows()[:2]})
     assert (
         "Perplexity on" in only_ppl
