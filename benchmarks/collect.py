@@ -69,6 +69,7 @@ COLLECTORS: dict[str, Callable[[], str]] = {
     "export": lambda: _mod("export").table(_json("export.json")),  # type: ignore[arg-type]
     "export-transformers": lambda: _mod("export").transformers_block(_json("export.json")),  # type: ignore[arg-type]
     "engine-shape": lambda: _mod("engine_shape").collect_block(),
+    "llamacpp-bench": lambda: _mod("llamacpp").block(_json("llamacpp.json")),  # type: ignore[arg-type]
 }
 
 

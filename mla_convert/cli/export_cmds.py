@@ -90,13 +90,13 @@ def print_export(dest: Path, manifest: dict[str, Any]) -> None:
         console.print("  " + line, highlight=False, markup=False)
 
 
-def run_gguf_export(ckpt: Path, out: Path, dtype: str, overwrite: bool, check: bool) -> None:
+def run_gguf_export(ckpt: Path, out: Path, dtype: str, overwrite: bool, check: bool, cache_block: int = 32) -> None:
     """Write the GGUF of ``ckpt`` (:func:`~mla_convert.export.gguf_file.export_gguf`) and print what was written, its
     cache, the parity llama.cpp measured (when it is installed) and how to run it."""
     from mla_convert.export.gguf_file import export_gguf
 
     with user_errors():
-        path, record = export_gguf(ckpt, out, dtype, overwrite, note=note, check=check)
+        path, record = export_gguf(ckpt, out, dtype, overwrite, note=note, check=check, cache_block=cache_block)
     cache = record["cache_values_per_token_per_layer"]
     msg = (f"wrote {path}: llama.cpp deepseek2 GGUF ({record['dtype']}), kv_lora_rank {record['kv_lora_rank']}, "
            f"rope_theta {record['rope']['parameters']['rope_theta']:.6g} ({record['rope']['slots']} pairs), K-only cache "
@@ -163,6 +163,12 @@ def export(
         "(q8_0, q4_k_m, q5_k_m, q6_k, ...: through llama.cpp's own quantizer, which must be installed).",
     ),
     target: str = typer.Option("transformers", "--target", help=TARGET_HELP[0].upper() + TARGET_HELP[1:]),
+    cache_block: int = typer.Option(
+        32, "--cache-block",
+        help="--format gguf: zero-pad the latent so it and the K row (latent + rope) are whole blocks of this many "
+        "values (32: llama.cpp's q8_0/q4_0 caches, e.g. 93 + 64 -> 96 + 64; the same function, a few more cached "
+        "values); 1 keeps the checkpoint's largest rank (f16/bf16/f32 caches only).",
+    ),
 ) -> None:
     """Write CKPT in a format serving engines load: DeepSeek-V3 (transformers and vLLM, both checked; SGLang not run)
     or a llama.cpp GGUF (--format gguf: deepseek2, K-only latent cache at the checkpoint's width).
@@ -184,13 +190,18 @@ def export(
 
             if dtype not in GGUF_DTYPES:
                 fail(f"--dtype {dtype!r} is not one of {', '.join(GGUF_DTYPES)} for --format gguf")
+            if cache_block < 1:
+                fail(f"--cache-block {cache_block} must be 1 (no padding) or more (32: llama.cpp's quantized caches)")
             check_gguf_target(target)
             if read_checkpoint_config(ckpt, require_mla=True).get("model_type") != "mla":
                 fail(f"{ckpt} is already a DeepSeek-V3 export; export the MLA checkpoint it came from")
             check_gguf_output(gguf_destination(out), overwrite, ckpt)
     if format == "gguf":
-        run_gguf_export(ckpt, out, dtype, overwrite, check)
+        run_gguf_export(ckpt, out, dtype, overwrite, check, cache_block)
         return
+    with user_errors():
+        if cache_block != 32:
+            fail(f"--cache-block is for --format gguf (llama.cpp's quantized caches); --format {format} takes none")
     with user_errors():
         if out.suffix.lower() == ".gguf":
             fail(f"OUT {out} ends in .gguf but --format {format} writes a folder: for llama.cpp give --format gguf")

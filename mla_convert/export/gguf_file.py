@@ -30,6 +30,7 @@ import json
 import os
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,9 @@ GGUF_DTYPES = ("auto", *GGUF_FLOATS, *GGUF_QUANTS)
 _FILE_TYPES = {"float32": 0, "float16": 1, "bfloat16": 32}
 #: The attention tensor kept float32 in float16 and quantized files (the scaled latent rows of the linear norm).
 KEEP_F32 = "attn_kv_a_mqa"
+#: Default ``cache_block``: the block of every quantized KV cache type llama.cpp takes (q8_0, q4_0, q4_1, q5_0,
+#: q5_1, iq4_nl hold 32 values a block); f16 / bf16 / f32 caches take any width.
+CACHE_BLOCK = 32
 
 #: DeepSeek-V3 tensor name suffix -> llama.cpp ``deepseek2`` name (``gguf.MODEL_TENSORS[DEEPSEEK2]``).
 _LAYER_NAMES = {
@@ -173,9 +177,25 @@ def tokenizer_fields(path: Path) -> list[tuple[str, Any, Any, Any]]:
 
 
 # ------------------------------------------------------------------------------------------------ plan
-def gguf_plan(config: Any, dtype: str) -> ExportPlan:
+def cache_block_rank(kv_lora_rank: int, rope: int, block: int) -> int | None:
+    """The smallest latent width ``>= kv_lora_rank`` that is a multiple of ``block`` with the K row
+    ``width + rope`` one too (llama.cpp's quantized caches store whole blocks of ``block`` values and view the
+    latent as V, so both must be); None when ``rope`` is not a multiple of ``block`` (no width makes both).
+    ``block`` <= 1: ``kv_lora_rank`` itself."""
+    if block <= 1:
+        return kv_lora_rank
+    if rope % block:
+        return None
+    return -(-kv_lora_rank // block) * block
+
+
+def gguf_plan(config: Any, dtype: str, cache_block: int = CACHE_BLOCK) -> ExportPlan:
     """The DeepSeek-V3 plan (``--target transformers``) the GGUF of ``dtype`` is written from: bfloat16 for a
-    bfloat16 file, float32 for every other (float16 and the quantized types are rounded from float32).
+    bfloat16 file, float32 for every other (float16 and the quantized types are rounded from float32), with the
+    latent zero-padded to :func:`cache_block_rank` of ``cache_block`` (the same function: the padded latent rows of
+    ``attn_kv_a_mqa`` are zero and ``attn_k_b`` / ``attn_v_b`` give them zero weight; ``plan.kv_lora_rank`` the
+    padded width, ``plan.ranks`` the checkpoint's). A rope width the block does not divide keeps the unpadded latent
+    (its cache runs in f16 / bf16 / f32 only: :func:`quant_cache_block` 1).
 
     Raises:
         ExportError: what :func:`~mla_convert.export.deepseek_v3.plan_export` refuses, or an MLP activation
@@ -185,7 +205,19 @@ def gguf_plan(config: Any, dtype: str) -> ExportPlan:
         raise ExportError(f"the MLP activation is {config.hidden_act!r}; llama.cpp's deepseek2 computes SiLU only, so "
                           "no GGUF export is exact: export --format deepseek-v3 --target transformers")
     plan = plan_export(config, torch.bfloat16 if dtype == "bfloat16" else torch.float32, "transformers")
-    return plan
+    d_r = 2 * len(plan.rope.inv_freq)
+    width = cache_block_rank(plan.kv_lora_rank, d_r, cache_block)
+    width = plan.kv_lora_rank if width is None else width
+    cache = {**plan.cache_values_per_token, "deepseek_v3": float(width + d_r)}
+    return replace(plan, kv_lora_rank=width, config={**plan.config, "kv_lora_rank": width}, cache_values_per_token=cache)
+
+
+def quant_cache_block(plan: ExportPlan) -> int:
+    """:data:`CACHE_BLOCK` when llama.cpp can hold the plan's cache in its quantized types (the latent and the K
+    row whole blocks), else 1 (f16 / bf16 / f32 caches only)."""
+    d_r = 2 * len(plan.rope.inv_freq)
+    ok = plan.kv_lora_rank % CACHE_BLOCK == 0 and (plan.kv_lora_rank + d_r) % CACHE_BLOCK == 0
+    return CACHE_BLOCK if ok else 1
 
 
 def metadata(plan: ExportPlan, config: Any, name: str) -> list[tuple[str, Any, str]]:
@@ -218,10 +250,27 @@ def metadata(plan: ExportPlan, config: Any, name: str) -> list[tuple[str, Any, s
     ]
 
 
+def cache_block_note(plan: ExportPlan, cache_block: int) -> str:
+    """The line saying what the latent padding for llama.cpp's quantized caches costs, or why there is none."""
+    d_r, top = 2 * len(plan.rope.inv_freq), max(plan.ranks)
+    row = f"K row {plan.kv_lora_rank} + {d_r} = {plan.kv_lora_rank + d_r}"
+    if quant_cache_block(plan) == 1:
+        why = ("--cache-block 1" if cache_block <= 1 else
+               f"the rope width {d_r} is not a multiple of {CACHE_BLOCK}, so no latent width makes the row one")
+        return (f"{row} values/token/layer: llama.cpp refuses a quantized cache (type_k q8_0 ...) for it ({why}); "
+                "f16 / bf16 / f32 caches run it")
+    pad = plan.kv_lora_rank - top
+    cost = (f"the latent zero-padded {top} -> {plan.kv_lora_rank} (+{pad} values/token/layer, the same function)"
+            if pad else "no padding needed")
+    return f"{row} values/token/layer, whole blocks of {CACHE_BLOCK}: q8_0 / q4_0 caches run it; {cost}"
+
+
 def gguf_record(plan: ExportPlan, dtype: str) -> dict[str, Any]:
-    """The mapping record of a GGUF export (``mla_convert.export`` key of the file, the CLI's line)."""
+    """The mapping record of a GGUF export (``mla_convert.export`` key of the file, the CLI's line); ``cache_block``:
+    :func:`quant_cache_block`, ``cache_block_padding``: the latent values per token per layer added for it."""
     record = plan.record()
-    record.update(format="gguf", target="llama.cpp", backend="llama.cpp deepseek2 (MLA, K-only cache)", dtype=dtype)
+    record.update(format="gguf", target="llama.cpp", backend="llama.cpp deepseek2 (MLA, K-only cache)", dtype=dtype,
+                  cache_block=quant_cache_block(plan), cache_block_padding=plan.kv_lora_rank - max(plan.ranks))
     record["cache_values_per_token_per_layer"]["llama_cpp"] = record["cache_values_per_token_per_layer"].pop("deepseek_v3")
     return record
 
@@ -267,7 +316,8 @@ def _array(t: torch.Tensor, ggml_type: int, name: str) -> np.ndarray:
 
 
 def write_gguf(
-    ckpt: Path, path: Path, dtype: str, name: str, say: Callable[[str], None], final: str | None = None
+    ckpt: Path, path: Path, dtype: str, name: str, say: Callable[[str], None], final: str | None = None,
+    cache_block: int = CACHE_BLOCK,
 ) -> dict[str, Any]:
     """Write the float GGUF (``dtype`` in :data:`GGUF_FLOATS`) of ``ckpt`` to ``path`` (created or replaced),
     one tensor at a time (one layer's attention in memory). Returns the mapping record (its ``dtype``: ``final``,
@@ -283,7 +333,7 @@ def write_gguf(
     from mla_convert.mla.configuration import MLAConfig
 
     config = MLAConfig.from_pretrained(str(ckpt))
-    plan = gguf_plan(config, dtype)
+    plan = gguf_plan(config, dtype, cache_block)
     problem = tokenizer_problem(ckpt)
     if problem:
         raise ExportError(problem)
@@ -322,6 +372,7 @@ def write_gguf(
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     say(f"writing {len(order)} tensors ({dtype}) for llama.cpp deepseek2")
+    say(cache_block_note(plan, cache_block))
     h = config.num_attention_heads
     for g, src, _ in order:
         t = load(src)
@@ -342,6 +393,7 @@ def export_gguf(
     note: Callable[[str], None] | None = None,
     llamacpp_python: str | None = None,
     check: bool = True,
+    cache_block: int = CACHE_BLOCK,
 ) -> tuple[Path, dict[str, Any]]:
     """Write the llama.cpp ``deepseek2`` GGUF of the converted checkpoint ``ckpt`` (module docstring).
 
@@ -356,6 +408,9 @@ def export_gguf(
         check: serve the file in llama.cpp before it is renamed into place and compare with ``ckpt``
             (:func:`~mla_convert.export.llamacpp_check.check_llamacpp`) when llama.cpp is installed; a float file
             over the thresholds is refused. ``record["parity"]`` holds the record, or why it was not measured.
+        cache_block: pad the latent with zero columns to whole blocks of this many values
+            (:func:`cache_block_rank`; default 32, the block of llama.cpp's quantized caches: without it a
+            ``type_k=q8_0`` cache is refused for a row like 93 + 64 = 157); 1 keeps the checkpoint's largest rank.
 
     Returns:
         ``(the file written, the mapping record)``.
@@ -371,6 +426,8 @@ def export_gguf(
     say = note or (lambda _: None)
     if dtype not in GGUF_DTYPES:
         raise ExportError(f"--dtype {dtype!r} is not one of {', '.join(GGUF_DTYPES)} for --format gguf")
+    if cache_block < 1:
+        raise ExportError(f"--cache-block {cache_block} must be 1 (no padding) or more (32: llama.cpp's quantized caches)")
     if read_checkpoint_config(ckpt, require_mla=True).get("model_type") != "mla":
         raise ExportError(f"{ckpt} is already a DeepSeek-V3 export; export the MLA checkpoint it came from")
     path = check_gguf_output(gguf_destination(out), overwrite, ckpt)
@@ -387,7 +444,7 @@ def export_gguf(
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        record = write_gguf(ckpt, tmp, base, ckpt.name, say, dtype if quant else None)
+        record = write_gguf(ckpt, tmp, base, ckpt.name, say, dtype if quant else None, cache_block)
         if quant:
             assert python is not None
             say(f"quantizing to {dtype} with llama.cpp's quantizer ({KEEP_F32} kept float32)")
@@ -453,8 +510,13 @@ def find_llamacpp() -> str | None:
     return None
 
 
-def quantize(python: str, src: Path, dst: Path, dtype: str, timeout_s: int = 3600) -> None:
-    """Quantize the GGUF ``src`` into ``dst`` with llama.cpp's ``llama_model_quantize`` (run by ``python``).
+def quantize(
+    python: str, src: Path, dst: Path, dtype: str, timeout_s: int = 3600, keep: tuple[str, ...] = (KEEP_F32,),
+    ftype: int | None = None, allow_requantize: bool = False,
+) -> None:
+    """Quantize the GGUF ``src`` into ``dst`` with llama.cpp's ``llama_model_quantize`` (run by ``python``):
+    ``dtype`` one of :data:`GGUF_QUANTS` (or any ``llama_ftype`` number ``ftype``: 0 float32, 1 float16), the
+    ``keep`` tensor patterns float32, ``allow_requantize`` for an already quantized ``src`` (a source GGUF).
 
     Raises:
         ExportError: the quantizer failed (its last log lines).
@@ -462,7 +524,9 @@ def quantize(python: str, src: Path, dst: Path, dtype: str, timeout_s: int = 360
     import subprocess
 
     script = Path(__file__).with_name("llamacpp_quantize.py")
-    done = subprocess.run([python, str(script), str(src), str(dst), str(GGUF_QUANTS[dtype]), KEEP_F32],
+    code = GGUF_QUANTS[dtype] if ftype is None else ftype
+    flags = ["--allow-requantize"] if allow_requantize else []
+    done = subprocess.run([python, str(script), str(src), str(dst), str(code), *flags, *keep],
                           capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0 or not dst.is_file():
         tail = " | ".join((done.stdout + done.stderr).strip().splitlines()[-3:])

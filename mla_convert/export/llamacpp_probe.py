@@ -5,12 +5,14 @@ Run with the python of a llama.cpp venv (``scripts/llamacpp_env.sh``); it import
     python llamacpp_probe.py MODEL.gguf REQUEST.json RESULT.json
 
 ``REQUEST.json``: ``{"score": [[token ids], ...], "greedy": [[token ids], ...], "new_tokens": N, "texts": [str],
-"n_ctx": 1024}``. ``RESULT.json``: for each ``score`` sequence the log-probability llama.cpp gives each token after
+"n_ctx": 1024, "cache_type": "f16"}`` (``cache_type`` one of :data:`CACHE_TYPES`). ``RESULT.json``: for each ``score`` sequence the log-probability llama.cpp gives each token after
 the first (from its logits of every position, ``logits_all``, float64 log-softmax here); for each ``greedy`` prompt
 the ``N`` tokens of its argmax, one decode step at a time; llama.cpp's own tokenization of each ``texts`` entry (no
 BOS, special tokens parsed); the GGUF metadata llama.cpp read; the llama.cpp version and wall times (seconds). The
 caller reads the KV cache llama.cpp allocated from its log (stderr, ``llama_kv_cache: ... K (f16): X MiB, V (f16): Y
-MiB``). Two threads, flash attention off, f16 cache (llama.cpp's defaults for a CPU).
+MiB``). One thread (two OpenMP threads spin at every barrier on a shared two-core machine: 10-100 x slower
+here); an f16 cache with flash attention off (llama-cpp-python's defaults), a quantized cache
+(``type_k`` = ``type_v``) with it on.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from __future__ import annotations
 import json
 import sys
 import time
+
+#: ``cache_type`` -> ggml type of the K and V caches (ggml.h). A quantized cache runs with flash attention, which
+#: llama.cpp requires for a quantized V (and an MLA model's K and V types must match).
+CACHE_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}
 
 
 def main(model: str, request_path: str, result_path: str) -> None:
@@ -29,8 +35,9 @@ def main(model: str, request_path: str, result_path: str) -> None:
     import llama_cpp
     from llama_cpp import Llama
 
-    llm = Llama(model_path=model, n_ctx=int(request.get("n_ctx", 1024)), n_batch=512, logits_all=True, n_threads=2,
-                n_threads_batch=2, seed=0, verbose=True)
+    cache = CACHE_TYPES[request.get("cache_type", "f16")]
+    llm = Llama(model_path=model, n_ctx=int(request.get("n_ctx", 1024)), n_batch=512, logits_all=True, n_threads=1,
+                n_threads_batch=1, seed=0, verbose=True, type_k=cache, type_v=cache, flash_attn=cache != 1)
     loaded = time.perf_counter()
 
     def logprobs(rows: np.ndarray) -> np.ndarray:

@@ -2,9 +2,11 @@
 
 Run with the python of a llama.cpp venv (``scripts/llamacpp_env.sh``); it imports only ``llama_cpp``::
 
-    python llamacpp_quantize.py IN.gguf OUT.gguf FTYPE [KEEP_F32_PATTERN ...]
+    python llamacpp_quantize.py IN.gguf OUT.gguf FTYPE [--allow-requantize] [KEEP_F32_PATTERN ...]
 
-``FTYPE`` is a ``llama_ftype`` number (include/llama.h: 7 Q8_0, 15 Q4_K_M, ...). Each pattern (a regex on the
+``FTYPE`` is a ``llama_ftype`` number (include/llama.h: 0 ALL_F32, 1 MOSTLY_F16, 7 Q8_0, 15 Q4_K_M, ...).
+``--allow-requantize`` lets quantized input tensors through (dequantized, then written as ``FTYPE``: how the
+benchmarks turn the bundled Q4_1 source into float32). Each pattern (a regex on the
 tensor name) is kept as GGML_TYPE_F32 through ``tt_overrides``: the GGUF export's ``attn_kv_a_mqa`` holds the latent
 rows of the linear latent norm scaled by a tiny power of two, which a block's float16 scale cannot hold.
 Exit status 0 on success.
@@ -16,7 +18,7 @@ import ctypes
 import sys
 
 
-def main(src: str, dst: str, ftype: int, keep: list[str]) -> int:
+def main(src: str, dst: str, ftype: int, keep: list[str], allow_requantize: bool = False) -> int:
     """Quantize ``src`` into ``dst`` as ``ftype`` with the ``keep`` patterns float32; returns llama.cpp's status."""
     import llama_cpp
 
@@ -24,6 +26,7 @@ def main(src: str, dst: str, ftype: int, keep: list[str]) -> int:
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
     params.nthread = 2
+    params.allow_requantize = allow_requantize
     overrides = (llama_cpp.llama_model_tensor_override * (len(keep) + 1))()
     for i, pattern in enumerate(keep):
         overrides[i].pattern = pattern.encode()
@@ -35,5 +38,7 @@ def main(src: str, dst: str, ftype: int, keep: list[str]) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) < 4:
-        sys.exit("usage: python llamacpp_quantize.py IN.gguf OUT.gguf FTYPE [KEEP_F32_PATTERN ...]")
-    sys.exit(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]))
+        sys.exit("usage: python llamacpp_quantize.py IN.gguf OUT.gguf FTYPE [--allow-requantize] [KEEP_F32_PATTERN ...]")
+    rest = sys.argv[4:]
+    requantize = "--allow-requantize" in rest
+    sys.exit(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), [x for x in rest if x != "--allow-requantize"], requantize))

@@ -203,3 +203,45 @@ def test_recipe_gguf_export_is_checked_at_load(tmp_path):
     assert any(p.startswith("export.target") and "rope_mode shared" in p for p in exc.value.problems)
     ok = load_recipe("t.yaml", text=text.replace("rope_mode: per-head, rope_pairs: 8", "rope_pairs: 24"))
     assert ok.recipe.export is not None and ok.recipe.export.format == "gguf"
+
+
+def test_cache_block_rank():
+    """The latent width that makes the latent and the K row whole blocks of 32 (llama.cpp's q8_0 / q4_0 caches):
+    the reference's 93 + 64 -> 96 + 64; none when the rope width is not a multiple of the block."""
+    assert gguf_file.cache_block_rank(93, 64, 32) == 96
+    assert gguf_file.cache_block_rank(96, 64, 32) == 96
+    assert gguf_file.cache_block_rank(1, 32, 32) == 32
+    assert gguf_file.cache_block_rank(93, 48, 32) is None
+    assert gguf_file.cache_block_rank(93, 64, 1) == 93
+
+
+def test_cache_block_padding_is_the_same_function(tiny_ckpt):
+    """``--cache-block`` pads the latent with zero columns: the padded plan's attention tensors hold the unpadded
+    ones and zeros elsewhere, so llama.cpp computes the same function (``attn_k_b`` / ``attn_v_b`` never weigh the
+    padded latent, whose rows of ``attn_kv_a_mqa`` are zero)."""
+    from mla_convert.export.deepseek_v3 import export_attention
+    from mla_convert.mla.checkpoint import load_checkpoint
+
+    model = load_checkpoint(tiny_ckpt).eval()
+    c = model.config
+    plain = gguf_file.gguf_plan(c, "float32", 1)
+    d_r = 2 * len(plain.rope.inv_freq)
+    # pad to the next multiple of the rope width (a block the tiny model's rope width divides)
+    padded = gguf_file.gguf_plan(c, "float32", d_r)
+    width = gguf_file.cache_block_rank(max(c.kv_lora_rank), d_r, d_r)
+    assert padded.kv_lora_rank == width and width % d_r == 0 and padded.cache_values_per_token["deepseek_v3"] == width + d_r
+    layer = model.model.layers[0]
+    attn = {k: v.detach() for k, v in layer.self_attn.state_dict().items()}
+    gamma = layer.input_layernorm.weight.detach()
+    a, b = export_attention(plain, c, 0, attn, gamma), export_attention(padded, c, 0, attn, gamma)
+    d = plain.kv_lora_rank
+    kv_a = b["kv_a_proj_with_mqa.weight"]
+    assert torch.equal(kv_a[width:], a["kv_a_proj_with_mqa.weight"][d:])  # the rope rows
+    assert not kv_a[d:width].any() and not b["kv_b_proj.weight"][:, d:].any()
+    # the latent's scale depends on its width: the products kv_b . kv_a (what attention reads) are equal
+    torch.testing.assert_close(b["kv_b_proj.weight"] @ (kv_a[:width] * b["kv_a_layernorm.weight"][:, None]),
+                               a["kv_b_proj.weight"] @ (a["kv_a_proj_with_mqa.weight"][:d] *
+                                                        a["kv_a_layernorm.weight"][:, None]), rtol=1e-5, atol=1e-6)
+    assert torch.equal(a["q_proj.weight"], b["q_proj.weight"]) and torch.equal(a["o_proj.weight"], b["o_proj.weight"])
+    assert "refuses a quantized cache" in gguf_file.cache_block_note(plain, 1) or d % 32 == 0
+    assert f"zero-padded {max(c.kv_lora_rank)} -> {width}" in gguf_file.cache_block_note(padded, d_r) or d_r % 32
