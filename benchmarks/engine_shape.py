@@ -108,6 +108,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--wiki", type=int, default=16, help="Wikipedia evaluation windows of 512")
     ap.add_argument("--news", type=int, default=8, help="news evaluation windows of 512")
+    ap.add_argument("--calib-tokens", type=int, default=None, help="calibration budget (default: factor's)")
     ap.add_argument("--readme", action="store_true")
     ap.add_argument(
         "--only", action="append", default=[], help="measure only rows whose name contains this (repeatable)"
@@ -124,7 +125,8 @@ def main() -> None:
 
             replace_block("engine-shape", text)
         return
-    proto = protocol.load(None, 8, {"wiki@512": a.wiki, "news@512": a.news})
+    proto = protocol.load(a.calib_tokens, 8, {"wiki@512": a.wiki, "news@512": a.news})
+    key = [int(proto.calibration.numel()), a.wiki, a.news]  # a row is reused only under the same protocol
     scored = {
         **proto.evals,
         "dev@512": proto.dev,
@@ -148,9 +150,9 @@ def main() -> None:
         done = (
             [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
         )  # another run's rows too
-        if a.only and not any(o in name for o in a.only) and not name.startswith("default"):
+        if a.only and not any(o in name for o in a.only):
             continue
-        prior = next((r for r in done if r["conversion"] == name and r["eval"] == [a.wiki, a.news]), None)
+        prior = next((r for r in done if r["conversion"] == name and protocol_of(r) == key), None)
         if prior is None:
             if opts is None:
                 if widest is None:
@@ -164,7 +166,7 @@ def main() -> None:
             rope = conv.config.num_rope_heads * conv.config.qk_rope_head_dim
             slots = len(rope_slots(conv.config.rope_inv_freq).inv_freq)
             prior = {
-                "conversion": name, "eval": [a.wiki, a.news], "ranks": [min(ranks), max(ranks)],
+                "conversion": name, "eval": [a.wiki, a.news], "protocol": key, "ranks": [min(ranks), max(ranks)],
                 "cache": served(ranks, rope, slots), "rope_slots": slots,
                 **{f"{k} ratio": evaluate(conv.model, ids).perplexity / base[k] for k, ids in scored.items()},
                 "seconds": round(time.perf_counter() - t0),
@@ -176,54 +178,70 @@ def main() -> None:
                 f.write(json.dumps(prior) + "\n")
         if name.startswith("default"):
             widest = int(prior["ranks"][1])
-    lines = table(done, a.wiki, a.news, int(proto.calibration.numel()), proto.documents)
+    lines = table(done)
     (RESULTS / "engine_shape.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     if a.readme:
         from blocks import replace_block
 
         replace_block("engine-shape", "\n".join(lines))
-        record_llamacpp(done, [a.wiki, a.news])
+        record_llamacpp(done)
 
 
-def table(done: list[dict], wiki: int, news: int, calib_tokens: int, documents: int | None) -> list[str]:  # type: ignore[type-arg]
+def protocol_of(row: dict) -> list[int]:  # type: ignore[type-arg]
+    """``[calibration tokens, wiki windows, news windows]`` a row was measured with (rows from before the key:
+    ``factor``'s default 16384 tokens)."""
+    return list(row.get("protocol") or [16384, *row["eval"]])
+
+
+def table(done: list[dict]) -> list[str]:  # type: ignore[type-arg]
     """The ``engine-shape`` block: one row per measured conversion, and the llama.cpp choice."""
     lines = [
-        f"SmolLM2-135M-Instruct, training-free, `factor`'s default calibration ({calib_tokens} tokens from {documents} "
-        f"documents); perplexity ratio to the source on 8 x 512 dev tokens (the Wikipedia adaptation split: they "
-        f"choose), {wiki} x 512 Wikipedia and {news} x 512 news evaluation tokens (never calibrated on, never "
-        "choose). Cache in values per token per layer: what the MLA checkpoint holds, and what each engine "
-        "allocates: transformers and llama.cpp pad per-layer ranks to the largest and hold the rope head's slots of "
-        "one plain table (2-norm's 24 pairs span 32 slots, 64 values; `high`'s r pairs r slots); vLLM allocates "
-        "512 + 64. Rows measured before the slots were recorded take them from the pinned reference manifest's kept "
-        "frequencies (the same 2-norm selection) and have no dev column. Written by "
-        "`python benchmarks/engine_shape.py --readme`.",
+        "SmolLM2-135M-Instruct, training-free; calibration: `factor`'s spread of windows across the Wikipedia "
+        "calibration split at each row's token budget. Perplexity ratio to the source on 8 x 512 dev tokens (the "
+        "Wikipedia adaptation split, read by no conversion: they choose) and on the Wikipedia and news evaluation "
+        "splits (windows of 512, never calibrated on, never choose; their count in brackets). Cache in values per "
+        "token per layer: what the MLA checkpoint holds, and what each engine allocates: transformers and llama.cpp "
+        "pad per-layer ranks to the largest and hold the rope head's slots of one plain table (2-norm's 24 pairs "
+        "span 32 slots, 64 values; `high`'s r pairs r slots); vLLM allocates 512 + 64. Rows measured before the slots "
+        "were recorded take them from the pinned reference manifest's kept frequencies (the same 2-norm selection) "
+        "and have no dev column. The llama.cpp rows ran with a smaller calibration budget (the 2-core machine was "
+        "shared): compare them with each other. Written by `python benchmarks/engine_shape.py --readme`.",
         "",
-        "| conversion | latent ranks | cache MLA | served: transformers, llama.cpp | served: vLLM | dev x source "
-        "| wikipedia x source | news x source |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| conversion | calibration tokens | latent ranks | cache MLA | served: transformers, llama.cpp | served: vLLM "
+        "| dev x source | wikipedia x source | news x source |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in done:
-        if r["eval"] == [wiki, news]:
-            c, lo, hi = r["cache"], *r["ranks"]
-            padded = c.get("llama.cpp") or (c["transformers"] if r["conversion"].startswith("--target vllm")
-                                            else hi + 2 * pinned_slots())  # fmt: skip
-            dev = f"{r['dev@512 ratio']:.2f}" if "dev@512 ratio" in r else "-"
-            lines.append(
-                f"| {r['conversion']} | {lo if lo == hi else f'{lo}-{hi}'} | {c['mla']} | {padded} | "
-                f"{c['vllm']} | {dev} | {r['wiki@512 ratio']:.2f} | {r['news@512 ratio']:.2f} |"
-            )
-    choice = llamacpp_choice(done, [wiki, news])
+        c, lo, hi = r["cache"], *r["ranks"]
+        calib, wiki, news = protocol_of(r)
+        padded = c.get("llama.cpp") or (c["transformers"] if r["conversion"].startswith("--target vllm")
+                                        else hi + 2 * pinned_slots())  # fmt: skip
+        dev = f"{r['dev@512 ratio']:.2f}" if "dev@512 ratio" in r else "-"
+        lines.append(
+            f"| {r['conversion']} | {calib} | {lo if lo == hi else f'{lo}-{hi}'} | {c['mla']} | {padded} | "
+            f"{c['vllm']} | {dev} | {r['wiki@512 ratio']:.2f} ({wiki}) | {r['news@512 ratio']:.2f} ({news}) |"
+        )
+    choice = llamacpp_choice(done)
     if choice:
-        lines += ["", f"- {choice['evidence']}."]
+        lines += ["", f"- `--target llama.cpp`'s default, chosen on dev: {choice['evidence']}."]
     return lines
 
 
-def llamacpp_choice(done: list[dict], evals: list[int]) -> dict | None:  # type: ignore[type-arg]
-    """``--target llama.cpp``'s default from the llama.cpp rows: the one-rank split with the lowest dev ratio (its
-    rope share of the row), with the evidence (every llama.cpp row's dev and wiki ratios); None before any."""
-    rows = [r for r in done if r["conversion"].startswith(f"llama.cpp row {LLAMACPP_ROW}") and r["eval"] == evals
-            and "dev@512 ratio" in r]  # fmt: skip
+def llamacpp_choice(done: list[dict]) -> dict | None:  # type: ignore[type-arg]
+    """``--target llama.cpp``'s default from the llama.cpp rows (those of the protocol most of them share): the
+    one-rank split with the lowest dev ratio (its rope share of the row), with the evidence (every llama.cpp row's
+    dev and wiki ratios); None before any."""
+    rows = [
+        r
+        for r in done
+        if r["conversion"].startswith(f"llama.cpp row {LLAMACPP_ROW}") and "dev@512 ratio" in r
+    ]
+    if not rows:
+        return None
+    keys = [protocol_of(r) for r in rows]
+    common = max(keys, key=keys.count)
+    rows = [r for r in rows if protocol_of(r) == common]
     one = [r for r in rows if ": one rank" in r["conversion"] and "high" in r["conversion"]]
     if not one:
         return None
@@ -232,20 +250,20 @@ def llamacpp_choice(done: list[dict], evals: list[int]) -> dict | None:  # type:
     pairs = (LLAMACPP_ROW - rank) // 2
     others = "; ".join(f"{r['conversion'].split(': ', 1)[1]} x{r['dev@512 ratio']:.2f} / x{r['wiki@512 ratio']:.2f}"
                        for r in rows if r is not best)  # fmt: skip
-    evidence = (f"benchmarks/engine_shape.py on SmolLM2-135M-Instruct at llama.cpp's row {LLAMACPP_ROW}: one rank "
-                f"{rank} + high r={pairs} x{best['dev@512 ratio']:.2f} dev / x{best['wiki@512 ratio']:.2f} wiki"
-                f"{'; ' + others if others else ''}")  # fmt: skip
+    evidence = (f"benchmarks/engine_shape.py on SmolLM2-135M-Instruct at llama.cpp's row {LLAMACPP_ROW} "
+                f"({common[0]} calibration tokens), dev / wiki ratio: one rank {rank} + high r={pairs} "
+                f"x{best['dev@512 ratio']:.2f} / x{best['wiki@512 ratio']:.2f}{'; ' + others if others else ''}")  # fmt: skip
     return {
         "served_row": LLAMACPP_ROW, "cache_fraction": LLAMACPP_ROW / 384, "rope_strategy": "high",
         "rope_pairs": pairs, "kv_lora_rank": rank, "rope_share": round(2 * pairs / LLAMACPP_ROW, 4),
         "dev_ratio": round(best["dev@512 ratio"], 3), "wiki_ratio": round(best["wiki@512 ratio"], 3),
-        "evidence": evidence,
+        "calib_tokens": common[0], "evidence": evidence,
     }  # fmt: skip
 
 
-def record_llamacpp(done: list[dict], evals: list[int]) -> None:  # type: ignore[type-arg]
+def record_llamacpp(done: list[dict]) -> None:  # type: ignore[type-arg]
     """Write :func:`llamacpp_choice` into ``measured_splits.json`` (key ``llamacpp``; the other keys stay)."""
-    choice = llamacpp_choice(done, evals)
+    choice = llamacpp_choice(done)
     if choice is None:
         return
     path = Path(__file__).resolve().parents[1] / "mla_convert" / "convert" / "measured_splits.json"

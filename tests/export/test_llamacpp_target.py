@@ -11,6 +11,7 @@ llama.cpp itself allocated (its load log, tests/export/test_llamacpp.py's check)
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -26,8 +27,13 @@ from mla_convert.sources.checkpoint import open_source
 
 SMALL = ["--calib-windows", "2", "--window", "64", "--eval-windows", "1"]
 #: The shape users convert: 8 KV heads of head_dim 128 (source cache 2 x 8 x 128 = 2048 values per token per layer).
-WIDE = {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 128,
-        "intermediate_size": 256}  # fmt: skip
+WIDE = {
+    "hidden_size": 256,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 128,
+}
 LINEAR = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
@@ -58,10 +64,11 @@ def test_split_row_fills_the_row_with_a_rank_of_32s():
 
 
 def test_resolution_spends_the_asked_row(wide_source):
-    """8 KV heads x head_dim 128: the default 31.25 % is a 640-value row; --cache-budget is the row itself; a given
-    --kv-lora-rank makes the row with the rope head; the choices record where each came from."""
+    """8 KV heads x head_dim 128: --cache-budget is the row itself, --cache-fraction of the source's 2048; a given
+    --kv-lora-rank makes the row with the rope head; the choices record where each came from; the default 31.25 %
+    (640) is wider than this 256-wide source can use (256 latent + 64 pairs)."""
     src = open_source(wide_source)
-    for given, row in (({}, 640), ({"cache_budget": 320}, 320), ({"cache_fraction": 0.125}, 256)):
+    for given, row in (({"cache_budget": 320}, 320), ({"cache_fraction": 0.125}, 256)):
         res = resolve_options(ConvertOptions(**given), src, "llama.cpp", set(given))
         o = res.options
         assert o.rope_mode == "shared" and o.rope_strategy == "high" and o.cache_budget is None
@@ -71,6 +78,11 @@ def test_resolution_spends_the_asked_row(wide_source):
             and "served row" in res.choices["cache_budget"]
         )
         assert f"{row} values per token per layer" in (res.why or "") and "q8_0" in (res.why or "")
+    res = resolve_options(ConvertOptions(), src, "llama.cpp", set())
+    assert (res.options.kv_lora_rank, res.options.rope_pairs) == (256, 64)
+    assert "the 640-value row asked" in (res.why or "") and "wider than this source can use" in (
+        res.why or ""
+    )
     res = resolve_options(
         ConvertOptions(kv_lora_rank=96, rope_pairs=16), src, "llama.cpp", {"kv_lora_rank", "rope_pairs"}
     )
@@ -118,24 +130,49 @@ def test_refusals_before_any_work(wide_source, tmp_path):
     assert o.rope_pairs <= n and o.kv_lora_rank + 2 * o.rope_pairs == 40
 
 
-def test_factor_and_export_give_the_asked_row(wide_source, tmp_path, monkeypatch):
-    """``factor --target llama.cpp --cache-budget 320`` then ``export --format gguf --target llama.cpp``: one rank in
-    every layer, and the GGUF's llama.cpp row (kv_lora_rank + rope dims) is the 320 asked, a multiple of 32."""
+@pytest.fixture(scope="module")
+def target_ckpt(wide_source, tmp_path_factory) -> Path:
+    """``factor --target llama.cpp --cache-budget 320`` of the 8-KV-head source (a 320-value llama.cpp row)."""
+    ckpt = tmp_path_factory.mktemp("target") / "mla"
+    res = CliRunner().invoke(
+        app,
+        [
+            "--quiet",
+            "factor",
+            str(wide_source),
+            str(ckpt),
+            *SMALL,
+            "--target",
+            "llama.cpp",
+            "--cache-budget",
+            "320",
+        ],
+    )
+    assert res.exit_code == 0, res.output + str(res.exception)
+    return ckpt
+
+
+@pytest.fixture
+def bundled_tokenizer(monkeypatch):
+    """The tiny conversion's tokenizer is SmolLM2's: carry it from the bundled SmolLM2 GGUF."""
+    from mla_convert.sources.assets import bundled_gguf_path
+
+    monkeypatch.setattr(gguf_file, "source_gguf", lambda ckpt: bundled_gguf_path())
+
+
+def test_factor_and_export_give_the_asked_row(target_ckpt, bundled_tokenizer, tmp_path):
+    """One rank in every layer, recorded as the target's choice, and the GGUF's llama.cpp row (kv_lora_rank + rope
+    dims, read back) is the 320 asked, with a rank that is a multiple of 32."""
     from gguf import GGUFReader
 
-    ckpt = tmp_path / "mla"
-    res = CliRunner().invoke(app, ["--quiet", "factor", str(wide_source), str(ckpt), *SMALL, "--target", "llama.cpp",
-                                   "--cache-budget", "320"])  # fmt: skip
-    assert res.exit_code == 0, res.output + str(res.exception)
-    config = json.loads((ckpt / "config.json").read_text())
+    config = json.loads((target_ckpt / "config.json").read_text())
     assert len(set(config["kv_lora_rank"])) == 1
-    manifest = json.loads((ckpt / "mla_manifest.json").read_text())
+    manifest = json.loads((target_ckpt / "mla_manifest.json").read_text())
     assert manifest["choices"]["kv_lora_rank"].startswith("--target llama.cpp")
-    monkeypatch.setattr(gguf_file, "source_gguf", lambda ckpt: __import__(
-        "mla_convert.sources.assets", fromlist=["x"]).bundled_gguf_path())  # fmt: skip
     out = tmp_path / "m.gguf"
-    res = CliRunner().invoke(app, ["export", str(ckpt), str(out), "--format", "gguf", "--target", "llama.cpp",
-                                   "--no-check"])  # fmt: skip
+    res = CliRunner().invoke(
+        app, ["export", str(target_ckpt), str(out), "--format", "gguf", "--target", "llama.cpp", "--no-check"]
+    )
     assert res.exit_code == 0, res.output + str(res.exception)
     fields = GGUFReader(str(out)).fields
 
@@ -146,8 +183,35 @@ def test_factor_and_export_give_the_asked_row(wide_source, tmp_path, monkeypatch
     rank, rope = value("deepseek2.attention.kv_lora_rank"), value("deepseek2.rope.dimension_count")
     assert rank == config["kv_lora_rank"][0] and rank + rope == 320 == value("deepseek2.attention.key_length")
     assert rank % Q8_0_BLOCK == 0 and "K-only cache 320 values/token/layer" in " ".join(res.output.split())
-    res = CliRunner().invoke(app, ["export", str(ckpt), str(tmp_path / "ds3"), "--target", "llama.cpp"])
+    res = CliRunner().invoke(
+        app, ["export", str(target_ckpt), str(tmp_path / "ds3"), "--target", "llama.cpp"]
+    )
     assert res.exit_code == 2 and "use --format gguf" in res.output
+
+
+def test_target_gguf_in_llamacpp(target_ckpt, bundled_tokenizer, tmp_path):
+    """A real llama.cpp serves the --target llama.cpp conversion's float32 GGUF as our model computes it (the export's
+    own check: prompt log-probabilities and greedy tokens within llamacpp_check's thresholds) and allocates exactly
+    the 320 values per token per layer asked, K only."""
+    python = os.environ.get("MLA_LLAMACPP_PYTHON", "")
+    if not python or not Path(python).is_file():
+        if os.environ.get("MLA_REQUIRE_LLAMACPP") == "1":
+            pytest.fail(
+                "MLA_REQUIRE_LLAMACPP=1 but MLA_LLAMACPP_PYTHON names no python: run bash scripts/llamacpp_env.sh"
+            )
+        pytest.skip("no llama.cpp venv (MLA_LLAMACPP_PYTHON): bash scripts/llamacpp_env.sh builds one")
+    from mla_convert.export.gguf_file import export_gguf
+
+    _, record = export_gguf(target_ckpt, tmp_path / "t.gguf", "float32", llamacpp_python=python)
+    p = record["parity"]
+    assert isinstance(p, dict) and p["passed"], p
+    assert p["logprob_abs_diff"]["max"] <= p["thresholds"]["max"] and p["greedy"]["count"] == 32
+    cache = p["kv_cache"]
+    assert (
+        cache["v_mib"] == 0.0
+        and abs(cache["k_values_per_token_per_layer"] - 320) <= cache["resolution"] + 0.05
+    )
+    assert p["kv_cache_values_per_token_per_layer"] == 320
 
 
 def test_inspect_and_recipe_take_the_target(wide_source, tmp_path):
