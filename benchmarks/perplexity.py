@@ -197,7 +197,8 @@ def publish(lines: list[str], readme: bool) -> None:
     if not readme:
         return
     replace_block("perplexity", "\n".join([*lines, "", *summary]))
-    old = {e["cache_budget"]: e for e in json.loads(SPLITS.read_text())["splits"]} if SPLITS.exists() else {}
+    previous = json.loads(SPLITS.read_text()) if SPLITS.exists() else {"splits": []}
+    old = {e["cache_budget"]: e for e in previous["splits"]}
     for entry in splits:  # benchmarks/levers.py's choice stays while it was measured at this split
         prev = old.get(entry["cache_budget"], {})
         if "levers" in prev and prev["rope_pairs"] == entry["rope_pairs"]:
@@ -212,6 +213,8 @@ def publish(lines: list[str], readme: bool) -> None:
                 "measured_by": "benchmarks/perplexity.py --readme: per cache size the mla-convert row with the "
                 "lowest perplexity ratio on the dev windows (Wikipedia adaptation split, unused by the conversion)",
                 "splits": splits,
+                # what other benchmarks recorded (engine_shape.py's llama.cpp row) stays
+                **{k: v for k, v in previous.items() if k not in ("model", "shape", "measured_by", "splits")},
             },
             indent=2,
         )

@@ -72,7 +72,11 @@ def adapt(
                 if problem:
                     raise ExportError(problem)
             else:
-                plan_export(MLAConfig.from_pretrained(str(ckpt)), getattr(torch, checkpoint_dtype(ckpt)), target)
+                from mla_convert.convert.engine import export_target
+
+                plan_export(
+                    MLAConfig.from_pretrained(str(ckpt)), getattr(torch, checkpoint_dtype(ckpt)), export_target(target)
+                )
         if options.source:
             locate_source(options.source)
     from mla_convert.adapt.train import run_adapt

@@ -21,16 +21,18 @@ from mla_convert.cli.render import (
     source_table,
     user_errors,
 )
-from mla_convert.convert.engine import ENGINE_ROWS
+from mla_convert.convert.engine import ENGINE_ROWS, export_target
 from mla_convert.convert.options import ConvertOptions, shard_size_of
 from mla_convert.convert.resolve import Resolution, check_sizes_given
 from mla_convert.sources.locate import locate_source
 
 SHAPE_HELP = (
-    "The engine the conversion is for: transformers (any shape) | vllm (GPU, and SGLang) | vllm-cpu. vllm and "
-    "vllm-cpu allocate 512 + 64 values per token per layer, so the conversion is shaped to fill that row (one "
+    "The engine the conversion is for: transformers (any shape) | vllm (GPU, and SGLang) | vllm-cpu | llama.cpp. vllm "
+    "and vllm-cpu allocate 512 + 64 values per token per layer, so the conversion is shaped to fill that row (one "
     "shared rope head of up to 32 frequencies, one kv_lora_rank up to 512 in every layer) unless --cache-fraction, "
-    "--cache-budget or --rope-mode is given (then converted as asked; the export lines say whether it fits)."
+    "--cache-budget or --rope-mode is given (then converted as asked; the export lines say whether it fits). "
+    "llama.cpp caches one kv_lora_rank + rope head for every layer: --cache-fraction/--cache-budget is that served "
+    "row, spent as one rank and the fastest rope pairs (the split measured best there; serve it with --export gguf)."
 )
 SOURCE_HELP = (
     "A HF folder (safetensors), a .gguf file, or 'smollm2-135m' (the bundled SmolLM2-135M-Instruct)."
@@ -154,11 +156,11 @@ def factor(
         options, why = res.options, res.why
         check_options(options, src)  # the source's shapes: before anything is loaded
         if why:
-            say(f"{'engine shape' if target in ENGINE_ROWS else 'rope split'}: {why}")
+            say(f"{'engine shape' if target in (*ENGINE_ROWS, 'llama.cpp') else 'rope split'}: {why}")
         if export:
             from mla_convert.export.precheck import export_problems
 
-            problems = export_problems(src, options, target, export)
+            problems = export_problems(src, options, export_target(target), export)
             if export == "gguf" and not any(f.suffix == ".gguf" for f in src.origin_files):
                 problems.append(
                     "the GGUF export carries the tokenizer from a .gguf SOURCE's tokenizer keys and this "

@@ -13,6 +13,7 @@ from mla_convert.cli.render import (
     note,
     user_errors,
 )
+from mla_convert.convert.engine import export_target
 from mla_convert.convert.options import shard_size_of
 from mla_convert.mla.checkpoint import read_checkpoint_config
 
@@ -29,12 +30,17 @@ TARGET_HELP = (
 )
 
 
-def check_target(target: str) -> None:
-    """``--target``: one of the export's engine shapes (a light check: no torch)."""
-    from mla_convert.convert.engine import TARGETS
+def check_target(target: str, shaping: bool = True) -> None:
+    """``--target``: one of the shapes a conversion is made for (``shaping``: ``factor``, ``inspect``, ``adapt``
+    ``--export``), or of a DeepSeek-V3 export's engine shapes (a light check: no torch)."""
+    from mla_convert.convert.engine import SHAPE_TARGETS, TARGETS
 
-    if target not in TARGETS:
-        fail(f"--target {target!r} is not one of {', '.join(TARGETS)} (SGLang takes the vllm shapes: --target vllm)")
+    if not shaping and target == "llama.cpp":
+        fail("--target llama.cpp is served from a GGUF: use --format gguf (llama.cpp's own converter reads the "
+             "--target transformers DeepSeek-V3 folder)")  # fmt: skip
+    allowed = SHAPE_TARGETS if shaping else TARGETS
+    if target not in allowed:
+        fail(f"--target {target!r} is not one of {', '.join(allowed)} (SGLang takes the vllm shapes: --target vllm)")
 
 
 def check_export(out: Path, fmt: str | None, overwrite: bool, target: str = "transformers") -> None:
@@ -58,7 +64,7 @@ def check_export(out: Path, fmt: str | None, overwrite: bool, target: str = "tra
 
 def check_gguf_target(target: str) -> None:
     """``--format gguf`` writes the checkpoint's widths (llama.cpp takes any): the vLLM shapes are refused."""
-    if target != "transformers":
+    if target not in ("transformers", "llama.cpp"):
         fail(f"--target {target} shapes a DeepSeek-V3 export for vLLM; --format gguf writes the checkpoint's own widths "
              "(llama.cpp's MLA takes any): drop --target")
 
@@ -77,7 +83,7 @@ def export_after(out: Path, fmt: str, overwrite: bool, target: str = "transforme
         return
     dest = export_folder(out, fmt)
     with user_errors():
-        manifest = export_checkpoint(out, dest, fmt, overwrite, note=note, target=target)
+        manifest = export_checkpoint(out, dest, fmt, overwrite, note=note, target=export_target(target))
     print_export(dest, manifest)
 
 
@@ -208,7 +214,7 @@ def export(
         if dtype not in ("auto", "float32", "bfloat16", "float16"):
             quantized = " (quantized types are for --format gguf)" if dtype.lower().startswith("q") else ""
             fail(f"--dtype {dtype!r} is not one of auto, float32, bfloat16, float16{quantized}")
-        check_target(target)
+        check_target(target, shaping=False)
         shard_size_of(max_shard_size)
         if read_checkpoint_config(ckpt, require_mla=True).get("model_type") != "mla":
             fail(f"{ckpt} is already a DeepSeek-V3 export; export the MLA checkpoint it came from")

@@ -26,8 +26,17 @@ ENGINE_ROWS = {"vllm": (512, 64), "vllm-cpu": (512, 64)}
 #: MLA prefill on Hopper; its CPU backends AMX_MLA, CPU_SDPA_MLA): the export pads to the smallest holding the
 #: checkpoint's widths, the conversion reduces a wider query NoPE width (``--qk-nope-head-dim``).
 ENGINE_HEAD_DIMS = {"vllm": ((64, 64, 128), (128, 64, 128), (192, 64, 256)), "vllm-cpu": ((128, 64, 128),)}
-#: Every ``--target``: ``transformers`` (any shape) and the engine rows.
+#: Every export ``--target``: ``transformers`` (any shape) and the engine rows.
 TARGETS = ("transformers", *ENGINE_ROWS)
+#: Every ``factor``/``inspect``/recipe ``--target``: the export targets and ``llama.cpp``
+#: (:mod:`mla_convert.convert.llamacpp_shape`; served from ``--export gguf``).
+SHAPE_TARGETS = (*TARGETS, "llama.cpp")
+
+
+def export_target(target: str) -> str:
+    """The DeepSeek-V3 export's engine shape for a conversion ``--target``: ``llama.cpp`` reads the checkpoint's own
+    widths (``transformers``; its GGUF is ``--export gguf``), the others are their own."""
+    return "transformers" if target == "llama.cpp" else target
 #: Explicit options that choose another shape: with one of them the conversion is left as asked (the export pads
 #: it to the engine row), and the reason says what the row would hold instead.
 OWN_SHAPE = ("rope_mode", "cache_budget", "cache_fraction")

@@ -8,6 +8,8 @@ them in one order, so ``ConvertOptions(cache_budget=72)`` converts as ``factor -
 1. the cache size: ``--kv-lora-rank``, else ``--cache-budget``, else ``--cache-fraction`` x the source's
    ``2 G head_dim`` values (:func:`~mla_convert.convert.options.cache_budget_of`), written into ``cache_budget``;
 2. an engine target's shape (:func:`~mla_convert.convert.engine.shape_for_engine`), unless the user gave their own;
+   for ``--target llama.cpp`` the cache size is llama.cpp's served row, spent as one rank and a plain rope head
+   (:func:`~mla_convert.convert.llamacpp_shape.shape_for_llamacpp`; refuses what llama.cpp cannot run exactly);
 3. the RoPE split and levers measured best for the budget where not given
    (:func:`~mla_convert.convert.suggest.follow_budget`: measured on another model, a prior, and said so);
 4. with an export asked for, a scaled-RoPE source's selection steered to the pairs one plain RoPE table holds
@@ -105,7 +107,8 @@ def resolve_options(
     Args:
         options: the options as parsed (defaults filled in).
         src: the source's shape (config only).
-        target: ``transformers`` | ``vllm`` | ``vllm-cpu`` (:data:`~mla_convert.convert.engine.TARGETS`).
+        target: ``transformers`` | ``vllm`` | ``vllm-cpu`` | ``llama.cpp``
+            (:data:`~mla_convert.convert.engine.SHAPE_TARGETS`).
         given: the option names the user set (typed on the command line, a recipe's keys with a value); default:
             the fields a Python caller passed with a value other than None (``options.model_fields_set``).
         export: the export format asked for (``--export``), None for none: a scaled-RoPE source's selection is
@@ -119,6 +122,7 @@ def resolve_options(
             engine target's shape (``--rope-mode per-head`` for vLLM, ...).
     """
     from mla_convert.convert.engine import ENGINE_ROWS, shape_for_engine
+    from mla_convert.convert.llamacpp_shape import LLAMACPP, shape_for_llamacpp
     from mla_convert.convert.suggest import follow_budget, measured_rope_pairs
 
     if given is None:  # a Python caller: the fields it passed, None meaning "not set"
@@ -129,7 +133,18 @@ def resolve_options(
     choices = {k: ("given" if k in given else "default") for k in CHOSEN}
     choices["cache_budget"] = budget_origin
     shaped = False
-    if target in ENGINE_ROWS:
+    if target == LLAMACPP:
+        from mla_convert.convert.suggest import measured_levers
+
+        levers = measured_levers(options, src, given)  # the o_proj refit measured best at the row's size
+        options, row_why, chosen = shape_for_llamacpp(options, src, given, budget_origin)
+        whys.append(row_why)
+        choices.update(chosen)
+        if levers and "refit_o_proj" in levers[0]:
+            options = options.model_copy(update={"refit_o_proj": levers[0]["refit_o_proj"]})
+            choices["refit_o_proj"] = "measured best for the budget on another model (a prior: measured_splits.json)"
+        shaped = True
+    elif target in ENGINE_ROWS:
         engine, why = shape_for_engine(options, src, target, given)
         if why:
             whys.append(why)
@@ -154,7 +169,7 @@ def resolve_options(
         from mla_convert.export.precheck import steer_for_export
 
         before = options
-        options, steer = steer_for_export(src, options, given, target)
+        options, steer = steer_for_export(src, options, given, "transformers" if target == LLAMACPP else target)
         if steer:
             whys.append(steer)
         for k in ("rope_strategy", "rope_pairs"):

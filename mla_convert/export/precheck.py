@@ -247,7 +247,9 @@ def export_lines(src: Any, options: Any, given: Collection[str] = ()) -> list[st
         steered, why = steer_for_export(src, options, given, target)
         problems = export_problems(src, steered, target)
         mla, served = served_cache(src, steered, target)
-        at_least = "at least " if target == "transformers" else ""
+        # one rank and the fastest pairs (--target llama.cpp's shape): nothing is padded, the row is known now
+        exact_row = steered.kv_lora_rank is not None and steered.rope_strategy == "high"
+        at_least = "at least " if target == "transformers" and not exact_row else ""
         cache = (f"engine cache {at_least}{served:g} values/token/layer (MLA {mla:g}, source {source}"
                  + ("; per-layer ranks are padded to the largest)" if at_least else ")"))
         steer = ""
@@ -260,7 +262,7 @@ def export_lines(src: Any, options: Any, given: Collection[str] = ()) -> list[st
         if target == "transformers":  # llama.cpp: the same widths, K-only cache
             gguf = export_problems(src, steered, target, "gguf")
             gguf_line = ("  --export gguf (llama.cpp deepseek2): " + (
-                f"exact{steer}; K-only cache at least {served:g} values/token/layer (MLA {mla:g}, source {source}; "
-                "per-layer ranks are padded to the largest)" if not gguf else "not exact: " + gguf[0]))
+                f"exact{steer}; K-only cache {at_least}{served:g} values/token/layer (MLA {mla:g}, source {source}"
+                + ("; per-layer ranks are padded to the largest)" if at_least else ")") if not gguf else "not exact: " + gguf[0]))
     lines.append(gguf_line)
     return lines

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from mla_convert.artifacts.output import atomic_write_text
+from mla_convert.convert.engine import export_target
 from mla_convert.recipes.load import Resolved, resolved_yaml
 from mla_convert.recipes.plan import (
     adapt_stage,
@@ -199,7 +200,7 @@ def _export(
         overwrite=overwrite or stage.replaces,
         note=say,
         dtype=recipe.export.dtype,
-        target=recipe.export.target,
+        target=export_target(recipe.export.target),
     )
     done["export"] = "ran"
 

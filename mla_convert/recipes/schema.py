@@ -63,8 +63,10 @@ class ExportSettings(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="written dtype (auto: the checkpoint's; float16 is refused: it cannot hold the latent norm)"
     )
-    target: Literal["transformers", "vllm", "vllm-cpu"] = Field(
-        "transformers", description="engine shape: transformers | vllm (GPU, 512 + 64) | vllm-cpu (512 + 64, 128/128)"
+    target: Literal["transformers", "vllm", "vllm-cpu", "llama.cpp"] = Field(
+        "transformers", description="engine shape: transformers | vllm (GPU, 512 + 64) | vllm-cpu (512 + 64, 128/128) | "
+        "llama.cpp (the factor cache size is llama.cpp's served row: one rank and the fastest rope pairs; with format "
+        "gguf)"
     )
 
 
