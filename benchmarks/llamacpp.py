@@ -131,13 +131,23 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 
 def _rounds(rows: list[dict[str, Any]]) -> str:
-    """How many interleaved rounds the speed rows hold, as the caption says it."""
-    n = len({r["repeat"] for r in rows if r["part"] == "speed"})
-    return (
+    """How many interleaved rounds the speed rows hold and the machine's load when each pass started, as the
+    caption says it."""
+    sp = [r for r in rows if r["part"] == "speed"]
+    n = len({r["repeat"] for r in sp})
+    said = (
         "one round (source, then MLA)"
         if n == 1
         else f"best of {n} interleaved rounds (who goes first alternates)"
     )
+    loads = {
+        m: sorted({r["load_before"] for r in sp if r["model"] == m and "load_before" in r}) for m in MODELS
+    }
+    if all(loads.values()):
+        said += "; 1-minute load average when each pass started: " + ", ".join(
+            f"{m} {'/'.join(f'{x:.1f}' for x in v)}" for m, v in loads.items()
+        )
+    return said
 
 
 def ppl_table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
