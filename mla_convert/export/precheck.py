@@ -258,6 +258,7 @@ def export_lines(src: Any, options: Any, given: Collection[str] = ()) -> list[st
             gguf = export_problems(src, steered, target, "gguf")
             gguf_line = ("  --export gguf (llama.cpp deepseek2): " + (
                 f"exact{steer}; K-only cache at least {served:g} values/token/layer (MLA {mla:g}, source {source}; "
-                "per-layer ranks are padded to the largest)" if not gguf else "not exact: " + gguf[0]))
+                "per-layer ranks are padded to the largest, then to whole blocks of 32 for llama.cpp's quantized "
+                "caches)" if not gguf else "not exact: " + gguf[0]))
     lines.append(gguf_line)
     return lines
