@@ -131,13 +131,30 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 
 def _rounds(rows: list[dict[str, Any]]) -> str:
-    """How many interleaved rounds the speed rows hold, as the caption says it."""
-    n = len({r["repeat"] for r in rows if r["part"] == "speed"})
-    return (
-        "one round (source, then MLA)"
-        if n == 1
-        else f"best of {n} interleaved rounds (who goes first alternates)"
-    )
+    """How many interleaved rounds the speed rows of each weight and cache type hold and the machine's load when
+    each pass started, as the caption says it."""
+    sp = [r for r in rows if r["part"] == "speed"]
+    said = []
+    for w, c in dict.fromkeys((r["weights"], r["cache"]) for r in sp):
+        group = [r for r in sp if r["weights"] == w and r["cache"] == c]
+        n = len({r["repeat"] for r in group})
+        text = f"{w} weights, {c} cache: " + (
+            "one round (source, then MLA)"
+            if n == 1
+            else f"best of {n} interleaved rounds (who goes first alternates)"
+        )
+        loads = {
+            m: [r["load_before"] for r in group if r["model"] == m and r["ctx"] == CONTEXTS[0]]
+            for m in MODELS
+        }
+        if all(loads.values()):
+            text += (
+                " (1-minute load average when each pass started: "
+                + ", ".join(f"{m} {'/'.join(f'{x:.1f}' for x in v)}" for m, v in loads.items())
+                + ")"
+            )
+        said.append(text)
+    return "; ".join(said)
 
 
 def ppl_table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:

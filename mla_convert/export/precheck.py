@@ -261,8 +261,12 @@ def export_lines(src: Any, options: Any, given: Collection[str] = ()) -> list[st
                      + (f"exact{steer}; {cache}" if not problems else "not exact: " + problems[0]))
         if target == "transformers":  # llama.cpp: the same widths, K-only cache
             gguf = export_problems(src, steered, target, "gguf")
+            # --cache-block 32 (the GGUF default) pads a latent or row that is not whole blocks of 32
+            blocks = exact_row and steered.kv_lora_rank % 32 == 0 and served % 32 == 0
+            gguf_at_least = "" if blocks else "at least "
             gguf_line = ("  --export gguf (llama.cpp deepseek2): " + (
-                f"exact{steer}; K-only cache {at_least}{served:g} values/token/layer (MLA {mla:g}, source {source}"
-                + ("; per-layer ranks are padded to the largest)" if at_least else ")") if not gguf else "not exact: " + gguf[0]))
+                f"exact{steer}; K-only cache {gguf_at_least}{served:g} values/token/layer (MLA {mla:g}, source {source}"
+                + ("; per-layer ranks are padded to the largest, then to whole blocks of 32 for llama.cpp's quantized "
+                   "caches)" if gguf_at_least else ")") if not gguf else "not exact: " + gguf[0]))
     lines.append(gguf_line)
     return lines
