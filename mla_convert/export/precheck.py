@@ -262,7 +262,7 @@ def export_lines(src: Any, options: Any, given: Collection[str] = ()) -> list[st
         if target == "transformers":  # llama.cpp: the same widths, K-only cache
             gguf = export_problems(src, steered, target, "gguf")
             # --cache-block 32 (the GGUF default) pads a latent or row that is not whole blocks of 32
-            blocks = exact_row and steered.kv_lora_rank % 32 == 0 and served % 32 == 0
+            blocks = exact_row and (steered.kv_lora_rank or 1) % 32 == 0 and served % 32 == 0
             gguf_at_least = "" if blocks else "at least "
             gguf_line = ("  --export gguf (llama.cpp deepseek2): " + (
                 f"exact{steer}; K-only cache {gguf_at_least}{served:g} values/token/layer (MLA {mla:g}, source {source}"
