@@ -116,7 +116,15 @@ def main() -> None:
     ap.add_argument(
         "--collect", action="store_true", help="measure nothing: the block again from results/engine_shape.md"
     )
+    ap.add_argument(
+        "--from-log", action="store_true", help="measure nothing: the table (and with --readme the block and the choice) "
+        "from results/engine_shape.jsonl",
+    )  # fmt: skip
     a = ap.parse_args()
+    log = RESULTS / "engine_shape.jsonl"
+    if a.from_log:
+        publish([json.loads(x) for x in log.read_text().splitlines()], a.readme)
+        return
     if a.collect:
         text = collect_block()
         print(text)
@@ -132,7 +140,6 @@ def main() -> None:
         "dev@512": proto.dev,
     }  # dev: the adaptation split, which chooses (never reported alone)
     base = {k: evaluate(proto.model, ids).perplexity for k, ids in scored.items()}
-    log = RESULTS / "engine_shape.jsonl"
     done = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
     default = ConvertOptions(dtype="float32", device="cpu")
     plans: list[tuple[str, ConvertOptions | None, int | None]] = [
@@ -178,10 +185,16 @@ def main() -> None:
                 f.write(json.dumps(prior) + "\n")
         if name.startswith("default"):
             widest = int(prior["ranks"][1])
+    publish(done, a.readme)
+
+
+def publish(done: list[dict], readme: bool) -> None:  # type: ignore[type-arg]
+    """Write ``results/engine_shape.md`` from the rows; with ``readme`` also the ``engine-shape`` block and the
+    llama.cpp choice into ``measured_splits.json``."""
     lines = table(done)
     (RESULTS / "engine_shape.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    if a.readme:
+    if readme:
         from blocks import replace_block
 
         replace_block("engine-shape", "\n".join(lines))
