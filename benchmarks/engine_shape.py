@@ -261,7 +261,9 @@ def llamacpp_choice(done: list[dict]) -> dict | None:  # type: ignore[type-arg]
     best = min(one, key=lambda r: r["dev@512 ratio"])
     rank = int(best["ranks"][0])
     pairs = (LLAMACPP_ROW - rank) // 2
-    others = "; ".join(f"{r['conversion'].split(': ', 1)[1]} x{r['dev@512 ratio']:.2f} / x{r['wiki@512 ratio']:.2f}"
+    rows += [r for r in done if r["conversion"].startswith("default") and protocol_of(r) == common]
+    others = "; ".join(f"{r['conversion'].split(': ', 1)[-1]} (served {r['cache']['llama.cpp']}) x{r['dev@512 ratio']:.2f} / "
+        f"x{r['wiki@512 ratio']:.2f}"
                        for r in rows if r is not best)  # fmt: skip
     evidence = (f"benchmarks/engine_shape.py on SmolLM2-135M-Instruct at llama.cpp's row {LLAMACPP_ROW} "
                 f"({common[0]} calibration tokens), dev / wiki ratio: one rank {rank} + high r={pairs} "
