@@ -116,7 +116,15 @@ def main() -> None:
     ap.add_argument(
         "--collect", action="store_true", help="measure nothing: the block again from results/engine_shape.md"
     )
+    ap.add_argument(
+        "--from-log", action="store_true", help="measure nothing: the table (and with --readme the block and the choice) "
+        "from results/engine_shape.jsonl",
+    )  # fmt: skip
     a = ap.parse_args()
+    log = RESULTS / "engine_shape.jsonl"
+    if a.from_log:
+        publish([json.loads(x) for x in log.read_text().splitlines()], a.readme)
+        return
     if a.collect:
         text = collect_block()
         print(text)
@@ -132,7 +140,6 @@ def main() -> None:
         "dev@512": proto.dev,
     }  # dev: the adaptation split, which chooses (never reported alone)
     base = {k: evaluate(proto.model, ids).perplexity for k, ids in scored.items()}
-    log = RESULTS / "engine_shape.jsonl"
     done = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
     default = ConvertOptions(dtype="float32", device="cpu")
     plans: list[tuple[str, ConvertOptions | None, int | None]] = [
@@ -178,10 +185,16 @@ def main() -> None:
                 f.write(json.dumps(prior) + "\n")
         if name.startswith("default"):
             widest = int(prior["ranks"][1])
+    publish(done, a.readme)
+
+
+def publish(done: list[dict], readme: bool) -> None:  # type: ignore[type-arg]
+    """Write ``results/engine_shape.md`` from the rows; with ``readme`` also the ``engine-shape`` block and the
+    llama.cpp choice into ``measured_splits.json``."""
     lines = table(done)
     (RESULTS / "engine_shape.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    if a.readme:
+    if readme:
         from blocks import replace_block
 
         replace_block("engine-shape", "\n".join(lines))
@@ -248,7 +261,9 @@ def llamacpp_choice(done: list[dict]) -> dict | None:  # type: ignore[type-arg]
     best = min(one, key=lambda r: r["dev@512 ratio"])
     rank = int(best["ranks"][0])
     pairs = (LLAMACPP_ROW - rank) // 2
-    others = "; ".join(f"{r['conversion'].split(': ', 1)[1]} x{r['dev@512 ratio']:.2f} / x{r['wiki@512 ratio']:.2f}"
+    rows += [r for r in done if r["conversion"].startswith("default") and protocol_of(r) == common]
+    others = "; ".join(f"{r['conversion'].split(': ', 1)[-1]} (served {r['cache']['llama.cpp']}) x{r['dev@512 ratio']:.2f} / "
+        f"x{r['wiki@512 ratio']:.2f}"
                        for r in rows if r is not best)  # fmt: skip
     evidence = (f"benchmarks/engine_shape.py on SmolLM2-135M-Instruct at llama.cpp's row {LLAMACPP_ROW} "
                 f"({common[0]} calibration tokens), dev / wiki ratio: one rank {rank} + high r={pairs} "

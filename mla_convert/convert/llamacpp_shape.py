@@ -133,7 +133,9 @@ def shape_for_llamacpp(
     measured = measured_row(path)
     share = float(measured["rope_share"]) if measured else UNMEASURED_SHARE
     origin = (
-        f"--target {LLAMACPP}: the split measured best at llama.cpp's row ({measured['evidence']}; measured_splits.json)"
+        f"--target {LLAMACPP}: rope share {share:.2f} of the row, measured best at llama.cpp's row "
+        f"({measured['evidence']}; measured_splits.json), the rank then moved to a multiple of {Q8_0_BLOCK} where the "
+        "row allows"
         if measured
         else f"--target {LLAMACPP}: rope share {UNMEASURED_SHARE} of the row (not measured at llama.cpp's row)"
     )
