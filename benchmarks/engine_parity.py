@@ -55,10 +55,7 @@ def block(results: dict[str, Any]) -> str:
     lines = [
         f"Written by `python benchmarks/engine_parity.py --readme` from `benchmarks/results/engine_parity.json`; "
         f"measured by `{LLAMACPP}` and `{MLX}` (the checks `tests/export/test_llamacpp.py` and "
-        "`tests/export/test_mlx.py` run in CI). Our model runs in float32. The llama.cpp rows were measured on the "
-        "GGUF as exported before `--cache-block`, with the unpadded latent (what `--cache-block 1` writes); the default "
-        "export now pads the latent to whole blocks of 32 for llama.cpp's quantized caches, and its cache and parity are "
-        "in [docs/results.md](docs/results.md#measured-in-llamacpp-benchmarksllamacpppy) and `tests/export/test_llamacpp.py`.",
+        "`tests/export/test_mlx.py` run in CI). Our model runs in float32.",
         "",
         "| engine (export dtype) | prompt log-prob vs ours: mean / max abs diff | greedy tokens our argmax | "
         "KV cache per token per layer |",

@@ -55,9 +55,9 @@ def measured_row(path: Path | None = None) -> dict[str, Any] | None:
 def split_row(row: int, share: float, pairs_max: int, rank_max: int) -> tuple[int, int]:
     """``(kv_lora_rank, rope_pairs)`` filling a llama.cpp row of ``row`` values.
 
-    ``r = round(share * row / 2)`` pairs (1..``pairs_max``) and the rest as the rank; then, when some rank that is a
-    multiple of :data:`Q8_0_BLOCK` leaves an even remainder of 1..``pairs_max`` pairs, the nearest such rank (ties:
-    the larger). The rank is at most ``rank_max`` (the widest useful latent); a row wider than ``rank_max + 2
+    ``r = round(share * row / 2)`` pairs (1..``pairs_max``) and the rest as the rank; then, when the row is a multiple
+    of :data:`Q8_0_BLOCK` and some rank that is one leaves 1..``pairs_max`` pairs, the nearest such rank (ties: the
+    larger), so llama.cpp's q8_0 cache takes the row as it is (the GGUF export can pad the latent, never the rope). The rank is at most ``rank_max`` (the widest useful latent); a row wider than ``rank_max + 2
     pairs_max`` is not filled.
 
     Raises:
@@ -73,8 +73,8 @@ def split_row(row: int, share: float, pairs_max: int, rank_max: int) -> tuple[in
         pairs = min(pairs_max, (row - rank) // 2)
     fits = [
         k for k in range(Q8_0_BLOCK, min(row, rank_max) + 1, Q8_0_BLOCK)
-        if (row - k) % 2 == 0 and 1 <= (row - k) // 2 <= pairs_max
-    ]  # fmt: skip
+        if row % Q8_0_BLOCK == 0 and 1 <= (row - k) // 2 <= pairs_max
+    ]  # fmt: skip  (a row that is not whole blocks has no q8_0 split: the rope width would need padding too)
     if fits:
         best = min(fits, key=lambda k: (abs(k - rank), -k))
         return best, (row - best) // 2
@@ -135,7 +135,7 @@ def shape_for_llamacpp(
     origin = (
         f"--target {LLAMACPP}: rope share {share:.2f} of the row, measured best at llama.cpp's row "
         f"({measured['evidence']}; measured_splits.json), the rank then moved to a multiple of {Q8_0_BLOCK} where the "
-        "row allows"
+        "row is one"
         if measured
         else f"--target {LLAMACPP}: rope share {UNMEASURED_SHARE} of the row (not measured at llama.cpp's row)"
     )
@@ -184,10 +184,11 @@ def shape_for_llamacpp(
     q8 = (
         f"kv_lora_rank and the row multiples of {Q8_0_BLOCK}, as llama.cpp's q8_0 cache blocks need"
         if ready
-        else (f"kv_lora_rank a multiple of {Q8_0_BLOCK} (llama.cpp's q8_0 cache block; the row is not, so a q8_0 "
-              "cache pads it)" if rank % Q8_0_BLOCK == 0 else
-              f"no split of this row gives a kv_lora_rank that is a multiple of {Q8_0_BLOCK} (llama.cpp's q8_0 cache "
-              "block): an f16 cache holds it as is, a q8_0 cache pads it")
+        else (f"the row is not whole blocks of {Q8_0_BLOCK} (llama.cpp's q8_0 cache block): the GGUF export pads the "
+              f"latent to them for a q8_0 cache, since the rope head's {2 * pairs} values are" if (2 * pairs) % Q8_0_BLOCK
+              == 0 else f"the row is not whole blocks of {Q8_0_BLOCK} and the rope head's {2 * pairs} values cannot be "
+              "padded: llama.cpp runs it with an f16 / bf16 / f32 cache, not q8_0; ask for a row that is a multiple of "
+              f"{Q8_0_BLOCK} for one")
     )  # fmt: skip
     scaled = f" ({kind} leaves pairs 0..{plain - 1} at their plain frequency)" if plain < half else ""
     why = (

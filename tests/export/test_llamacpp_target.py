@@ -47,14 +47,16 @@ def wide_source(tmp_path_factory) -> Path:
 
 
 def test_split_row_fills_the_row_with_a_rank_of_32s():
-    """Every split spends exactly the row; the rank moves to the nearest multiple of 32 whose remainder is whole
-    pairs the rope head holds, else stays as the share gives it."""
+    """Every split spends exactly the row; in a row of whole 32-blocks the rank moves to the nearest multiple of 32
+    whose remainder is whole pairs the rope head holds, else it stays as the share gives it (a rope head off the
+    blocks cannot be padded, so moving the rank would buy no q8_0 cache)."""
     assert split_row(120, 0.2, 32, 320) == (96, 12)
-    assert split_row(120, 0.4, 32, 320) == (64, 28)  # share: 24 pairs + 72 -> 64 + 28 pairs
+    assert split_row(120, 0.4, 32, 320) == (72, 24)  # 120 is not whole blocks: the measured share as it is
+    assert split_row(128, 0.4, 32, 320) == (64, 32)  # 26 pairs + 76 -> 64 + 32 pairs
     assert split_row(640, 0.2, 64, 512) == (512, 64)
-    assert split_row(72, 0.4, 32, 320) == (32, 20)  # 14 pairs + 44 -> the nearest multiple of 32: 32
+    assert split_row(72, 0.4, 32, 320) == (44, 14)  # 72 is not whole blocks
     assert split_row(121, 0.4, 32, 320) == (73, 24)  # an odd row: no rank of 32s leaves whole pairs
-    assert split_row(48, 0.4, 32, 320) == (32, 8)
+    assert split_row(64, 0.4, 32, 320) == (32, 16)
     assert split_row(2000, 0.4, 64, 512) == (512, 64)  # wider than the source can use: its widest
     for row in (5, 40, 64, 100, 120, 300):
         rank, pairs = split_row(row, 0.3, 32, 320)
