@@ -8,15 +8,24 @@ from pathlib import Path
 import pytest
 
 
+def engine_python(engine: str, var: str, script: str) -> str:
+    """The python of an engine's venv named by ``MLA_<var>_PYTHON`` (built by ``script``); skips without one, fails
+    under ``MLA_REQUIRE_<var>=1`` (CI)."""
+    python = os.environ.get(f"MLA_{var}_PYTHON", "")
+    if not python or not Path(python).is_file():
+        if os.environ.get(f"MLA_REQUIRE_{var}") == "1":
+            pytest.fail(f"MLA_REQUIRE_{var}=1 but MLA_{var}_PYTHON names no python: run bash {script}")
+        pytest.skip(f"no {engine} venv (MLA_{var}_PYTHON): bash {script} builds one")
+    return python
+
+
 @pytest.fixture(scope="module")
 def vllm_python() -> str:
-    """The python of the vLLM CPU venv (``MLA_VLLM_PYTHON``, from ``scripts/vllm_env.sh``); skips without one, fails
-    under ``MLA_REQUIRE_VLLM=1`` (CI)."""
-    python = os.environ.get("MLA_VLLM_PYTHON", "")
-    if not python or not Path(python).is_file():
-        if os.environ.get("MLA_REQUIRE_VLLM") == "1":
-            pytest.fail(
-                "MLA_REQUIRE_VLLM=1 but MLA_VLLM_PYTHON names no python: run bash scripts/vllm_env.sh"
-            )
-        pytest.skip("no vLLM venv (MLA_VLLM_PYTHON): bash scripts/vllm_env.sh builds one")
-    return python
+    """The python of the vLLM CPU venv (``scripts/vllm_env.sh``)."""
+    return engine_python("vLLM", "VLLM", "scripts/vllm_env.sh")
+
+
+@pytest.fixture(scope="module")
+def llamacpp_python() -> str:
+    """The python of the llama.cpp venv (``scripts/llamacpp_env.sh``)."""
+    return engine_python("llama.cpp", "LLAMACPP", "scripts/llamacpp_env.sh")

@@ -11,7 +11,6 @@ same engine.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -20,16 +19,6 @@ from typer.testing import CliRunner
 from mla_convert.cli.commands import app
 
 SMALL = ["--calib-windows", "2", "--window", "64", "--eval-windows", "1"]
-
-
-@pytest.fixture(scope="module")
-def llamacpp_python() -> str:
-    python = os.environ.get("MLA_LLAMACPP_PYTHON", "")
-    if not python or not Path(python).is_file():
-        if os.environ.get("MLA_REQUIRE_LLAMACPP") == "1":
-            pytest.fail("MLA_REQUIRE_LLAMACPP=1 but MLA_LLAMACPP_PYTHON names no python: run bash scripts/llamacpp_env.sh")
-        pytest.skip("no llama.cpp venv (MLA_LLAMACPP_PYTHON): bash scripts/llamacpp_env.sh builds one")
-    return python
 
 
 @pytest.fixture(scope="module")

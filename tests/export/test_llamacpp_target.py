@@ -11,7 +11,6 @@ llama.cpp itself allocated (its load log, tests/export/test_llamacpp.py's check)
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -191,20 +190,13 @@ def test_factor_and_export_give_the_asked_row(target_ckpt, bundled_tokenizer, tm
     assert res.exit_code == 2 and "use --format gguf" in res.output
 
 
-def test_target_gguf_in_llamacpp(target_ckpt, bundled_tokenizer, tmp_path):
+def test_target_gguf_in_llamacpp(llamacpp_python, target_ckpt, bundled_tokenizer, tmp_path):
     """A real llama.cpp serves the --target llama.cpp conversion's float32 GGUF as our model computes it (the export's
     own check: prompt log-probabilities and greedy tokens within llamacpp_check's thresholds) and allocates exactly
     the 320 values per token per layer asked, K only."""
-    python = os.environ.get("MLA_LLAMACPP_PYTHON", "")
-    if not python or not Path(python).is_file():
-        if os.environ.get("MLA_REQUIRE_LLAMACPP") == "1":
-            pytest.fail(
-                "MLA_REQUIRE_LLAMACPP=1 but MLA_LLAMACPP_PYTHON names no python: run bash scripts/llamacpp_env.sh"
-            )
-        pytest.skip("no llama.cpp venv (MLA_LLAMACPP_PYTHON): bash scripts/llamacpp_env.sh builds one")
     from mla_convert.export.gguf_file import export_gguf
 
-    _, record = export_gguf(target_ckpt, tmp_path / "t.gguf", "float32", llamacpp_python=python)
+    _, record = export_gguf(target_ckpt, tmp_path / "t.gguf", "float32", llamacpp_python=llamacpp_python)
     p = record["parity"]
     assert isinstance(p, dict) and p["passed"], p
     assert p["logprob_abs_diff"]["max"] <= p["thresholds"]["max"] and p["greedy"]["count"] == 32
