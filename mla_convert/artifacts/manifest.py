@@ -33,7 +33,7 @@ from mla_convert.errors import UserError
 if TYPE_CHECKING:
     from mla_convert.adapt.options import AdaptOptions
     from mla_convert.convert.options import ConvertOptions
-    from mla_convert.convert.stream import Streamed
+    from mla_convert.convert.records import Streamed
     from mla_convert.metrics import EvalResult
     from mla_convert.sources.checkpoint import SourceModel
 

@@ -97,7 +97,8 @@ def inspect(
     if why:
         console.print(f"\nfactor with these options takes {why}", highlight=False, markup=False)
     given = [k for k in ConvertOptions.model_fields if given_on_command_line(k)]
-    estimate_lines(options, max_shard_size, factor_lines(options, src, max_shard_size), given)
+    lines = factor_lines(options, src, max_shard_size, max(1, len(res.rope_candidates)))
+    estimate_lines(options, max_shard_size, lines, given)
     from mla_convert.export.precheck import export_lines
 
     console.print("\nexport of a conversion with these options (checked before any work):", highlight=False)

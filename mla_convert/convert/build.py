@@ -17,9 +17,10 @@ import torch
 
 from mla_convert.convert.calibration import LayerStats
 from mla_convert.convert.options import ConvertOptions, check_options
+from mla_convert.convert.records import Streamed, Texts
 from mla_convert.convert.rope import RopePlan
 from mla_convert.convert.steps import LayerRecord
-from mla_convert.convert.stream import Streamed, StreamedConversion, Texts
+from mla_convert.convert.stream import StreamedConversion
 from mla_convert.convert.workdir import load_torch
 from mla_convert.metrics import EvalResult
 from mla_convert.mla.configuration import MLAConfig

@@ -551,9 +551,12 @@ def factor_disk(options: ConvertOptions, src: Any) -> Disk:
     return Disk(s.output_bytes, work_peak, items + (("staged output", s.output_bytes),))
 
 
-def factor_lines(options: ConvertOptions, src: Any, max_shard_size: str | int | None = None) -> list[str]:
-    """Lines for ``inspect``: peak memory (its phase and largest items), disk, the time estimate, and where this
-    machine runs the default bfloat16 calibration emulated, that note (its calibrate stage is about 4x the estimate).
+def factor_lines(
+    options: ConvertOptions, src: Any, max_shard_size: str | int | None = None, candidates: int = 1
+) -> list[str]:
+    """Lines for ``inspect``: peak memory (its phase and largest items), disk, the time estimate (``candidates``:
+    RoPE splits measured on the source), and where this machine runs the default bfloat16 calibration emulated,
+    that note (its calibrate stage is about 4x the estimate).
 
     Raises:
         ValueError: a ``max_shard_size`` huggingface_hub cannot read.
@@ -567,7 +570,7 @@ def factor_lines(options: ConvertOptions, src: Any, max_shard_size: str | int | 
     items = ", ".join(f"{k} {b / GB:.2f}" for k, b in top.largest(4))
     disk = factor_disk(options, src)
     parts = ", ".join(f"{k} {b / GB:.2f}" for k, b in sorted(disk.items, key=lambda kv: -kv[1])[:3])
-    tim = factor_time(options, src)
+    tim = factor_time(options, src, candidates)
     slow = ", ".join(f"{k} {_fmt_s(v)}" for k, v in sorted(tim.stages.items(), key=lambda kv: -kv[1])[:3])
     device = resolve_device(options.device)
     gpu = device.type != "cpu"

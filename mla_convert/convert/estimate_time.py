@@ -69,8 +69,11 @@ class TimeEstimate:
         return sum(self.stages.values())
 
 
-def factor_time(options: ConvertOptions, src: Any) -> TimeEstimate:
+def factor_time(options: ConvertOptions, src: Any, candidates: int = 1) -> TimeEstimate:
     """Seconds of each stage of a conversion on the reference machine: FLOPs / measured throughput.
+
+    ``candidates``: RoPE splits measured on the source (:mod:`mla_convert.convert.rope_split`; 1: none): each
+    other one's plan and spectrum in pass 1, then every one's plan, factorization, held-out forward and scoring.
 
     Forward passes: ``2 x parameters`` per token and layer, plus ``4 T H h`` for the source attention's scores
     and values (the masked full ``T x T``), or ``2 T H (2 d_c + d_R)`` on the MLA absorbed path. Statistics,
@@ -148,6 +151,12 @@ def factor_time(options: ConvertOptions, src: Any) -> TimeEstimate:
         "score": score / (SCORE_GFLOPS * giga),  # decide_refit's held-out windows too
         "files": io / IO_BYTES_PER_S,
     }
+    if candidates > 1:
+        plan_s = n_l * (plan64 * f64 + plan_la * FLOAT64_TWO_THREADS)
+        factor_s = n_l * (factor64 * f64 + factor_la * FLOAT64_TWO_THREADS)
+        held_s = n_l * tok["held"] * f_conv(t) / (CONVERTED_FORWARD_GFLOPS * giga)
+        score_s = 2.0 * s.vocab * d * (t - 1) * s.held / (SCORE_GFLOPS * giga)
+        stages["rope split"] = (candidates - 1) * plan_s + candidates * (plan_s + factor_s + held_s + score_s)
     return TimeEstimate(stages)
 
 

@@ -23,8 +23,10 @@ from mla_convert.artifacts.report import write_report
 from mla_convert.artifacts.shards import DEFAULT_MAX_SHARD_SIZE, write_shards
 from mla_convert.convert.device import calib_precision_note, frozen_heap, resolve_device, trim_heap
 from mla_convert.convert.options import ConvertOptions, check_options
+from mla_convert.convert.records import ProgressFn, Streamed, Texts
 from mla_convert.convert.resolve import Resolution, resolve_options
-from mla_convert.convert.stream import ProgressFn, Streamed, StreamedConversion, Texts
+from mla_convert.convert.rope_split import choose_rope_pairs, split_record, split_sentence
+from mla_convert.convert.stream import StreamedConversion
 from mla_convert.convert.workdir import check_start, close_work, load_torch, open_work, publish
 from mla_convert.errors import UserError
 from mla_convert.metrics import EvalResult
@@ -312,7 +314,7 @@ def run_factor(
     work, done = open_work(out, job, resume)
     with frozen_heap():  # the per-layer gc.collect skips the objects made before the layers run
         try:
-            conv = StreamedConversion(src, options, texts, work, progress)
+            conv = StreamedConversion(src, options, texts, work, progress, rope_candidates=resolution.rope_candidates)
             if done is not None:
                 conv.state = load_torch(work / "state.pt")
             step = (done["pass"], done["layer"]) if done is not None else (1, -1)
@@ -324,6 +326,10 @@ def run_factor(
 
             phases.enter("calibrate")
             conv.pass_one(first(1))
+            split = choose_rope_pairs(conv)  # a resumed conversion: the split measured before it stopped
+            options = conv.options  # the measured RoPE split, where one was measured
+            if split is not None and step[0] <= 1:
+                conv.save_state({"pass": 1, "layer": n - 1})
             t1 = time.perf_counter()
             config = conv.ranks_and_config()
             phases.enter("convert")
@@ -416,7 +422,9 @@ def run_factor(
             "torch": torch.__version__,
             "python": platform.python_version(),
             "threads": torch.get_num_threads(),
-            "rope_pairs_chosen_by": resolution.why or "given (--rope-pairs, or a fixed --kv-lora-rank)",
+            "rope_pairs_chosen_by": split_sentence(split, resolution.why)
+            or "given (--rope-pairs, or a fixed --kv-lora-rank)",
+            "rope_split": split_record(split),
         },
     }
     manifest = conversion_manifest(

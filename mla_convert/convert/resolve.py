@@ -11,7 +11,9 @@ them in one order, so ``ConvertOptions(cache_budget=72)`` converts as ``factor -
    for ``--target llama.cpp`` the cache size is llama.cpp's served row, spent as one rank and a plain rope head
    (:func:`~mla_convert.convert.llamacpp_shape.shape_for_llamacpp`; refuses what llama.cpp cannot run exactly);
 3. the RoPE split and levers measured best for the budget where not given
-   (:func:`~mla_convert.convert.suggest.follow_budget`: measured on another model, a prior, and said so);
+   (:func:`~mla_convert.convert.suggest.follow_budget`: measured on another model, a prior, and said so); the
+   split's pairs are then measured on the source itself among candidates around that prior
+   (:func:`~mla_convert.convert.rope_split.rope_candidates`; the conversion chooses, before converting);
 4. with an export asked for, a scaled-RoPE source's selection steered to the pairs one plain RoPE table holds
    (:func:`~mla_convert.export.precheck.steer_for_export`).
 
@@ -45,11 +47,16 @@ class Resolution:
             ``kv_lora_rank``; the RoPE split and levers fixed).
         why: sentences for the user (joined by ``"; "``), None when nothing was chosen for them.
         choices: option name -> its origin: ``"given"``, ``"default"``, or the rule that chose it.
+        rope_candidates: the RoPE pairs the conversion measures on the source before converting
+            (:mod:`mla_convert.convert.rope_split`), ``options.rope_pairs`` (the prior) among them; empty: the
+            pairs are fixed (given, an engine's row, a fixed ``kv_lora_rank``, a NoPE-width reduction, a steered
+            export selection).
     """
 
     options: ConvertOptions
     why: str | None
     choices: dict[str, str] = field(default_factory=dict)
+    rope_candidates: tuple[int, ...] = ()
 
 
 def check_sizes_given(options: ConvertOptions, given: Collection[str]) -> None:
@@ -123,6 +130,7 @@ def resolve_options(
     """
     from mla_convert.convert.engine import ENGINE_ROWS, shape_for_engine
     from mla_convert.convert.llamacpp_shape import LLAMACPP, shape_for_llamacpp
+    from mla_convert.convert.rope_split import rope_candidates
     from mla_convert.convert.suggest import follow_budget, measured_rope_pairs
 
     if given is None:  # a Python caller: the fields it passed, None meaning "not set"
@@ -133,6 +141,7 @@ def resolve_options(
     choices = {k: ("given" if k in given else "default") for k in CHOSEN}
     choices["cache_budget"] = budget_origin
     shaped = False
+    candidates: tuple[int, ...] = ()
     if target == LLAMACPP:
         from mla_convert.convert.suggest import measured_levers
 
@@ -162,17 +171,36 @@ def resolve_options(
         prior = "measured best for the budget on another model (a prior: measured_splits.json)"
         if "rope_pairs" not in given and measured_rope_pairs(before, src) is not None:
             choices["rope_pairs"] = prior
+            budget = cache_budget_of(options, src)
+            if options.qk_nope_head_dim is None and budget is not None:
+                candidates = rope_candidates(options, src, budget)
         for k in ("rope_strategy", "refit_o_proj"):
             if getattr(options, k) != getattr(before, k):
                 choices[k] = prior
     if export:
-        from mla_convert.export.precheck import steer_for_export
+        from mla_convert.export.precheck import scaled_rope_problem, steer_for_export
 
         before = options
-        options, steer = steer_for_export(src, options, given, "transformers" if target == LLAMACPP else target)
+        held = "transformers" if target == LLAMACPP else target
+        options, steer = steer_for_export(src, options, given, held)
+        candidates = tuple(  # only splits the export holds
+            c for c in candidates
+            if scaled_rope_problem(src, options.model_copy(update={"rope_pairs": c}), held) is None
+        )
         if steer:
             whys.append(steer)
         for k in ("rope_strategy", "rope_pairs"):
             if getattr(options, k) != getattr(before, k):
                 choices[k] = f"--export {export} (the pairs a plain RoPE table holds for this scaled source)"
-    return Resolution(options, "; ".join(whys) if whys else None, choices)
+                candidates = ()  # the steered selection is the one an export holds
+    if len(candidates) > 1:
+        listed = ", ".join(map(str, candidates))
+        choices["rope_pairs"] = (
+            f"measured on this source: the lowest held-out KL among --rope-pairs {listed} "
+            f"(the prior {options.rope_pairs}: {choices['rope_pairs']})"
+        )
+        whys.append(f"the conversion measures --rope-pairs {listed} on this source (KL on held-out windows) and "
+                    "converts the best")
+    else:
+        candidates = ()
+    return Resolution(options, "; ".join(whys) if whys else None, choices, candidates)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +43,9 @@ from mla_convert.convert.layers import (
     run_mla,
 )
 from mla_convert.convert.options import ConvertOptions, geometry, refit_stride
+from mla_convert.convert.records import ProgressFn, Streamed, Texts, cache_record
 from mla_convert.convert.refit import refit_o_proj
+from mla_convert.convert.rope_split import candidate_spectra
 from mla_convert.convert.steps import (
     LayerRecord,
     is_lossless,
@@ -59,46 +60,6 @@ from mla_convert.metrics import EvalResult, head_scores
 from mla_convert.mla.configuration import MLAConfig
 from mla_convert.mla.modeling import latent_cache_bytes
 from mla_convert.sources.checkpoint import SourceModel
-
-ProgressFn = Callable[[str, int, int], None]
-
-
-@dataclass
-class Texts:
-    """Token windows of each role: ``calib [N, T]``, ``held [M, T]``, ``eval [E, T]``, ``probe [1, P]``."""
-
-    calib: torch.Tensor
-    held: torch.Tensor
-    eval: torch.Tensor
-    probe: torch.Tensor
-
-
-@dataclass
-class Streamed:
-    """What a streamed conversion measured and wrote (report and manifest inputs)."""
-
-    config: MLAConfig
-    layers: list[LayerRecord]
-    eval: EvalResult | None  # None: no evaluation windows (an in-memory conversion, mla_convert.convert.build)
-    refit: dict[str, Any] | None
-    cache_source: dict[str, Any]
-    cache_converted: dict[str, Any]
-    calib_tokens: int
-    timings: dict[str, float] = field(default_factory=dict)
-    per_layer: list[dict[str, float]] = field(default_factory=list)
-    dtype: str = "float32"
-    device: str = "cpu"
-    #: per-layer attention errors on held-out tokens of each ``o_proj`` variant (``plain``; ``fit`` when a refit
-    #: ran), whichever was kept
-    attn_err_variants: dict[str, list[float]] = field(default_factory=dict)
-
-
-def _cache_record(measured: list[tuple[int, int]], tokens: int, dtype: torch.dtype) -> dict[str, Any]:
-    """Per token and layer: values and bytes of the measured ``(bytes, values)`` of each layer's cache."""
-    per = tokens * len(measured)
-    return {"values_per_token_per_layer": sum(v for _, v in measured) / per,
-            "bytes_per_token_per_layer": sum(b for b, _ in measured) / per,
-            "dtype": str(dtype).replace("torch.", ""), "tokens": tokens, "layers": len(measured)}  # fmt: skip
 
 
 class StreamedConversion:
@@ -118,6 +79,9 @@ class StreamedConversion:
             in a process holding many objects, so an in-memory conversion of a small model turns it off).
         resumable: record the streams and the last finished step after each layer (``--resume``); an in-memory
             conversion skips it.
+        rope_candidates: RoPE pairs to measure on this source (:mod:`mla_convert.convert.rope_split`; the first
+            pass records their spectra, :func:`~mla_convert.convert.rope_split.choose_rope_pairs` picks one);
+            empty: ``options.rope_pairs`` as given.
     """
 
     def __init__(
@@ -130,10 +94,12 @@ class StreamedConversion:
         keep_stats: bool = False,
         trim: bool = True,
         resumable: bool = True,
+        rope_candidates: tuple[int, ...] = (),
     ) -> None:
         self.src = src
         self.trim = trim
         self.resumable = resumable
+        self.rope_candidates = rope_candidates if len(rope_candidates) > 1 else ()
         self.options = options
         self.texts = texts
         self.work = work
@@ -175,7 +141,7 @@ class StreamedConversion:
         if self.trim:
             trim_heap()
 
-    def _save_state(self, step: dict[str, Any]) -> None:
+    def save_state(self, step: dict[str, Any]) -> None:
         if not self.resumable:  # an in-memory conversion: nothing resumes it
             return
         save_torch(self.work / "state.pt", self.state)
@@ -207,7 +173,7 @@ class StreamedConversion:
             self._source_layer(layers, i)
             src.release()
             self._trim()
-            self._save_state({"pass": 1, "layer": i})
+            self.save_state({"pass": 1, "layer": i})
             self.progress("calibrate", 1, self.n_layers)
 
     def _source_layer(self, layers: SourceLayers, i: int) -> None:
@@ -268,6 +234,8 @@ class StreamedConversion:
         if self.options.kv_lora_rank is None:
             st["spectra"].append(spectrum(target))
         st["d_nope"].append(int(plan.q_nope.shape[1]))
+        if self.rope_candidates:
+            candidate_spectra(self, weights, stats)
         st["calib_tokens"] = int(stats.tokens)
         t2 = time.perf_counter()
         save_torch(self._layer_file(i, "plan.pt"), plan)
@@ -277,6 +245,7 @@ class StreamedConversion:
                 "target": target,
                 "tokens": stats.tokens,
                 "x_mean": stats.x_mean,  # with E[x xᵀ] (target.xx): the input moments of a NoPE-width reduction
+                "pair_norms": (stats.q_pair_norm, stats.k_pair_norm),  # with the above: the stats again (rope_split)
                 "refit": (stats.x, stats.out),
                 "held": HeldOut(torch.cat(held_x), torch.cat(held_out)) if held_x else None,
             },
@@ -315,7 +284,7 @@ class StreamedConversion:
             self._convert_layer(config, i)
             self.src.release()
             self._trim()
-            self._save_state({"pass": 2, "layer": i})
+            self.save_state({"pass": 2, "layer": i})
             self._layer_file(i, "p1.pt").unlink(missing_ok=True)  # spent: the work folder stays ~ one output big
             self.progress("convert", 1, self.n_layers)
         s.pop("mla_refit", None)  # spent: the refit windows are not scored
@@ -477,7 +446,7 @@ class StreamedConversion:
             self.src.release()
             self._trim()
             self.state["timings"][i]["eval_forward_s"] = time.perf_counter() - t0
-            self._save_state({"pass": 3, "layer": i})
+            self.save_state({"pass": 3, "layer": i})
             self._layer_file(i, "src.safetensors").unlink(missing_ok=True)
             self.progress("evaluate", 1, self.n_layers)
 
@@ -540,8 +509,8 @@ class StreamedConversion:
             records,
             ev,
             refit,
-            _cache_record(st["cache_source"], probe_tokens, torch.float32),
-            _cache_record(st["cache_converted"], probe_tokens, torch.float32),
+            cache_record(st["cache_source"], probe_tokens, torch.float32),
+            cache_record(st["cache_converted"], probe_tokens, torch.float32),
             int(tokens),
             totals,
             per_layer,

@@ -102,7 +102,8 @@ def _variants(src, ids: torch.Tensor, refit: str) -> dict[str, MLAForCausalLM]:
     loss, which a truncated model does not have)."""
     from mla_convert.convert.build import _load
     from mla_convert.convert.options import ConvertOptions, check_options
-    from mla_convert.convert.stream import StreamedConversion, Texts
+    from mla_convert.convert.records import Texts
+    from mla_convert.convert.stream import StreamedConversion
 
     opts = ConvertOptions(dtype="float32", cache_budget=72, rope_pairs=16, calib_precision="float32", refit_o_proj=refit)
     check_options(opts, src)

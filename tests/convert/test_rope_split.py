@@ -1,0 +1,125 @@
+"""The RoPE split measured on the source (issue 34 item 2): candidates around the prior, the held-out KL of each
+candidate's converted model, and a choice that converts exactly as if it had been given.
+
+The oracle for the measurement is the written checkpoint itself: with no ``o_proj`` refit, the KL the search
+recorded for the chosen candidate is the KL of the model read back from OUT (a whole-model forward through
+:func:`mla_convert.metrics.evaluate`, not the search's layer-by-layer streams) on the same held-out windows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_resolve import LLAMA3_8B, QWEN25_15B, SMOLLM2
+from tiny import copy_tokenizer, write_tiny_llama
+
+from mla_convert.convert.job import prepare_text, run_factor
+from mla_convert.convert.options import ConvertOptions
+from mla_convert.convert.resolve import resolve_options
+from mla_convert.convert.workdir import work_dir
+from mla_convert.metrics import evaluate
+from mla_convert.mla.checkpoint import load_checkpoint
+from mla_convert.sources.checkpoint import load_source_model, open_source
+
+SMALL = {"window": 32, "calib_windows": 4, "eval_windows": 2, "text": "news", "dtype": "float32"}
+
+
+@pytest.fixture(scope="module")
+def tiny_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny") / "src"
+    write_tiny_llama(folder, num_hidden_layers=3)
+    copy_tokenizer(folder)
+    return folder
+
+
+def _convert(src: Path, out: Path, **kw: Any) -> dict[str, Any]:
+    opts = {k: v for k, v in kw.items() if k in ConvertOptions.model_fields}
+    run = {k: v for k, v in kw.items() if k not in ConvertOptions.model_fields}
+    return run_factor(open_source(src), out, ConvertOptions(**opts), sample_prompt=None, **run)
+
+
+def _digest(out: Path) -> str:
+    return hashlib.sha256(b"".join(f.read_bytes() for f in sorted(out.glob("*.safetensors")))).hexdigest()
+
+
+@pytest.mark.parametrize(
+    ("src", "candidates"),
+    [(SMOLLM2, (12, 18, 24, 30)), (LLAMA3_8B, (32, 48, 64)), (QWEN25_15B, (16, 24, 32, 40, 48))],
+)
+def test_candidates_surround_the_prior(src, candidates):
+    """Half to one and a half times the prior's pairs, as many as a rope head holds (2-norm: head_dim / 2)."""
+    res = resolve_options(ConvertOptions(), src)
+    assert res.rope_candidates == candidates
+    assert res.options.rope_pairs in candidates
+    assert res.choices["rope_pairs"].startswith(
+        f"measured on this source: the lowest held-out KL among --rope-pairs {', '.join(map(str, candidates))}"
+    )
+    assert "measured_splits.json" in res.choices["rope_pairs"]  # the prior says where it came from
+
+
+@pytest.mark.parametrize(
+    ("options", "given", "target"),
+    [
+        (ConvertOptions(rope_pairs=16), {"rope_pairs"}, "transformers"),  # given
+        (ConvertOptions(kv_lora_rank=64), {"kv_lora_rank"}, "transformers"),  # the split is moot
+        (ConvertOptions(), set(), "vllm-cpu"),  # the engine's row fixes it
+        (ConvertOptions(qk_nope_head_dim=64), {"qk_nope_head_dim"}, "transformers"),  # a reduced NoPE width
+    ],
+)
+def test_nothing_is_measured_where_the_pairs_are_fixed(options, given, target):
+    res = resolve_options(options, SMOLLM2, target, given)
+    assert res.rope_candidates == ()
+    assert not res.choices["rope_pairs"].startswith("measured on this source")
+
+
+def test_the_measured_split_converts_as_if_given(tiny_src: Path, tmp_path: Path) -> None:
+    """The search picks one candidate by held-out KL; ``--rope-pairs`` that candidate gives the same weights bit for
+    bit, and the search's KL of it is the KL of the written model on the held-out windows."""
+    report = _convert(tiny_src, tmp_path / "out", **SMALL, refit_o_proj="none")
+    split = report["run"]["rope_split"]
+    assert split["candidates"] == [2, 3, 4, 5, 6] and split["prior"] == 4
+    chosen = split["chosen"]
+    kl = {int(r): v for r, v in split["kl_nats_per_token"].items()}
+    assert chosen == min(kl, key=lambda r: kl[r]) and len(set(kl.values())) == len(kl)  # measured, not equal
+    assert report["options"]["rope_pairs"] == chosen
+    assert all(len(layer["rope_pairs"][0]) == chosen for layer in report["layers"])
+    assert f"--rope-pairs {chosen} measured best on this source" in report["run"]["rope_pairs_chosen_by"]
+    given = _convert(tiny_src, tmp_path / "given", **SMALL, refit_o_proj="none", rope_pairs=chosen)
+    assert given["run"]["rope_split"] is None
+    assert _digest(tmp_path / "out") == _digest(tmp_path / "given")
+    # the oracle: the written checkpoint's KL on the held-out windows, read back and run whole
+    src = open_source(tiny_src)
+    from transformers import AutoTokenizer
+
+    text = prepare_text(AutoTokenizer.from_pretrained(str(src.path)), ConvertOptions(**SMALL))
+    full = evaluate(load_checkpoint(tmp_path / "out"), text.held_out, load_source_model(src))
+    assert kl[chosen] == pytest.approx(full.kl, rel=1e-3, abs=1e-5)
+
+
+class Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("stage", ["rope split", "convert"])
+def test_resume_keeps_the_measured_split(tiny_src: Path, tmp_path: Path, stage: str) -> None:
+    """Stopped while measuring or after it, ``--resume`` finishes with the uninterrupted result."""
+    whole = _convert(tiny_src, tmp_path / "whole", **SMALL)
+    out = tmp_path / "out"
+    seen = {"n": 0}
+
+    def stop(name: str, n: int, total: int) -> None:
+        if name == stage:
+            seen["n"] += n
+            if seen["n"] == 1:
+                raise Stop
+
+    with pytest.raises(Stop):
+        _convert(tiny_src, out, **SMALL, progress=stop)
+    assert (work_dir(out) / "progress.json").is_file()
+    report = _convert(tiny_src, out, **SMALL, resume=True)
+    assert report["run"]["rope_split"]["chosen"] == whole["run"]["rope_split"]["chosen"]
+    assert report["run"]["rope_split"]["kl_nats_per_token"] == whole["run"]["rope_split"]["kl_nats_per_token"]
+    assert _digest(out) == _digest(tmp_path / "whole")
