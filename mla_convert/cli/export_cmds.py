@@ -171,9 +171,9 @@ def export(
     target: str = typer.Option("transformers", "--target", help=TARGET_HELP[0].upper() + TARGET_HELP[1:]),
     cache_block: int = typer.Option(
         32, "--cache-block",
-        help="--format gguf: zero-pad the latent so it and the K row (latent + rope) are whole blocks of this many "
-        "values (32: llama.cpp's q8_0/q4_0 caches, e.g. 93 + 64 -> 96 + 64; the same function, a few more cached "
-        "values); 1 keeps the checkpoint's largest rank (f16/bf16/f32 caches only).",
+        help="--format gguf: 32 zero-pads the latent so it and the K row (latent + rope) are whole blocks of 32 values, "
+        "as llama.cpp's quantized caches (q8_0, q4_0, ...) store them (e.g. 93 + 64 -> 96 + 64; the same function, a "
+        "few more cached values); 1 keeps the checkpoint's largest rank (f16/bf16/f32 caches only). Only 32 or 1.",
     ),
 ) -> None:
     """Write CKPT in a format serving engines load: DeepSeek-V3 (transformers and vLLM, both checked; SGLang not run)
@@ -196,8 +196,9 @@ def export(
 
             if dtype not in GGUF_DTYPES:
                 fail(f"--dtype {dtype!r} is not one of {', '.join(GGUF_DTYPES)} for --format gguf")
-            if cache_block < 1:
-                fail(f"--cache-block {cache_block} must be 1 (no padding) or more (32: llama.cpp's quantized caches)")
+            if cache_block not in (1, 32):
+                fail(f"--cache-block {cache_block} is neither 32 (whole blocks of llama.cpp's quantized caches, q8_0 to "
+                     "iq4_nl: all use 32) nor 1 (no padding: f16/bf16/f32 caches); give 32 or 1")
             check_gguf_target(target)
             if read_checkpoint_config(ckpt, require_mla=True).get("model_type") != "mla":
                 fail(f"{ckpt} is already a DeepSeek-V3 export; export the MLA checkpoint it came from")

@@ -157,6 +157,10 @@ def test_gguf_output_rules(tiny_ckpt, bundled_tokenizer, tmp_path, monkeypatch):
         assert res.exit_code == 2 and "give --format gguf" in text, res.output
     res = runner.invoke(app, ["export", str(tiny_ckpt), str(tmp_path / "d"), "--dtype", "q8_0"])
     assert res.exit_code == 2 and "quantized types are for --format gguf" in " ".join(res.output.split())
+    for block in ("16", "64", "0"):  # llama.cpp's quantized caches all store blocks of 32: 32 or 1, nothing else
+        res = runner.invoke(app, ["export", str(tiny_ckpt), str(tmp_path / "b.gguf"), "--format", "gguf",
+                                  "--cache-block", block])  # fmt: skip
+        assert res.exit_code == 2 and f"--cache-block {block} is neither 32" in " ".join(res.output.split())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]
 
 
