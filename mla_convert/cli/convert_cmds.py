@@ -101,7 +101,8 @@ def inspect(
     estimate_lines(options, max_shard_size, lines, given)
     from mla_convert.export.precheck import export_lines
 
-    console.print("\nexport of a conversion with these options (checked before any work):", highlight=False)
+    console.print("\nwhere a conversion with these options serves (each engine: exact or why not, and the cache it "
+                  "allocates; checked before any work):", highlight=False)
     for line in export_lines(src, options, given):
         console.print(line, highlight=False, markup=False)
 

@@ -29,6 +29,7 @@ from mla_convert.convert.rope_split import choose_rope_pairs, split_record, spli
 from mla_convert.convert.stream import StreamedConversion
 from mla_convert.convert.workdir import check_start, close_work, load_torch, open_work, publish
 from mla_convert.errors import UserError
+from mla_convert.export.engines import engine_table
 from mla_convert.metrics import EvalResult
 from mla_convert.sources.checkpoint import SourceModel
 from mla_convert.sources.integrity import preflight
@@ -214,7 +215,9 @@ def model_card(src: SourceModel, options: ConvertOptions, res: Streamed, ev: Eva
         f"Held-out perplexity {ev.perplexity:.3f} (source {ev.reference_perplexity:.3f}) on {ev.tokens} tokens "
         f"of the {options.text} evaluation split ({ev.windows} windows of {ev.window}).\n\n"
         f"Source weights: {src.describe()['weights']}.\n\n"
-        "Load with `import mla_convert` then `AutoModelForCausalLM.from_pretrained(path)`.\n"
+        "Load with `import mla_convert` then `AutoModelForCausalLM.from_pretrained(path)`.\n\n"
+        f"## Where it serves (source: {src.kv_cache_width} values/token/layer)\n\n"
+        f"{engine_table(src, options, res.config)}"
     )
 
 

@@ -10,8 +10,9 @@ for candidates around it (:func:`rope_candidates`). The conversion then measures
    calibration statistics, and its singular values;
 2. between the passes (:func:`choose_rope_pairs`): per candidate the latent ranks allocated over every layer's
    spectrum (:func:`~mla_convert.convert.factorize.allocate_ranks`); the held-out windows then run through each
-   candidate's converted layers (factored, assembled, rounded to the output dtype as written; no ``o_proj``
-   refit), and the candidate with the lowest mean KL(source || converted) on them is converted. Its plans and
+   candidate's converted layers (factored, assembled, rounded to the output dtype as written, with the
+   ``o_proj`` refit of the conversion's mode, kept where it lowers the held-out loss, as the conversion decides),
+   and the candidate with the lowest mean KL(source || converted) on them is converted. Its plans and
    targets replace pass 1's in the work folder, so pass 2 converts it as if it had been given.
 
 The held-out windows are calibration-split text the statistics never saw; the evaluation windows never choose.
@@ -28,7 +29,8 @@ from mla_convert.convert.calibration import LayerStats
 from mla_convert.convert.factorize import FactorError, factor_layer, spectrum
 from mla_convert.convert.layers import run_mla
 from mla_convert.convert.options import ConvertOptions, Geometry, SourceShape, geometry
-from mla_convert.convert.steps import layer_ranks, layer_state, mla_config, plan_and_target
+from mla_convert.convert.refit import refit_o_proj
+from mla_convert.convert.steps import is_lossless, layer_ranks, layer_state, mla_config, plan_and_target
 from mla_convert.convert.workdir import load_torch, save_torch
 from mla_convert.metrics import head_scores
 
@@ -94,8 +96,8 @@ def choose_rope_pairs(conv: StreamedConversion) -> dict[str, Any] | None:
     does not measure again.
 
     Returns:
-        ``{"candidates": [...], "prior": r, "chosen": r, "kl": {r: nats}, "loss": {r: nats}, "tokens": n,
-        "seconds": s}`` (KL and loss per held-out token), or None when there was nothing to choose (no
+        ``{"candidates": [...], "prior": r, "chosen": r, "kl": {r: nats}, "loss": {r: nats}, "refit": {r: kept},
+        "tokens": n, "seconds": s}`` (KL and loss per held-out token of the variant kept), or None when there was nothing to choose (no
         candidates, or no held-out windows).
     """
     st = conv.state
@@ -115,29 +117,30 @@ def choose_rope_pairs(conv: StreamedConversion) -> dict[str, Any] | None:
             ranks[r] = layer_ranks(opts, spectra[r], geometry(opts, src))
         except FactorError:  # the budget cannot hold this split's latent: not a candidate
             continue
-    streams = {r: st["streams"]["mla_held"].clone() for r in ranks}
+    runs = {r: _Candidate(conv, r, rk) for r, rk in ranks.items()}
     for i in range(conv.n_layers):
         p1 = load_torch(conv._layer_file(i, "p1.pt"))
         source = conv._source_tensors(i)
         weights = conv._attention(i, source)
         stats = _stats(p1)
-        for r, rk in ranks.items():
-            plan, target = plan_and_target(src, _with_pairs(conv.options, r), weights, stats)
-            factors = factor_layer(target, rk[i], conv.options.factorization)
-            d_nope = int(plan.q_nope.shape[1])
-            attn = layer_state(src, weights, plan, factors, d_nope)
-            config = mla_config(src, _with_pairs(conv.options, r), rk, [plan] * conv.n_layers, d_nope)
-            layer = conv._mla(config, i, source, attn)
-            streams[r] = run_mla(layer, streams[r], src.num_heads, conv.intermediate)
+        for run in runs.values():
+            run.layer(i, p1, source, weights, stats)
         src.release()
         conv.progress("rope split", 1, conv.n_layers)
     head, src_norm, mla_norm = conv._head()
     kl: dict[int, float] = {}
     loss: dict[int, float] = {}
+    refit: dict[int, bool] = {}
     ref = (st["streams"]["src_held"], src_norm, head)
-    for r, hidden in streams.items():
-        ev, _ = head_scores(hidden, conv.texts.held, mla_norm, head, ref, head_dtype=conv.dtype)
-        kl[r], loss[r] = float(ev.kl or 0.0), float(torch.log(torch.tensor(ev.perplexity)))
+    for r, run in runs.items():
+        scored = {
+            name: head_scores(hidden, conv.texts.held, mla_norm, head, ref, head_dtype=conv.dtype)
+            for name, hidden in run.variants().items()
+        }
+        means = {name: sum(w) / len(w) for name, (_, w) in scored.items()}
+        # the variant the conversion keeps (StreamedConversion.decide_refit): the refit where it lowers the loss
+        kept = "fit" if "fit" in means and means["fit"] < means["plain"] else "plain"
+        kl[r], loss[r], refit[r] = float(scored[kept][0].kl or 0.0), means[kept], kept == "fit"
     chosen = min(kl, key=lambda r: (kl[r], r != prior))
     if chosen != prior:
         _replace_plans(conv, chosen, spectra[chosen])
@@ -147,12 +150,70 @@ def choose_rope_pairs(conv: StreamedConversion) -> dict[str, Any] | None:
         "chosen": chosen,
         "kl": kl,
         "loss": loss,
+        "refit": refit,
         "tokens": int(conv.texts.held[:, 1:].numel()),
         "seconds": time.perf_counter() - t0,
     }
     split["result"] = result
     conv.options = _with_pairs(conv.options, chosen)
     return dict(result)
+
+
+class _Candidate:
+    """One candidate's converted model on the held-out windows, layer by layer, as pass 2 converts it: factored at
+    its allocated ranks, assembled, rounded, with the ``o_proj`` refit of the conversion's mode (teacher: on the
+    source's kept calibration inputs; sequential: on its own refit windows carried through its converted layers)
+    and both variants' held-out streams (``plain``; ``fit`` when a refit is in play)."""
+
+    def __init__(self, conv: StreamedConversion, pairs: int, ranks: list[int]) -> None:
+        self.conv, self.ranks = conv, ranks
+        self.options = _with_pairs(conv.options, pairs)
+        streams = conv.state["streams"]
+        self.plain = streams["mla_held"].clone()
+        self.fit = self.plain.clone() if conv.refit else None
+        self.refit_windows = streams["mla_refit"].clone() if conv.sequential else None
+        self.lossy_seen = False
+        self.refit_layers = 0
+
+    def layer(
+        self, i: int, p1: dict[str, Any], source: dict[str, torch.Tensor], weights: dict[str, torch.Tensor],
+        stats: LayerStats,
+    ) -> None:
+        """Convert layer ``i`` and move the streams through it."""
+        conv, src = self.conv, self.conv.src
+        plan, target = plan_and_target(src, self.options, weights, stats)
+        factors = factor_layer(target, self.ranks[i], self.options.factorization)
+        d_nope = int(plan.q_nope.shape[1])
+        attn = layer_state(src, weights, plan, factors, d_nope)
+        config = mla_config(src, self.options, self.ranks, [plan] * conv.n_layers, d_nope)
+        layer = conv._mla(config, i, source, attn)
+        heads, inter = src.num_heads, conv.intermediate
+        lossy = not is_lossless([plan], [factors])
+        fit_w = None
+        o_proj = layer.self_attn.o_proj.weight
+        if conv.refit and (lossy or (conv.sequential and self.lossy_seen)):
+            plain_w = o_proj.detach().clone()
+            x, out = p1["refit"]
+            if self.refit_windows is not None:
+                x = layer.input_layernorm(self.refit_windows)
+            refit_o_proj(layer.self_attn, x.to(conv.device), out.to(conv.device))
+            fit_w = conv._round(o_proj.detach().clone())
+            o_proj.copy_(plain_w)
+            self.refit_layers += 1
+        self.plain = run_mla(layer, self.plain, heads, inter)
+        if self.fit is not None:
+            if fit_w is not None:
+                o_proj.copy_(fit_w)
+            self.fit = run_mla(layer, self.fit, heads, inter)
+        if self.refit_windows is not None:  # through the layer as written (the refit's o_proj where there is one)
+            self.refit_windows = run_mla(layer, self.refit_windows, heads, inter)
+        self.lossy_seen = self.lossy_seen or lossy
+
+    def variants(self) -> dict[str, torch.Tensor]:
+        """The final hidden states of the held-out windows per ``o_proj`` variant."""
+        if self.fit is None or not self.refit_layers:
+            return {"plain": self.plain}
+        return {"plain": self.plain, "fit": self.fit}
 
 
 def _replace_plans(conv: StreamedConversion, pairs: int, spectra: list[torch.Tensor]) -> None:
@@ -183,7 +244,9 @@ def split_record(split: dict[str, Any] | None) -> dict[str, Any] | None:
         "chosen": split["chosen"],
         "kl_nats_per_token": {str(r): round(v, 5) for r, v in sorted(split["kl"].items())},
         "loss_nats_per_token": {str(r): round(v, 5) for r, v in sorted(split["loss"].items())},
-        "measured_on": f"{split['tokens']} held-out calibration-split tokens, no o_proj refit",
+        "o_proj_refit_kept": {str(r): v for r, v in sorted(split["refit"].items())},
+        "measured_on": f"{split['tokens']} held-out calibration-split tokens, each candidate with the o_proj "
+        "refit where it lowers their loss (as the conversion keeps it)",
         "seconds": round(split["seconds"], 1),
     }
 

@@ -269,4 +269,33 @@ def export_lines(src: Any, options: Any, given: Collection[str] = ()) -> list[st
                 + ("; per-layer ranks are padded to the largest, then to whole blocks of 32 for llama.cpp's quantized "
                    "caches)" if gguf_at_least else ")") if not gguf else "not exact: " + gguf[0]))
     lines.append(gguf_line)
+    lines.append(plugin_line(src, options))
     return lines
+
+
+def plugin_line(src: Any, options: Any) -> str:
+    """The ``inspect`` line of vLLM's plugin route (:mod:`mla_convert.serve.vllm_plugin`): the checkpoint served as
+    written, biases and scaled RoPE included, or the first reason vLLM's CPU backends cannot take its widths
+    (:func:`~mla_convert.serve.vllm_plugin.served_shape` on the shape ``options`` give, the mean latent standing for
+    the per-layer ranks, which are allocated only by the conversion)."""
+    from types import SimpleNamespace
+
+    from mla_convert.convert.options import cache_budget_of, geometry
+    from mla_convert.serve.vllm_plugin import ServeError, served_shape
+
+    geo = geometry(options, src)
+    latent = options.kv_lora_rank or max(1, round((cache_budget_of(options, src) or 0) - geo.rope_width))
+    shape = SimpleNamespace(
+        kv_lora_rank=[latent], num_hidden_layers=1, num_rope_heads=geo.rope_heads,
+        qk_rope_head_dim=2 * geo.rope_pairs, v_head_dim=src.head_dim,
+        qk_nope_head_dim=options.qk_nope_head_dim or geo.query_nope_width,
+    )  # fmt: skip
+    head = "  vLLM plugin (the MLA folder served as written, no export; biases and scaled RoPE too): "
+    try:
+        served = served_shape(shape, "vllm-cpu")
+    except ServeError as exc:
+        return head + f"not served on vLLM's CPU build: {exc}"
+    mla = latent + geo.rope_width
+    ranks = "; per-layer ranks over 512 are refused at load" if options.kv_lora_rank is None and latent > 256 else ""
+    return (head + f"exact on vLLM's CPU build; engine cache {served.cache_width} values/token/layer (MLA {mla:g}, "
+            f"source {geo.source_width}{ranks}); its GPU backends not run")

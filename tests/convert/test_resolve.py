@@ -151,6 +151,12 @@ def test_user_shapes_convert_at_the_default_fraction(tmp_path, name):
     res = runner.invoke(app, ["inspect", str(src), *FAST], env={"COLUMNS": "400"})
     assert res.exit_code == 0, res.output
     assert f"MLA [c_kv | k_rope] at 31.25% │ {round(0.3125 * width):>6}" in res.output
+    plugin = next(line for line in res.output.splitlines() if line.startswith("  vLLM plugin"))
+    if name == "llama-g8-hd128":  # 64 rope pairs at 31.25 %: a rope key wider than vLLM's 64 values
+        assert "not served on vLLM's CPU build: 1 rope head(s) of 128 need 128 rope values" in plugin, plugin
+        assert "--rope-pairs 32 or fewer" in plugin
+    else:  # biases and scaled RoPE are the plugin's to serve
+        assert "exact on vLLM's CPU build; engine cache 576 values/token/layer" in plugin, plugin
     out = tmp_path / "mla"
     res = runner.invoke(app, ["factor", str(src), str(out), *FAST])
     assert res.exit_code == 0, res.output
@@ -164,6 +170,14 @@ def test_user_shapes_convert_at_the_default_fraction(tmp_path, name):
     assert split["prior"] in split["candidates"] and manifest["options"]["rope_pairs"] == split["chosen"]
     kl = split["kl_nats_per_token"]
     assert kl[str(split["chosen"])] == min(kl.values())
+    card = (out / "README.md").read_text()  # the model card says where the checkpoint serves, per engine
+    rows = {r.split(" | ")[0]: r for r in card.split("## Where it serves", 1)[1].splitlines() if r.startswith("| ")}
+    assert rows["| transformers"].split(" | ")[2] == "exact (this checkpoint)"
+    if name == "qwen2-bias-hd128":  # biases: no DeepSeek file holds them, the plugin serves them
+        assert "not exact: the source has attention biases" in rows["| vLLM (DeepSeek-V3 export)"]
+        assert "not exact: the source has attention biases" in rows["| llama.cpp (GGUF export)"]
+        assert rows["| vLLM (mla-convert plugin)"].split(" | ")[2].startswith("exact on vLLM's CPU build")
+        assert rows["| vLLM (mla-convert plugin)"].endswith(" | 576 |")
     if name != "llama-g8-hd128":
         return  # validate once: the 8-KV-head source (its kernel rungs at 64 rope pairs and a 512-wide latent)
     res = runner.invoke(app, ["validate", str(out), "--source", str(src), "--windows", "2", "--window", "128",

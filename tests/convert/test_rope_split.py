@@ -1,8 +1,8 @@
 """The RoPE split measured on the source (issue 34 item 2): candidates around the prior, the held-out KL of each
 candidate's converted model, and a choice that converts exactly as if it had been given.
 
-The oracle for the measurement is the written checkpoint itself: with no ``o_proj`` refit, the KL the search
-recorded for the chosen candidate is the KL of the model read back from OUT (a whole-model forward through
+The oracle for the measurement is the written checkpoint itself: the KL the search recorded for the chosen
+candidate (with the ``o_proj`` refit where the conversion keeps it) is the KL of the model read back from OUT (a whole-model forward through
 :func:`mla_convert.metrics.evaluate`, not the search's layer-by-layer streams) on the same held-out windows.
 """
 
@@ -75,10 +75,12 @@ def test_nothing_is_measured_where_the_pairs_are_fixed(options, given, target):
     assert not res.choices["rope_pairs"].startswith("measured on this source")
 
 
-def test_the_measured_split_converts_as_if_given(tiny_src: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("refit", ["none", "teacher", "sequential"])
+def test_the_measured_split_converts_as_if_given(tiny_src: Path, tmp_path: Path, refit: str) -> None:
     """The search picks one candidate by held-out KL; ``--rope-pairs`` that candidate gives the same weights bit for
-    bit, and the search's KL of it is the KL of the written model on the held-out windows."""
-    report = _convert(tiny_src, tmp_path / "out", **SMALL, refit_o_proj="none")
+    bit, and the search's KL of it (with the refit where the conversion keeps it) is the KL of the written model on
+    the held-out windows."""
+    report = _convert(tiny_src, tmp_path / "out", **SMALL, refit_o_proj=refit)
     split = report["run"]["rope_split"]
     assert split["candidates"] == [2, 3, 4, 5, 6] and split["prior"] == 4
     chosen = split["chosen"]
@@ -87,7 +89,9 @@ def test_the_measured_split_converts_as_if_given(tiny_src: Path, tmp_path: Path)
     assert report["options"]["rope_pairs"] == chosen
     assert all(len(layer["rope_pairs"][0]) == chosen for layer in report["layers"])
     assert f"--rope-pairs {chosen} measured best on this source" in report["run"]["rope_pairs_chosen_by"]
-    given = _convert(tiny_src, tmp_path / "given", **SMALL, refit_o_proj="none", rope_pairs=chosen)
+    given = _convert(tiny_src, tmp_path / "given", **SMALL, refit_o_proj=refit, rope_pairs=chosen)
+    kept = (report["model"]["o_proj_refit"] or {}).get("kept", False)
+    assert split["o_proj_refit_kept"][str(chosen)] == kept
     assert given["run"]["rope_split"] is None
     assert _digest(tmp_path / "out") == _digest(tmp_path / "given")
     # the oracle: the written checkpoint's KL on the held-out windows, read back and run whole
