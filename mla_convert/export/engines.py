@@ -45,7 +45,9 @@ def engine_rows(src: Any, options: Any, config: Any) -> list[tuple[str, str, str
                  "serve CKPT (docs/serving.md)", plugin, cache))  # fmt: skip
     gguf = export_problems(src, options, "transformers", "gguf")
     block = cache_block_rank(max(ranks), rope, 32)
-    row = f"{padded} (f16 cache); {block + rope} with q8_0 / q4_0 caches" if block is not None else f"{padded} (f16 cache)"
+    row = (f"{padded} (f16 cache); {block + rope} with its quantized caches (whole blocks of 32)" if block is not None
+           else f"{padded} (f16 / bf16 / f32 caches: a rope key of {rope} is not whole blocks of 32, as its quantized "
+           "caches need)")
     rows.append(("llama.cpp (GGUF export)", "`mla-convert export CKPT OUT.gguf --format gguf`", verdict(gguf),
                  row if not gguf else "-"))  # fmt: skip
     return rows
