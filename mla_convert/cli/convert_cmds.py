@@ -158,7 +158,7 @@ def factor(
         options, why = res.options, res.why
         check_options(options, src)  # the source's shapes: before anything is loaded
         if why:
-            say(f"{'engine shape' if target in (*ENGINE_ROWS, 'llama.cpp') else 'rope split'}: {why}")
+            say(f"{'engine shape' if target in (*ENGINE_ROWS, 'llama.cpp') else 'choices'}: {why}")
         if export:
             from mla_convert.export.precheck import export_problems
 
@@ -214,6 +214,10 @@ def factor(
                 highlight=False,
                 markup=False,
             )
+    if report["run"].get("rope_split"):
+        from mla_convert.convert.rope_split import outcome
+
+        console.print(f"rope split: {outcome(report['run']['rope_split'])}", highlight=False, markup=False)
     for warning in report.get("warnings", []):
         if warning not in noticed:
             err_console.print(f"warning: {warning}", highlight=False, markup=False)

@@ -581,6 +581,6 @@ def factor_lines(
         f"disk: output ~{disk.output / GB:.2f} GB; the work folder .OUT.factor next to OUT grows to "
         f"~{disk.work_peak / GB:.1f} GB with the output staged in it, removed at the end (GB: {parts})",
         f"time: ~{_fmt_s(tim.total)}, an estimate for the reference CPU (2 cores, {FP32_GFLOPS:.0f} GFLOP/s float32 "
-        f"matmul per core, where the default conversion of the bundled model takes about 128 s){'; the GPU runs the forward passes faster' if gpu else ''}"
+        f"matmul per core, where the bundled model converts in about 128 s without the RoPE split search){'; the GPU runs the forward passes faster' if gpu else ''}"
         f" ({slow})",
     ] + ([f"this machine: {emulated}"] if emulated else [])

@@ -151,12 +151,13 @@ def factor_time(options: ConvertOptions, src: Any, candidates: int = 1) -> TimeE
         "score": score / (SCORE_GFLOPS * giga),  # decide_refit's held-out windows too
         "files": io / IO_BYTES_PER_S,
     }
-    if candidates > 1:
+    if candidates > 1:  # each candidate converted as pass 2 does, on the held-out windows (and the refit's)
         plan_s = n_l * (plan64 * f64 + plan_la * FLOAT64_TWO_THREADS)
         factor_s = n_l * (factor64 * f64 + factor_la * FLOAT64_TWO_THREADS)
-        held_s = n_l * tok["held"] * f_conv(t) / (CONVERTED_FORWARD_GFLOPS * giga)
-        score_s = 2.0 * s.vocab * d * (t - 1) * s.held / (SCORE_GFLOPS * giga)
-        stages["rope split"] = (candidates - 1) * plan_s + candidates * (plan_s + factor_s + held_s + score_s)
+        refit_s = (refit_fwd + refit64 + assemble64) / (REFIT_GFLOPS * giga)
+        held_s = (n_l * variants * tok["held"] * f_conv(t) + seq_fwd) / (CONVERTED_FORWARD_GFLOPS * giga)
+        score_s = 2.0 * s.vocab * d * (t - 1) * s.held * variants / (SCORE_GFLOPS * giga)
+        stages["rope split"] = (candidates - 1) * plan_s + candidates * (plan_s + factor_s + refit_s + held_s + score_s)
     return TimeEstimate(stages)
 
 

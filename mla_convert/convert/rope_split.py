@@ -251,11 +251,26 @@ def split_record(split: dict[str, Any] | None) -> dict[str, Any] | None:
     }
 
 
+def outcome(record: dict[str, Any]) -> str:
+    """The measured split in one sentence (``record``: :func:`split_record`'s), saying when the best is the smallest
+    or largest candidate tried (the best may then lie beyond: ``--rope-pairs`` tries it)."""
+    kl = record["kl_nats_per_token"]
+    kls = ", ".join(f"{r}: {v:.4f}" for r, v in kl.items())
+    chosen, cands = record["chosen"], record["candidates"]
+    edge = ""
+    if len(cands) > 1 and chosen in (cands[0], cands[-1]):
+        side = "fewer" if chosen == cands[0] else "more"
+        edge = (f"; the {'smallest' if side == 'fewer' else 'largest'} candidate tried: {side} pairs may do better "
+                "still, --rope-pairs tries them")
+    return (f"--rope-pairs {chosen} measured best on this source (KL nats/token on the held-out windows: {kls}; "
+            f"the prior was {record['prior']}{edge})")
+
+
 def split_sentence(split: dict[str, Any] | None, why: str | None) -> str | None:
     """Why the conversion has its RoPE pairs: the resolution's ``why`` and, when measured, the outcome."""
     if split is None:
         return why
-    kls = ", ".join(f"{r}: {v:.4f}" for r, v in sorted(split["kl"].items()))
-    said = (f"--rope-pairs {split['chosen']} measured best on this source (KL nats/token on {split['tokens']} "
-            f"held-out tokens: {kls}; the prior was {split['prior']})")
+    record = split_record(split)
+    assert record is not None
+    said = outcome(record)
     return f"{why}; {said}" if why else said

@@ -22,7 +22,7 @@ def engine_rows(src: Any, options: Any, config: Any) -> list[tuple[str, str, str
         config: the checkpoint's :class:`~mla_convert.mla.configuration.MLAConfig` (its real per-layer ranks).
     """
     from mla_convert.export.gguf_file import cache_block_rank
-    from mla_convert.serve.vllm_plugin import ServeError, served_shape
+    from mla_convert.serve.vllm_plugin import PLUGIN_ROUTE, ServeError, served_shape
 
     widths = list(config.cache_width)
     rope = int(config.num_rope_heads) * int(config.qk_rope_head_dim)
@@ -30,7 +30,13 @@ def engine_rows(src: Any, options: Any, config: Any) -> list[tuple[str, str, str
     padded = max(ranks) + rope
 
     def verdict(problems: list[str]) -> str:
-        return "exact" if not problems else "not exact: " + problems[0]
+        """The first reason, without the plugin route the refusals name (the plugin has its own row)."""
+        if not problems:
+            return "exact"
+        reason = problems[0]
+        for joint in (f", but {PLUGIN_ROUTE}", f"; {PLUGIN_ROUTE}", f" ({PLUGIN_ROUTE})", PLUGIN_ROUTE):
+            reason = reason.replace(joint, "")
+        return "not exact: " + reason.rstrip(" ;,")
 
     rows = [("transformers", "`import mla_convert`, then `AutoModelForCausalLM.from_pretrained(CKPT)`",
              "exact (this checkpoint)", f"{sum(widths) / len(widths):g} (mean of the per-layer rows)")]  # fmt: skip

@@ -175,6 +175,7 @@ def test_user_shapes_convert_at_the_default_fraction(tmp_path, name):
     assert rows["| transformers"].split(" | ")[2] == "exact (this checkpoint)"
     if name == "qwen2-bias-hd128":  # biases: no DeepSeek file holds them, the plugin serves them
         assert "not exact: the source has attention biases" in rows["| vLLM (DeepSeek-V3 export)"]
+        assert "plugin" not in rows["| vLLM (DeepSeek-V3 export)"].split(" | ")[2]  # said once, in its own row
         assert "not exact: the source has attention biases" in rows["| llama.cpp (GGUF export)"]
         assert rows["| vLLM (mla-convert plugin)"].split(" | ")[2].startswith("exact on vLLM's CPU build")
         assert rows["| vLLM (mla-convert plugin)"].endswith(" | 576 |")

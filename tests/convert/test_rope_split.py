@@ -19,6 +19,7 @@ from tiny import copy_tokenizer, write_tiny_llama
 from mla_convert.convert.job import prepare_text, run_factor
 from mla_convert.convert.options import ConvertOptions
 from mla_convert.convert.resolve import resolve_options
+from mla_convert.convert.rope_split import outcome
 from mla_convert.convert.workdir import work_dir
 from mla_convert.metrics import evaluate
 from mla_convert.mla.checkpoint import load_checkpoint
@@ -127,3 +128,15 @@ def test_resume_keeps_the_measured_split(tiny_src: Path, tmp_path: Path, stage: 
     assert report["run"]["rope_split"]["chosen"] == whole["run"]["rope_split"]["chosen"]
     assert report["run"]["rope_split"]["kl_nats_per_token"] == whole["run"]["rope_split"]["kl_nats_per_token"]
     assert _digest(out) == _digest(tmp_path / "whole")
+
+
+def test_the_outcome_says_when_the_best_is_at_the_edge():
+    """A best at the smallest or largest candidate may lie beyond the range tried: the sentence says so."""
+    record = {"candidates": [32, 48, 64], "prior": 64, "chosen": 32,
+              "kl_nats_per_token": {"32": 0.0122, "48": 0.023, "64": 0.0317}}  # fmt: skip
+    said = outcome(record)
+    assert said.startswith("--rope-pairs 32 measured best on this source (KL nats/token on the held-out windows: "
+                           "32: 0.0122, 48: 0.0230, 64: 0.0317; the prior was 64")
+    assert "the smallest candidate tried: fewer pairs may do better still" in said
+    assert "candidate tried" not in outcome({**record, "chosen": 48})
+    assert "largest candidate tried: more pairs" in outcome({**record, "chosen": 64})
