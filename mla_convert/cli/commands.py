@@ -48,9 +48,26 @@ app.command("run")(recipe_cmds.run_recipe_cmd)
 app.command("init-recipe")(recipe_cmds.init_recipe_cmd)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def terminate_as_interrupt() -> None:
+    """Make SIGTERM (``kill``, a scheduler's stop, a container's shutdown) end a command as Ctrl-C does: the
+    ``KeyboardInterrupt`` path removes staged outputs (hidden ``.OUT.tmp-*`` folders, ``.NAME.gguf.*.tmp`` files),
+    keeps a conversion's finished layers for ``--resume``, says what was kept and exits 130. Without it Python dies at
+    once and leaves the staged files behind. Main thread only (where ``signal.signal`` is allowed)."""
+    import signal
+
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
 def main() -> None:
-    """Console-script entry point: usage errors as one ``error:`` line (exit 2); help at full width in a log."""
+    """Console-script entry point: usage errors as one ``error:`` line (exit 2); help at full width in a log;
+    SIGTERM handled as Ctrl-C (:func:`terminate_as_interrupt`)."""
     import os
+
+    terminate_as_interrupt()
 
     if not sys.stdout.isatty():
         os.environ.setdefault("TERMINAL_WIDTH", "120")  # typer's help: no option name cut at 80 columns

@@ -118,6 +118,7 @@ def choose_rope_pairs(conv: StreamedConversion) -> dict[str, Any] | None:
         except FactorError:  # the budget cannot hold this split's latent: not a candidate
             continue
     runs = {r: _Candidate(conv, r, rk) for r, rk in ranks.items()}
+    steps = conv.n_layers + len(runs)  # every layer's candidates, then each candidate scored through the head
     for i in range(conv.n_layers):
         p1 = load_torch(conv._layer_file(i, "p1.pt"))
         source = conv._source_tensors(i)
@@ -126,7 +127,7 @@ def choose_rope_pairs(conv: StreamedConversion) -> dict[str, Any] | None:
         for run in runs.values():
             run.layer(i, p1, source, weights, stats)
         src.release()
-        conv.progress("rope split", 1, conv.n_layers)
+        conv.progress("rope split", 1, steps)
     head, src_norm, mla_norm = conv._head()
     kl: dict[int, float] = {}
     loss: dict[int, float] = {}
@@ -141,6 +142,7 @@ def choose_rope_pairs(conv: StreamedConversion) -> dict[str, Any] | None:
         # the variant the conversion keeps (StreamedConversion.decide_refit): the refit where it lowers the loss
         kept = "fit" if "fit" in means and means["fit"] < means["plain"] else "plain"
         kl[r], loss[r], refit[r] = float(scored[kept][0].kl or 0.0), means[kept], kept == "fit"
+        conv.progress("rope split", 1, steps)
     chosen = min(kl, key=lambda r: (kl[r], r != prior))
     if chosen != prior:
         _replace_plans(conv, chosen, spectra[chosen])

@@ -140,3 +140,18 @@ def test_the_outcome_says_when_the_best_is_at_the_edge():
     assert "the smallest candidate tried: fewer pairs may do better still" in said
     assert "candidate tried" not in outcome({**record, "chosen": 48})
     assert "largest candidate tried: more pairs" in outcome({**record, "chosen": 64})
+
+
+def test_progress_counts_every_step_of_the_search(tiny_src: Path, tmp_path: Path) -> None:
+    """The "rope split" stage ends when the search does: each layer, then each candidate scored through the head
+    (a bar that said "done" before the scoring under-reported the search's time)."""
+    seen: list[tuple[int, int]] = []
+
+    def record(name: str, n: int, total: int) -> None:
+        if name == "rope split":
+            seen.append((n, total))
+
+    report = _convert(tiny_src, tmp_path / "out", **SMALL, progress=record)
+    steps = 3 + len(report["run"]["rope_split"]["candidates"])  # 3 layers
+    assert {total for _, total in seen} == {steps}
+    assert sum(n for n, _ in seen) == steps
