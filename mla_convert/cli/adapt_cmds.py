@@ -65,7 +65,8 @@ def adapt(
 
             if export == "gguf":
                 from mla_convert.export.deepseek_v3 import ExportError
-                from mla_convert.export.gguf_file import gguf_plan, tokenizer_problem
+                from mla_convert.export.gguf_file import gguf_plan
+                from mla_convert.export.gguf_vocab import tokenizer_problem
 
                 gguf_plan(MLAConfig.from_pretrained(str(ckpt)), checkpoint_dtype(ckpt))
                 problem = tokenizer_problem(ckpt)

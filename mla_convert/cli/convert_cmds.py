@@ -164,10 +164,19 @@ def factor(
 
             problems = export_problems(src, options, export_target(target), export)
             if export == "gguf" and not any(f.suffix == ".gguf" for f in src.origin_files):
-                problems.append(
-                    "the GGUF export carries the tokenizer from a .gguf SOURCE's tokenizer keys and this "
-                    "source is a folder: convert the model's .gguf file, or --export deepseek-v3"
-                )
+                from mla_convert.export.gguf_vocab import has_hf_tokenizer, vocab_converter
+
+                if not has_hf_tokenizer(src.path):
+                    problems.append(
+                        f"the GGUF export carries the source's tokenizer and {src.path} has no tokenizer.json or "
+                        "tokenizer.model: add the model's tokenizer files, or --export deepseek-v3"
+                    )
+                elif vocab_converter() is None:
+                    problems.append(
+                        "the GGUF export writes a Hugging Face tokenizer with llama.cpp's own convert_hf_to_gguf.py "
+                        "--vocab-only and no llama.cpp venv was found: run `bash scripts/llamacpp_env.sh` or set "
+                        "MLA_LLAMACPP_PYTHON"
+                    )
             if problems:
                 fail(f"--export {export} --target {target} would not be exact: " + "; ".join(problems))
         say(

@@ -147,7 +147,8 @@ def export(
         ..., help="A converted checkpoint folder (from 'mla-convert factor' or 'adapt')."
     ),
     out: Path = typer.Argument(
-        ..., help="Output folder (built in a temporary sibling, renamed when complete)."
+        ..., help="Output: a folder (--format deepseek-v3), or a .gguf file (--format gguf); built in a temporary "
+        "sibling and renamed when complete."
     ),
     format: str = typer.Option(
         "deepseek-v3", "--format",

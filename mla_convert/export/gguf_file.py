@@ -15,9 +15,9 @@ interleaved layout llama.cpp's ``LLAMA_ROPE_TYPE_NORM`` rotates). Metadata as it
 0) and no expert count (absent = 0; 1 aborts the loader), ``head_count_kv`` 1 (MQA over the latent),
 ``key_length`` = ``kv_lora_rank + rope``, ``value_length`` = ``kv_lora_rank``, one ``layer_norm_rms_epsilon``.
 
-Tokenizer and chat template: the ``tokenizer.*`` keys of the GGUF the checkpoint was converted from (the bundled
-SmolLM2 file, or a ``.gguf`` SOURCE still at its path with the sha256 the manifest records); a checkpoint whose
-source was a Hugging Face folder is refused (``tokenizer_problem``). Types: ``float32``, ``float16``,
+Tokenizer and chat template (:mod:`~mla_convert.export.gguf_vocab`): the ``tokenizer.*`` keys of the GGUF the
+checkpoint was converted from, else the checkpoint's Hugging Face tokenizer written by llama.cpp's own converter
+(``--vocab-only``); the chat template is the checkpoint's ``chat_template.jinja`` where it has one. Types: ``float32``, ``float16``,
 ``bfloat16`` (``auto``: the checkpoint's); 1-D tensors are float32 and ``attn_kv_a_mqa`` keeps float32 in a float16
 file (its scaled latent rows are subnormal in float16). Quantized types (``q8_0``, ``q4_k_m``...) go through
 llama.cpp's own quantizer (:mod:`~mla_convert.export.llamacpp_quantize`, run by the python of a llama.cpp venv)
@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from mla_convert.export.deepseek_v3 import DS_NORM_EPS, ExportError, ExportPlan, plan_export
+from mla_convert.export.gguf_vocab import tokenizer_fields
 
 #: Float types a GGUF export writes directly, and their ggml type ids (F32 0, F16 1, BF16 30).
 GGUF_FLOATS = {"float32": 0, "float16": 1, "bfloat16": 30}
@@ -117,63 +118,6 @@ def check_gguf_output(path: Path, overwrite: bool, ckpt: Path | None = None) -> 
         raise OutputError(f"output {path} is inside the checkpoint folder {ckpt}; write it somewhere else")
     check_writable(path)
     return path
-
-
-# ------------------------------------------------------------------------------------------------ tokenizer
-def source_gguf(ckpt: Path) -> Path | None:
-    """The GGUF file ``ckpt`` was converted from, found again (the bundled SmolLM2 file, or the recorded path with the
-    recorded sha256); None for a Hugging Face folder source or a file that is gone or changed."""
-    import hashlib
-
-    m = ckpt / "mla_manifest.json"
-    if not m.is_file():
-        return None
-    source = json.loads(m.read_text()).get("source") or {}
-    files = [f for f in source.get("files") or [] if str(f.get("name", "")).endswith(".gguf")]
-    origin = str(source.get("origin", ""))
-    if not files:
-        return None
-    if origin.lower() == "smollm2-135m":
-        from mla_convert.sources.assets import bundled_gguf_path
-
-        return bundled_gguf_path()
-    if origin.lower() == "qwen2.5-coder-1.5b":
-        from mla_convert.sources import qwen_coder
-
-        return qwen_coder.qwen_coder_gguf_path()
-    path = Path(origin).expanduser()
-    if not path.is_file():
-        return None
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 24), b""):
-            digest.update(block)
-    return path if digest.hexdigest() == files[0].get("sha256") else None
-
-
-def tokenizer_problem(ckpt: Path) -> str | None:
-    """Why the GGUF export of ``ckpt`` cannot carry its tokenizer (None: it can, from the source GGUF)."""
-    if source_gguf(ckpt) is None:
-        return (f"{ckpt} was not converted from a GGUF file that is still at its recorded path with its recorded "
-                "sha256, and the GGUF export carries the tokenizer only from a source GGUF's tokenizer.* keys: convert "
-                "from the .gguf file (or put it back), or export --format deepseek-v3 and run llama.cpp's "
-                "convert_hf_to_gguf.py on that")
-    return None
-
-
-def tokenizer_fields(path: Path) -> list[tuple[str, Any, Any, Any]]:
-    """``(key, value, type, sub_type)`` of every ``tokenizer.*`` key of the GGUF ``path`` (vocabulary, merges,
-    special token ids, chat template), as :meth:`gguf.GGUFWriter.add_key_value` takes them."""
-    from gguf import GGUFReader, GGUFValueType
-
-    out = []
-    for key, field in GGUFReader(str(path)).fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        vtype = field.types[0]
-        sub = field.types[1] if vtype == GGUFValueType.ARRAY else None
-        out.append((key, field.contents(), vtype, sub))
-    return out
 
 
 # ------------------------------------------------------------------------------------------------ plan
@@ -325,7 +269,7 @@ def write_gguf(
 
     Raises:
         ExportError: a checkpoint llama.cpp cannot run exactly (:func:`gguf_plan`), a tokenizer that cannot be
-            carried (:func:`tokenizer_problem`), a vocabulary that does not match the embedding.
+            carried (:func:`~mla_convert.export.gguf_vocab.tokenizer_fields`), a vocabulary that does not match the embedding.
     """
     import gguf
 
@@ -334,20 +278,17 @@ def write_gguf(
 
     config = MLAConfig.from_pretrained(str(ckpt))
     plan = gguf_plan(config, dtype, cache_block)
-    problem = tokenizer_problem(ckpt)
-    if problem:
-        raise ExportError(problem)
-    source = source_gguf(ckpt)
-    assert source is not None
-    tok = tokenizer_fields(source)
+    tok, origin = tokenizer_fields(ckpt, config)
     n_vocab = next((len(v) for k, v, *_ in tok if k == "tokenizer.ggml.tokens"), None)
     if n_vocab != config.vocab_size:
-        raise ExportError(f"the source GGUF {source.name} has {n_vocab} tokens and the checkpoint's embedding "
-                          f"{config.vocab_size} rows; export --format deepseek-v3 instead")
+        raise ExportError(f"{origin} has {n_vocab} tokens and the checkpoint's embedding {config.vocab_size} rows; "
+                          "export --format deepseek-v3 instead")
+    say(f"tokenizer: {origin}")
     tensors = _reader(ckpt)
     order = _tensor_plan(plan, config, tensors)
     load = _attention_loader(plan, config, tensors)
     record = gguf_record(plan, final or dtype)
+    record["tokenizer"] = origin
     writer = gguf.GGUFWriter(str(path), "deepseek2")
     for _key, value, method in metadata(plan, config, name):
         getattr(writer, method)(value)

@@ -9,6 +9,7 @@ transformers runs (tests/export/test_deepseek_v3.py): the absorbed score ``(W_UK
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ from typer.testing import CliRunner
 import mla_convert  # noqa: F401
 from mla_convert.cli.commands import app
 from mla_convert.convert.options import ConvertOptions
-from mla_convert.export import gguf_file
+from mla_convert.export import gguf_file, gguf_vocab
 from mla_convert.export.precheck import export_problems
 from mla_convert.sources.checkpoint import open_source
 
@@ -46,7 +47,7 @@ def bundled_tokenizer(monkeypatch):
     """The tiny conversion's tokenizer is SmolLM2's: carry it from the bundled SmolLM2 GGUF."""
     from mla_convert.sources.assets import bundled_gguf_path
 
-    monkeypatch.setattr(gguf_file, "source_gguf", lambda ckpt: bundled_gguf_path())
+    monkeypatch.setattr(gguf_vocab, "source_gguf", lambda ckpt: bundled_gguf_path())
 
 
 def _export(ckpt: Path, out: Path, *extra: str) -> str:
@@ -164,12 +165,40 @@ def test_gguf_output_rules(tiny_ckpt, bundled_tokenizer, tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]
 
 
-def test_folder_source_tokenizer_is_refused(tiny_ckpt, tmp_path):
-    """A checkpoint converted from a Hugging Face folder: no source GGUF to carry the tokenizer from."""
+def test_folder_source_tokenizer_needs_llamacpps_converter(tiny_ckpt, tmp_path, monkeypatch):
+    """A checkpoint converted from a Hugging Face folder carries the HF tokenizer, which only llama.cpp's own
+    converter writes as GGUF keys: without a llama.cpp venv the export is refused with the fix, and without tokenizer
+    files in the checkpoint too; nothing is written."""
+    monkeypatch.delenv("MLA_LLAMACPP_PYTHON", raising=False)
+    monkeypatch.setenv("MLA_LLAMACPP_VENV_ROOT", str(tmp_path / "no-venvs"))
     res = CliRunner().invoke(app, ["export", str(tiny_ckpt), str(tmp_path / "t.gguf"), "--format", "gguf"])
     text = " ".join(res.output.split())
-    assert res.exit_code != 0 and "tokenizer" in text and "--format deepseek-v3" in text
-    assert not (tmp_path / "t.gguf").exists() and not list(tmp_path.iterdir())
+    assert res.exit_code == 2 and "convert_hf_to_gguf.py --vocab-only" in text and "scripts/llamacpp_env.sh" in text
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_ckpt, bare)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (bare / name).unlink()
+    res = CliRunner().invoke(app, ["export", str(bare), str(tmp_path / "t.gguf"), "--format", "gguf"])
+    assert res.exit_code == 2 and "holds no tokenizer (tokenizer.json or tokenizer.model)" in " ".join(res.output.split())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bare"]
+
+
+def test_hf_tokenizer_keys_equal_the_published_ggufs(llamacpp_python, tiny_ckpt, tmp_path, monkeypatch):
+    """The HF tokenizer written by llama.cpp's converter (the tiny checkpoint carries SmolLM2's tokenizer files)
+    equals what the model's publishers wrote into the bundled SmolLM2 GGUF (an oracle made by another conversion):
+    vocabulary, token types, merges, special ids, the pre-tokenizer llama.cpp recognises."""
+    from mla_convert.mla.configuration import MLAConfig
+    from mla_convert.sources.assets import bundled_gguf_path
+
+    monkeypatch.setenv("MLA_LLAMACPP_PYTHON", llamacpp_python)
+    ours, origin = gguf_vocab.tokenizer_fields(tiny_ckpt, MLAConfig.from_pretrained(str(tiny_ckpt)))
+    assert origin.startswith("the checkpoint's Hugging Face tokenizer")
+    published = {k: v for k, v, *_ in gguf_vocab.gguf_tokenizer_fields(bundled_gguf_path())}
+    mine = {k: v for k, v, *_ in ours}
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+                "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+        assert mine[key] == published[key], key
+    assert mine["tokenizer.ggml.pre"] == "smollm" and len(mine["tokenizer.ggml.tokens"]) == 49152
 
 
 def test_gguf_refusals_before_any_work(tmp_path):

@@ -75,7 +75,7 @@ def test_export_check_runs_llamacpp(llamacpp_python, tmp_path, monkeypatch):
     from gguf import GGUFReader
     from tiny import copy_tokenizer, write_tiny_llama
 
-    from mla_convert.export import gguf_file
+    from mla_convert.export import gguf_vocab
     from mla_convert.sources.assets import bundled_gguf_path
 
     src = write_tiny_llama(tmp_path / "src")
@@ -83,7 +83,7 @@ def test_export_check_runs_llamacpp(llamacpp_python, tmp_path, monkeypatch):
     ckpt = tmp_path / "mla"
     res = CliRunner().invoke(app, ["--quiet", "factor", str(src), str(ckpt), *SMALL, "--cache-budget", "40"])
     assert res.exit_code == 0, res.output + str(res.exception)
-    monkeypatch.setattr(gguf_file, "source_gguf", lambda ckpt: bundled_gguf_path())
+    monkeypatch.setattr(gguf_vocab, "source_gguf", lambda ckpt: bundled_gguf_path())
     monkeypatch.setenv("MLA_LLAMACPP_PYTHON", llamacpp_python)
     out = tmp_path / "q8.gguf"
     res = CliRunner().invoke(app, ["export", str(ckpt), str(out), "--format", "gguf", "--dtype", "q8_0"])

@@ -21,7 +21,7 @@ from mla_convert.cli.commands import app
 from mla_convert.convert.llamacpp_shape import Q8_0_BLOCK, split_row
 from mla_convert.convert.options import ConvertOptions, OptionsError
 from mla_convert.convert.resolve import resolve_options
-from mla_convert.export import gguf_file
+from mla_convert.export import gguf_vocab
 from mla_convert.sources.checkpoint import open_source
 
 SMALL = ["--calib-windows", "2", "--window", "64", "--eval-windows", "1"]
@@ -158,7 +158,7 @@ def bundled_tokenizer(monkeypatch):
     """The tiny conversion's tokenizer is SmolLM2's: carry it from the bundled SmolLM2 GGUF."""
     from mla_convert.sources.assets import bundled_gguf_path
 
-    monkeypatch.setattr(gguf_file, "source_gguf", lambda ckpt: bundled_gguf_path())
+    monkeypatch.setattr(gguf_vocab, "source_gguf", lambda ckpt: bundled_gguf_path())
 
 
 def test_factor_and_export_give_the_asked_row(target_ckpt, bundled_tokenizer, tmp_path):
@@ -190,13 +190,16 @@ def test_factor_and_export_give_the_asked_row(target_ckpt, bundled_tokenizer, tm
     assert res.exit_code == 2 and "use --format gguf" in res.output
 
 
-def test_target_gguf_in_llamacpp(llamacpp_python, target_ckpt, bundled_tokenizer, tmp_path):
+def test_target_gguf_in_llamacpp(llamacpp_python, target_ckpt, tmp_path, monkeypatch):
     """A real llama.cpp serves the --target llama.cpp conversion's float32 GGUF as our model computes it (the export's
     own check: prompt log-probabilities and greedy tokens within llamacpp_check's thresholds) and allocates exactly
-    the 320 values per token per layer asked, K only."""
+    the 320 values per token per layer asked, K only. The source is a Hugging Face folder: the tokenizer is written
+    by llama.cpp's own converter (gguf_vocab), and the check asserts llama.cpp tokenizes as the checkpoint does."""
     from mla_convert.export.gguf_file import export_gguf
 
+    monkeypatch.setenv("MLA_LLAMACPP_PYTHON", llamacpp_python)
     _, record = export_gguf(target_ckpt, tmp_path / "t.gguf", "float32", llamacpp_python=llamacpp_python)
+    assert record["tokenizer"].startswith("the checkpoint's Hugging Face tokenizer, written by llama.cpp's")
     p = record["parity"]
     assert isinstance(p, dict) and p["passed"], p
     assert p["logprob_abs_diff"]["max"] <= p["thresholds"]["max"] and p["greedy"]["count"] == 32
