@@ -39,6 +39,8 @@ from mla_convert.metrics import evaluate
 RESULTS = Path(__file__).parent / "results"
 
 
+#: SmolLM2-135M's query heads and head_dim (the arithmetic column).
+HEADS, HEAD_DIM = 9, 64
 #: The size the llama.cpp rows are asked for: the default's 120 values per token per layer (31.25 % of 384).
 LLAMACPP_ROW = 120
 
@@ -218,12 +220,13 @@ def table(done: list[dict]) -> list[str]:  # type: ignore[type-arg]
         "pad per-layer ranks to the largest and hold the rope head's slots of one plain table (2-norm's 24 pairs "
         "span 32 slots, 64 values; `high`'s r pairs r slots); vLLM allocates 512 + 64. Rows measured before the slots "
         "were recorded take them from the pinned reference manifest's kept frequencies (the same 2-norm selection) "
-        "and have no dev column. The llama.cpp rows ran with a smaller calibration budget (the 2-core machine was "
-        "shared): compare them with each other. Written by `python benchmarks/engine_shape.py --readme`.",
+        "and have no dev column. Compare rows of the same calibration budget. Arithmetic: the multiply-adds llama.cpp's "
+        f"absorbed attention does per cached token per layer, H (2 d_c + d_R) with d_c the padded rank (the source's "
+        f"2 H d = {2 * HEADS * HEAD_DIM}; docs/math.md). Written by `python benchmarks/engine_shape.py --readme`.",
         "",
         "| conversion | calibration tokens | latent ranks | cache MLA | served: transformers, llama.cpp | served: vLLM "
-        "| dev x source | wikipedia x source | news x source |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| llama.cpp multiply-adds / cached token | dev x source | wikipedia x source | news x source |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in done:
         c, lo, hi = r["cache"], *r["ranks"]
@@ -231,9 +234,10 @@ def table(done: list[dict]) -> list[str]:  # type: ignore[type-arg]
         padded = c.get("llama.cpp") or (c["transformers"] if r["conversion"].startswith("--target vllm")
                                         else hi + 2 * pinned_slots())  # fmt: skip
         dev = f"{r['dev@512 ratio']:.2f}" if "dev@512 ratio" in r else "-"
+        macs = HEADS * (hi + padded)  # H (2 d_c + d_R), d_R = padded - d_c
         lines.append(
             f"| {r['conversion']} | {calib} | {lo if lo == hi else f'{lo}-{hi}'} | {c['mla']} | {padded} | "
-            f"{c['vllm']} | {dev} | {r['wiki@512 ratio']:.2f} ({wiki}) | {r['news@512 ratio']:.2f} ({news}) |"
+            f"{c['vllm']} | {macs} | {dev} | {r['wiki@512 ratio']:.2f} ({wiki}) | {r['news@512 ratio']:.2f} ({news}) |"
         )
     choice = llamacpp_choice(done)
     if choice:

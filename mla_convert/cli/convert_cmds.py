@@ -164,19 +164,11 @@ def factor(
 
             problems = export_problems(src, options, export_target(target), export)
             if export == "gguf" and not any(f.suffix == ".gguf" for f in src.origin_files):
-                from mla_convert.export.gguf_vocab import has_hf_tokenizer, vocab_converter
+                from mla_convert.export.gguf_vocab import tokenizer_problem
 
-                if not has_hf_tokenizer(src.path):
-                    problems.append(
-                        f"the GGUF export carries the source's tokenizer and {src.path} has no tokenizer.json or "
-                        "tokenizer.model: add the model's tokenizer files, or --export deepseek-v3"
-                    )
-                elif vocab_converter() is None:
-                    problems.append(
-                        "the GGUF export writes a Hugging Face tokenizer with llama.cpp's own convert_hf_to_gguf.py "
-                        "--vocab-only and no llama.cpp venv was found: run `bash scripts/llamacpp_env.sh` or set "
-                        "MLA_LLAMACPP_PYTHON"
-                    )
+                problem = tokenizer_problem(src.path)  # the HF tokenizer the checkpoint will carry
+                if problem:
+                    fail(f"--export gguf: {problem}")
             if problems:
                 fail(f"--export {export} --target {target} would not be exact: " + "; ".join(problems))
         say(

@@ -9,6 +9,7 @@ import typer
 
 from mla_convert.cli.render import (
     console,
+    err_console,
     fail,
     note,
     user_errors,
@@ -75,15 +76,28 @@ def gguf_sibling(out: Path) -> Path:
 
 
 def export_after(out: Path, fmt: str, overwrite: bool, target: str = "transformers") -> None:
-    """Export the finished OUT (``--export``) and print what was written and how to serve it."""
+    """Export the finished OUT (``--export``) and print what was written and how to serve it. Interrupted, it says
+    that OUT is complete and gives the ``export`` command that finishes the job (exit 130).
+
+    Raises:
+        typer.Exit: 2 on a refused export, 130 when interrupted.
+    """
     from mla_convert.export.write import export_checkpoint, export_folder
 
-    if fmt == "gguf":
-        run_gguf_export(out, gguf_sibling(out), "auto", overwrite, True)
-        return
-    dest = export_folder(out, fmt)
-    with user_errors():
-        manifest = export_checkpoint(out, dest, fmt, overwrite, note=note, target=export_target(target))
+    try:
+        if fmt == "gguf":
+            run_gguf_export(out, gguf_sibling(out), "auto", overwrite, True)
+            return
+        dest = export_folder(out, fmt)
+        with user_errors():
+            manifest = export_checkpoint(out, dest, fmt, overwrite, note=note, target=export_target(target))
+    except typer.Exit as exc:
+        if exc.exit_code == 130:  # user_errors' interrupt: OUT itself is complete, only the export is missing
+            rest = (f"{gguf_sibling(out)} --format gguf" if fmt == "gguf" else f"{export_folder(out, fmt)} --target "
+                    f"{export_target(target)}")  # fmt: skip
+            err_console.print(f"{out} is complete; the export was not written: mla-convert export {out} {rest}",
+                              highlight=False, markup=False)  # fmt: skip
+        raise
     print_export(dest, manifest)
 
 
@@ -115,8 +129,9 @@ def run_gguf_export(ckpt: Path, out: Path, dtype: str, overwrite: bool, check: b
     else:
         msg += f"; {p}"
     console.print(msg, highlight=False, markup=False)
-    for line in (f"  python -c \"from llama_cpp import Llama; Llama('{path}')\"  # llama-cpp-python",
-                 f"  llama-cli -m {path}  # llama.cpp; also Ollama / LM Studio (deepseek2 architecture)"):
+    for line in (f"  $(bash scripts/llamacpp_env.sh) -c \"from llama_cpp import Llama; Llama('{path}')\"  # the "
+                 "llama.cpp venv's python (llama-cpp-python; MLA_LLAMACPP_PYTHON)",
+                 f"  llama-cli -m {path}  # a llama.cpp build of your own; also Ollama / LM Studio (deepseek2)"):
         console.print(line, highlight=False, markup=False)
 
 
@@ -156,7 +171,7 @@ def export(
         "OUT/model.gguf).",
     ),
     overwrite: bool = typer.Option(False, help="Replace a non-empty OUT."),
-    max_shard_size: str = typer.Option("2GB", help="Largest output shard (e.g. 500MB, 5GB)."),
+    max_shard_size: str = typer.Option("2GB", help="Largest output shard (e.g. 500MB, 5GB); a GGUF is one file."),
     check: bool = typer.Option(
         True,
         help="Measure parity against CKPT on real text, float32: the whole model (logits, greedy tokens) up to 2 GiB, "
@@ -178,11 +193,12 @@ def export(
     ),
 ) -> None:
     """Write CKPT in a format serving engines load: DeepSeek-V3 (transformers and vLLM, both checked; SGLang not run)
-    or a llama.cpp GGUF (--format gguf: deepseek2, K-only latent cache at the checkpoint's width).
+    or a llama.cpp GGUF (--format gguf: deepseek2, K-only latent cache of the largest layer rank plus the rope table's
+    slots; factor --target llama.cpp makes that row the size asked).
 
     No attention bias, rope_type default, lm_head written: the mapping is exact (docs/export.md); --target pads
-    to the shapes an engine's MLA kernels take. The parity measured is printed and recorded in OUT's manifest,
-    with the serve commands.
+    to the shapes an engine's MLA kernels take. The parity measured is printed with the serve commands; a folder's
+    manifest records it too (a GGUF records its mapping in its mla_convert.export metadata, written before the check).
 
     Example: mla-convert export out/smollm2-mla out/smollm2-ds3 --target vllm-cpu
     Example: mla-convert export out/smollm2-mla out/smollm2-mla.gguf --format gguf --dtype q8_0

@@ -108,9 +108,31 @@ def tokenizer_problem(ckpt: Path) -> str | None:
                 "still at its recorded path with its recorded sha256: copy the source's tokenizer files into it, or "
                 "convert from the .gguf file")  # fmt: skip
     if vocab_converter() is None:
+        env, root = os.environ.get("MLA_LLAMACPP_PYTHON"), os.environ.get("MLA_LLAMACPP_VENV_ROOT")
+        where = (f"MLA_LLAMACPP_PYTHON={env} has no llama.cpp/convert_hf_to_gguf.py beside its venv" if env else
+                 f"no llama.cpp venv was found in {root or '~/.cache/mla-convert'}")  # fmt: skip
         return (f"{ckpt}'s tokenizer is a Hugging Face one, which the GGUF export writes with llama.cpp's own "
-                "convert_hf_to_gguf.py --vocab-only, and no llama.cpp venv with it was found: run `bash "
-                "scripts/llamacpp_env.sh` (it keeps the converter) or set MLA_LLAMACPP_PYTHON to that venv's python")
+                f"convert_hf_to_gguf.py --vocab-only, and {where}: run `bash scripts/llamacpp_env.sh` (it builds the "
+                "venv and keeps the converter) and point MLA_LLAMACPP_PYTHON at the python it prints, or unset it")
+    eos = _hf_eos(ckpt)
+    if eos:
+        return eos
+    return None
+
+
+def _hf_eos(ckpt: Path) -> str | None:
+    """Why ``ckpt``'s Hugging Face tokenizer cannot end a generation in llama.cpp (no EOS token: its
+    ``tokenizer_config.json`` / ``special_tokens_map.json`` missing), or unreadable; None when it is fine."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(ckpt))
+    except Exception as exc:  # noqa: BLE001 - any failure to read the files is the user's to fix
+        return (f"{ckpt}'s tokenizer files cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}): "
+                "copy the source model's tokenizer files (tokenizer.json, tokenizer_config.json, ...) into it")
+    if tok.eos_token_id is None:
+        return (f"{ckpt}'s tokenizer has no EOS token (is tokenizer_config.json or special_tokens_map.json missing?), "
+                "so llama.cpp could not stop a generation: copy the source model's tokenizer files into it")
     return None
 
 
@@ -176,7 +198,10 @@ def tokenizer_fields(ckpt: Path, config: Any) -> tuple[list[tuple[str, Any, Any,
         if res.returncode != 0 or not out.is_file():
             lines = [x for x in (res.stderr + res.stdout).splitlines() if x.strip()]
             last = next((x for x in reversed(lines) if "Error" in x or "error" in x), lines[-1] if lines else "")
-            raise ExportError(f"llama.cpp's convert_hf_to_gguf.py --vocab-only could not write {ckpt}'s tokenizer "
-                              f"(exit {res.returncode}: {last.strip()[:300]}); export --format deepseek-v3 instead")
+            raise ExportError(f"llama.cpp's convert_hf_to_gguf.py --vocab-only could not write the tokenizer in "
+                              f"{ckpt} ({', '.join(n for n in HF_TOKENIZER_FILES if (ckpt / n).is_file())}; exit "
+                              f"{res.returncode}: {last.strip()[:300]}): check those files against the source model's "
+                              "(a tokenizer llama.cpp does not know is named in that line), or export --format "
+                              "deepseek-v3")
         return (gguf_tokenizer_fields(out),
                 f"the checkpoint's Hugging Face tokenizer, written by llama.cpp's {converter.name} --vocab-only")

@@ -41,3 +41,24 @@ def test_sigterm_runs_the_interrupt_path(tmp_path):
     assert "Traceback" not in res.stderr
     assert list(tmp_path.iterdir()) == []  # the staged file was removed on the way out
     assert time.perf_counter() - t0 < 25  # it did not sleep out the 30 s
+
+
+def test_an_interrupted_export_after_factor_says_the_checkpoint_is_complete(tmp_path, monkeypatch, capsys):
+    """``factor --export gguf`` stopped during the export: OUT is complete, so the message gives the command that
+    writes the export instead of only "nothing was written"."""
+    import pytest
+    import typer
+
+    from mla_convert.cli.export_cmds import export_after
+    from mla_convert.export import gguf_file
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gguf_file, "export_gguf", stopped)
+    out = tmp_path / "mla"
+    with pytest.raises(typer.Exit) as exc:
+        export_after(out, "gguf", False)
+    assert exc.value.exit_code == 130
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{out} is complete; the export was not written: mla-convert export {out} {out}.gguf --format gguf" in err

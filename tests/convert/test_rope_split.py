@@ -48,10 +48,13 @@ def _digest(out: Path) -> str:
 
 @pytest.mark.parametrize(
     ("src", "candidates"),
-    [(SMOLLM2, (12, 18, 24, 30)), (LLAMA3_8B, (32, 48, 64)), (QWEN25_15B, (16, 24, 32, 40, 48))],
+    [(SMOLLM2, (12, 18, 24, 30)), (LLAMA3_8B, (32, 48, 64)), (QWEN25_15B, (16, 24, 32))],
 )
 def test_candidates_surround_the_prior(src, candidates):
-    """Half to one and a half times the prior's pairs, as many as a rope head holds (2-norm: head_dim / 2)."""
+    """Half to one and a half times the prior's pairs, as many as a rope head holds (2-norm: head_dim / 2), and no
+    wider than vLLM's 64 rope values when the prior fits them (Qwen2.5-1.5B's prior 32 pairs: 40 and 48 are not
+    tried, so its default conversion stays servable by the vLLM plugin, its only vLLM route; Llama-3-8B's prior 64
+    pairs is already wider, so the search goes on around it)."""
     res = resolve_options(ConvertOptions(), src)
     assert res.rope_candidates == candidates
     assert res.options.rope_pairs in candidates

@@ -199,6 +199,13 @@ def test_hf_tokenizer_keys_equal_the_published_ggufs(llamacpp_python, tiny_ckpt,
                 "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
         assert mine[key] == published[key], key
     assert mine["tokenizer.ggml.pre"] == "smollm" and len(mine["tokenizer.ggml.tokens"]) == 49152
+    # tokenizer.json without tokenizer_config.json: no EOS, so llama.cpp could never stop; refused before any work
+    no_eos = tmp_path / "no-eos"
+    shutil.copytree(tiny_ckpt, no_eos)
+    (no_eos / "tokenizer_config.json").unlink()
+    res = CliRunner().invoke(app, ["export", str(no_eos), str(tmp_path / "t.gguf"), "--format", "gguf"])
+    assert res.exit_code == 2 and "tokenizer has no EOS token" in " ".join(res.output.split())
+    assert not (tmp_path / "t.gguf").exists()
 
 
 def test_gguf_refusals_before_any_work(tmp_path):

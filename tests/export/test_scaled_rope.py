@@ -198,8 +198,9 @@ def test_inspect_and_recipes_say_the_steering(sources, tmp_path):
     text = " ".join(res.output.split())
     assert "--export deepseek-v3 --target transformers: exact with --rope-strategy high --rope-pairs" in text
     assert "which --export steers to (pairs 0..3 are the ones llama3 leaves unscaled)" in text
-    lines = export_lines(open_source(sources["linear"]), ConvertOptions())
-    assert all("not exact: the source's RoPE is linear-scaled" in line for line in lines)
+    *exports, plugin = export_lines(open_source(sources["linear"]), ConvertOptions())
+    assert all("not exact: the source's RoPE is linear-scaled" in line for line in exports)
+    assert plugin.startswith("  vLLM plugin") and "exact" in plugin and "not exact" not in plugin  # its own rotary
     from mla_convert.recipes.load import load_recipe
     from mla_convert.recipes.schema import RecipeError
 
