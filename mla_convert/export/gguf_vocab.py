@@ -101,8 +101,11 @@ def tokenizer_problem(ckpt: Path) -> str | None:
     Raises:
         ExportError: ``MLA_LLAMACPP_PYTHON`` names no file.
     """
-    if source_gguf(ckpt) is not None:
-        return None
+    return None if source_gguf(ckpt) is not None else _hf_problem(ckpt)
+
+
+def _hf_problem(ckpt: Path) -> str | None:
+    """Why the Hugging Face tokenizer in ``ckpt`` cannot be written as GGUF keys (None: it can)."""
     if not has_hf_tokenizer(ckpt):
         return (f"{ckpt} holds no tokenizer (tokenizer.json or tokenizer.model) and was not converted from a GGUF file "
                 "still at its recorded path with its recorded sha256: copy the source's tokenizer files into it, or "
@@ -163,12 +166,12 @@ def tokenizer_fields(ckpt: Path, config: Any) -> tuple[list[tuple[str, Any, Any,
         ExportError: no tokenizer can be carried (:func:`tokenizer_problem`), or llama.cpp's converter failed on it
             (its last error line, e.g. a BPE pre-tokenizer it does not know).
     """
-    problem = tokenizer_problem(ckpt)
-    if problem:
-        raise ExportError(problem)
-    source = source_gguf(ckpt)
+    source = source_gguf(ckpt)  # once: a user's GGUF source is hashed whole to be found again
     if source is not None:
         return gguf_tokenizer_fields(source), f"the source GGUF's tokenizer keys ({source.name})"
+    problem = _hf_problem(ckpt)
+    if problem:
+        raise ExportError(problem)
     converter = vocab_converter()
     assert converter is not None
     model_type = str((getattr(config, "source", None) or {}).get("model_type") or "llama")

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any
 
 import pytest
 from test_resolve import LLAMA3_8B, QWEN25_15B, SMOLLM2
-from tiny import copy_tokenizer, write_tiny_llama
+from test_stream import _convert  # run_factor with the options split from the run's keywords
 
-from mla_convert.convert.job import prepare_text, run_factor
+from mla_convert.convert.job import prepare_text
 from mla_convert.convert.options import ConvertOptions
 from mla_convert.convert.resolve import resolve_options
 from mla_convert.convert.rope_split import outcome
@@ -26,20 +25,6 @@ from mla_convert.mla.checkpoint import load_checkpoint
 from mla_convert.sources.checkpoint import load_source_model, open_source
 
 SMALL = {"window": 32, "calib_windows": 4, "eval_windows": 2, "text": "news", "dtype": "float32"}
-
-
-@pytest.fixture(scope="module")
-def tiny_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny") / "src"
-    write_tiny_llama(folder, num_hidden_layers=3)
-    copy_tokenizer(folder)
-    return folder
-
-
-def _convert(src: Path, out: Path, **kw: Any) -> dict[str, Any]:
-    opts = {k: v for k, v in kw.items() if k in ConvertOptions.model_fields}
-    run = {k: v for k, v in kw.items() if k not in ConvertOptions.model_fields}
-    return run_factor(open_source(src), out, ConvertOptions(**opts), sample_prompt=None, **run)
 
 
 def _digest(out: Path) -> str:

@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 from safetensors import safe_open
-from tiny import copy_tokenizer, write_tiny_llama
 
 from mla_convert.convert.build import convert_windows
 from mla_convert.convert.job import prepare_text, run_factor
@@ -28,14 +27,6 @@ from mla_convert.sources.checkpoint import load_source_model, open_source
 
 SMALL = {"window": 32, "calib_windows": 4, "eval_windows": 2, "text": "news"}
 LOSSY = {**SMALL, "rope_pairs": 4, "cache_budget": 28.0}
-
-
-@pytest.fixture(scope="module")
-def tiny_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny") / "src"
-    write_tiny_llama(folder, num_hidden_layers=3)
-    copy_tokenizer(folder)
-    return folder
 
 
 def _convert(src: Path, out: Path, **kw: Any) -> dict[str, Any]:
