@@ -142,3 +142,14 @@ def reference_ckpt(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ref") / "smollm2-mla"
     run_reference(out)
     return out
+
+
+@pytest.fixture(scope="module")
+def tiny_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama of 3 layers with SmolLM2's tokenizer (one per test module; modules may override it)."""
+    from tiny import copy_tokenizer, write_tiny_llama
+
+    folder = tmp_path_factory.mktemp("tiny") / "src"
+    write_tiny_llama(folder, num_hidden_layers=3)
+    copy_tokenizer(folder)
+    return folder
