@@ -42,9 +42,7 @@ def reference_block(manifest: dict[str, Any]) -> str:
     lines = [
         f"Pinned manifest `manifests/smollm2-135m-reference.json` (canonical id `{manifest['canonical_id'][:16]}…`), "
         f"written by `mla-convert factor smollm2-135m out/smollm2-mla --device cpu` (default options; the device "
-        f"is a recorded option, so a GPU host reproduces the pin with `cpu`) and checked by "
-        f"`MLA_CONVERT_TEST_PIN=default .venv/bin/python -m pytest tests/convert/test_reference.py` (~10 min; CI "
-        f"pins the same command at `--calib-tokens 4096`: `manifests/smollm2-135m-ci.json`); this table by "
+        f"is a recorded option, so a GPU host reproduces the pin with `cpu`); this table by "
         f"`python benchmarks/readme.py reference`. Perplexity on {opts['eval_windows']} x {opts['window']} tokens "
         f"of the Wikipedia evaluation split (one article; see below for 40 windows).",
         "",
@@ -58,7 +56,7 @@ def reference_block(manifest: dict[str, Any]) -> str:
         f"| mean held-out attention-output error per layer | | {rec['mean_attn_rel_error']:.3f} |",
         f"| calibration | | {cal['tokens']:,} tokens spread across the {len(cal['documents'])} documents of the calibration split |",
         f"| time: source pass / convert + eval passes / whole command ({run['threads']} threads; the pinned run "
-        f"was made inside a test session, timings by stage on an idle machine are in the scale table of docs/results.md) | | "
+        f"was made inside the test suite, timings by stage on an idle machine are in the scale table of docs/results.md) | | "
         f"{t['source_pass_s']:.0f} s / {t['convert_pass_s']:.0f} s / {run['wall_s']:.0f} s |",
         f"| peak resident memory | | {run['peak_rss_mb'] / 1024:.1f} GB |",
     ]

@@ -31,7 +31,7 @@ if [ "${MLA_SKIP_LLAMACPP:-0}" != 1 ]; then
     MLA_LLAMACPP_PYTHON=$(bash scripts/llamacpp_env.sh)
     export MLA_LLAMACPP_PYTHON MLA_REQUIRE_LLAMACPP=1
 fi
-# Two pytest-xdist workers (MLA_TEST_WORKERS=N to change, 0 for one process): the tests that read the reference
-# conversion run in one of them (tests/conftest.py groups them), everything else module by module in either.
+# Two pytest-xdist workers (MLA_TEST_WORKERS=N to change, 0 for one process): the test files that read the reference
+# conversion run in one of them (tests/conftest.py schedules them as one unit), every other file in either.
 workers=${MLA_TEST_WORKERS:-2}
-.venv/bin/python -m pytest -q --durations=30 -n "$workers" --dist loadgroup tests "$@"
+.venv/bin/python -m pytest -q --durations=30 -n "$workers" tests "$@"

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference_runs import run_reference
 
 # pytest-xdist's workers inherit COLUMNS=80 from it: the CLI would print its tables at 80 columns, not as in a log
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -17,14 +18,26 @@ THREADS = max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIS
 torch.set_num_threads(THREADS)
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Scheduling groups for pytest-xdist's ``--dist loadgroup``: every test that reads the reference conversion
-    runs in one worker (converted once there, ~4.5 min), every other test with the rest of its module (module
-    fixtures built once)."""
-    for item in items:
-        uses_reference = "reference_ckpt" in getattr(item, "fixturenames", ())
-        group = "reference" if uses_reference else item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+#: The test files that read the reference conversion (they name its fixture): pytest-xdist runs them in one worker.
+REFERENCE_FILES = frozenset(
+    f.relative_to(Path(__file__).resolve().parents[1]).as_posix()
+    for f in Path(__file__).resolve().parent.rglob("test_*.py")
+    if "reference_ckpt" in f.read_text(encoding="utf-8")
+)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """pytest-xdist's scheduling (``-n N``): whole test files to workers, the files of :data:`REFERENCE_FILES` as one
+    unit, so the reference conversion (~10 min) is made once, and first (the unit of tests/adapt)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ReferenceScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "reference" if path in REFERENCE_FILES else path
+
+    return ReferenceScheduling(config, log)
 
 
 @pytest.fixture(scope="session")
@@ -133,54 +146,12 @@ def mha_folder(smol, smol_model, tmp_path_factory) -> Path:
     return out
 
 
-#: The reference conversions the suite can pin (``MLA_CONVERT_TEST_PIN`` picks one; CI runs ``ci``):
-#: ``default`` is the README's quick-start job (default options, 16,384 calibration tokens, ~10 min idle on 2
-#: cores); ``ci`` is the same command with 4,096 calibration tokens (every default stage, RoPE split search
-#: included, in ~4.5 min), each with its own pinned manifest under ``manifests/``.
-REFERENCE_RUNS: dict[str, list[str]] = {
-    "ci": ["--calib-tokens", "4096"],
-    "default": [],
-}
-
-
-def reference_run() -> str:
-    """The pin the session converts and checks: ``MLA_CONVERT_TEST_PIN`` (``ci`` when unset).
-
-    Raises:
-        ValueError: an unknown name."""
-    name = os.environ.get("MLA_CONVERT_TEST_PIN", "ci")
-    if name not in REFERENCE_RUNS:
-        raise ValueError(f"MLA_CONVERT_TEST_PIN={name!r}: use one of {', '.join(REFERENCE_RUNS)}")
-    return name
-
-
-def run_reference(out: Path, run: str | None = None) -> dict:
-    """The reference conversion ``run`` (:data:`REFERENCE_RUNS`; :func:`reference_run` when None) through the
-    CLI; returns its manifest."""
-    import json
-
-    from typer.testing import CliRunner
-
-    from mla_convert.cli.commands import app
-
-    args = REFERENCE_RUNS[run or reference_run()]
-    cmd = ["--quiet", "factor", "smollm2-135m", str(out), "--device", "cpu", *args]  # cpu: GPU hosts too
-    before = torch.get_num_threads()
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))  # as pinned: float sums may split by thread
-    try:
-        res = CliRunner().invoke(app, cmd)
-    finally:
-        torch.set_num_threads(before)
-    assert res.exit_code == 0, res.output + str(res.exception)
-    return json.loads((out / "mla_manifest.json").read_text())
-
-
 @pytest.fixture(scope="session")
 def reference_ckpt(tmp_path_factory) -> Path:
-    """The reference conversion (:func:`run_reference`) once per session: ``mla-convert factor smollm2-135m OUT``
-    with :data:`REFERENCE_RUNS`'s options (CI: 4,096 calibration tokens, ~4.5 min, streamed).
+    """``mla-convert factor smollm2-135m OUT`` once per session (:func:`run_reference`; ~10 min on 2 idle cores,
+    streamed; under pytest-xdist in one worker, :func:`pytest_xdist_make_scheduler`).
 
-    For quick local iteration ``MLA_CONVERT_TEST_REFERENCE=DIR`` reuses an existing conversion of the same run
+    For quick local iteration ``MLA_CONVERT_TEST_REFERENCE=DIR`` reuses an existing default conversion
     (CI never sets it, so CI always converts afresh)."""
     reuse = os.environ.get("MLA_CONVERT_TEST_REFERENCE")
     if reuse:

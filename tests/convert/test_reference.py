@@ -1,21 +1,12 @@
-"""The reference conversion, end to end through the CLI, against its pinned manifest.
+"""The README's reference conversion, end to end through the CLI, against its pinned manifest.
 
-Two runs are pinned (``REFERENCE_RUNS`` in tests/conftest.py), each the README's quick-start command ``mla-convert
-factor smollm2-135m OUT --device cpu`` (``--device`` is a recorded option, and ``auto`` would convert on a GPU where
-there is one, so a GPU host reproduces a pin only with ``cpu``):
-
-* ``ci`` (what the suite converts unless told otherwise): with ``--calib-tokens 4096``, pinned in
-  ``manifests/smollm2-135m-ci.json``; every stage of the default runs (calibration, the RoPE split search, the
-  allocation, the refit decision, evaluation), on a quarter of the default's calibration tokens;
-* ``default``: default options (16,384 calibration tokens), pinned in ``manifests/smollm2-135m-reference.json``,
-  whose figures the README's reference table prints. ``MLA_CONVERT_TEST_PIN=default .venv/bin/python -m pytest
-  tests/convert/test_reference.py`` checks it (~10 min idle on 2 cores).
-
-Any change of output — tensors, options, RoPE pairs, ranks, calibration documents, reconstruction figures —
-changes the canonical id and fails here; the output files are pinned byte for byte, the weights and config per CPU
-model (``<pin>.bytes.json``: float kernels round differently on different CPUs). After an intended change, re-pin
-both with ``python tests/convert/test_reference.py --repin ci`` and ``--repin default`` (on each machine whose
-bytes are pinned) and say why in the commit.
+``manifests/smollm2-135m-reference.json`` pins the manifest of ``mla-convert factor smollm2-135m OUT --device
+cpu`` (default options on the CPU: ``--device`` is a recorded option, and ``auto`` would convert on a GPU where
+there is one, so a GPU host reproduces the pin only with ``cpu``). Any change of output — tensors, options,
+RoPE pairs, ranks, calibration documents, reconstruction figures — changes the canonical id and fails here; the
+output files are pinned byte for byte, the weights and config per CPU model (``smollm2-135m-reference.bytes.json``:
+float kernels round differently on different CPUs). After an intended change, re-pin with ``python tests/convert/test_reference.py --repin``
+(on each machine whose bytes are pinned) and say why in the commit.
 """
 
 from __future__ import annotations
@@ -32,17 +23,11 @@ from mla_convert.cli.commands import app
 from mla_convert.kernels import kernel_backend
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import reference_run, run_reference  # noqa: E402
+from reference_runs import run_reference  # noqa: E402
 
-MANIFESTS = Path(__file__).resolve().parents[2] / "manifests"
-#: Each pinned run's manifest and (the float-bearing files' bytes per CPU model) its bytes.
-PINS = {
-    "ci": (MANIFESTS / "smollm2-135m-ci.json", MANIFESTS / "smollm2-135m-ci.bytes.json"),
-    "default": (MANIFESTS / "smollm2-135m-reference.json", MANIFESTS / "smollm2-135m-reference.bytes.json"),
-}
-#: What each run's report says of its calibration: tokens, documents of the 18 used.
-CALIBRATION = {"ci": (4096, 8), "default": (16384, 13)}
-PINNED, BYTES = PINS[reference_run()]
+PINNED = Path(__file__).resolve().parents[2] / "manifests" / "smollm2-135m-reference.json"
+#: The float-bearing files' bytes per CPU model (float kernels round differently on different CPUs).
+BYTES = Path(__file__).resolve().parents[2] / "manifests" / "smollm2-135m-reference.bytes.json"
 
 
 def cpu_model() -> str:
@@ -151,13 +136,12 @@ def test_reference_report_and_cli(reference):
     ev = report["model"]["eval"]
     assert ev["tokens"] == 8 * 511 and 1.0 < ev["perplexity"] / ev["reference_perplexity"] < 10
     assert len(report["layers"]) == 30 and all(r["attn_rel_error"] is not None for r in report["layers"])
-    # calibration spans the split: the token budget as windows over many of its 18 documents, not one article
-    tokens, documents = CALIBRATION[reference_run()]
+    # calibration spans the split: the 16384-token budget as 32 windows over 13 of its 18 documents, not one article
     text = report["text"]
-    assert text["calibration_tokens"] == tokens and text["calibration_documents_used"] == documents
+    assert text["calibration_tokens"] == 16384 and text["calibration_documents_used"] == 13
     assert len(text["calibration"]) == 18 and text["held_out_tokens"] == 4 * 512
     assert (
-        f"calibration on {tokens} tokens from {documents} of the 18 calibration documents"
+        "calibration on 16384 tokens from 13 of the 18 calibration documents"
         in (reference / "report.md").read_text()
     )
     for name in ("config.json", "generation_config.json", "tokenizer.json", "README.md", "report.md"):
@@ -187,41 +171,23 @@ def test_reference_report_and_cli(reference):
     assert res.exit_code == 0 and "perplexity" in res.stdout
 
 
-NOTE = (
-    "The bytes of the reference conversion's float-bearing files per CPU (/proc/cpuinfo 'model name' and a digest "
-    "of its 'flags' line): float kernels round differently on different CPUs, and a virtual machine's model name "
-    "alone ('AMD EPYC') covers several generations (the canonical id, with its rounded figures, is the same "
-    "everywhere). Written by `python tests/convert/test_reference.py --repin RUN` or `--pin-bytes-from DIR RUN`."
-)
-
-
-def _pin_bytes(run: str, manifest: dict, fresh: bool = False) -> None:
-    """This CPU's bytes of ``manifest`` in ``run``'s byte pins (``fresh``: the other CPUs' entries dropped, as
-    they pin an older conversion)."""
-    byte_pins = PINS[run][1]
-    pins = {"note": NOTE, "files": ["config.json", "model.safetensors"], "by_cpu": {}}
-    if byte_pins.exists() and not fresh:
-        pins = json.loads(byte_pins.read_text())
-    pins["by_cpu"][cpu_model()] = {k: manifest["outputs"][k] for k in pins["files"]}
-    byte_pins.write_text(json.dumps(pins, indent=2) + "\n")
-
-
-if __name__ == "__main__" and "--repin" in sys.argv:  # --repin ci|default
+if __name__ == "__main__" and "--repin" in sys.argv:
     import tempfile
 
-    run = sys.argv[sys.argv.index("--repin") + 1]
     with tempfile.TemporaryDirectory() as tmp:
-        manifest = run_reference(Path(tmp) / "ref", run)
-    old = json.loads(PINS[run][0].read_text())["canonical_id"] if PINS[run][0].exists() else None
-    PINS[run][0].write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    _pin_bytes(run, manifest, fresh=old != manifest["canonical_id"])
-    print(f"pinned {run}: {manifest['canonical_id']} in {PINS[run][0]} and this CPU's bytes in {PINS[run][1]}")
+        manifest = run_reference(Path(tmp) / "ref")
+    PINNED.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    pins = json.loads(BYTES.read_text())
+    pins["by_cpu"][cpu_model()] = {k: manifest["outputs"][k] for k in pins["files"]}
+    BYTES.write_text(json.dumps(pins, indent=2) + "\n")
+    print(f"pinned {manifest['canonical_id']} in {PINNED} and this CPU's bytes in {BYTES}")
 
-if __name__ == "__main__" and "--pin-bytes-from" in sys.argv:  # --pin-bytes-from DIR ci|default
-    at = sys.argv.index("--pin-bytes-from")
-    folder, run = Path(sys.argv[at + 1]), sys.argv[at + 2]
+if __name__ == "__main__" and "--pin-bytes-from" in sys.argv:  # a reference conversion made on this machine
+    folder = Path(sys.argv[sys.argv.index("--pin-bytes-from") + 1])
     manifest = json.loads((folder / "mla_manifest.json").read_text())
-    if manifest["canonical_id"] != json.loads(PINS[run][0].read_text())["canonical_id"]:
-        sys.exit(f"{folder} is not the pinned {run} reference conversion (canonical id {manifest['canonical_id']})")
-    _pin_bytes(run, manifest)
-    print(f"pinned this CPU's bytes ({cpu_model()}) from {folder} in {PINS[run][1]}")
+    if manifest["canonical_id"] != json.loads(PINNED.read_text())["canonical_id"]:
+        sys.exit(f"{folder} is not the pinned reference conversion (canonical id {manifest['canonical_id']})")
+    pins = json.loads(BYTES.read_text())
+    pins["by_cpu"][cpu_model()] = {k: manifest["outputs"][k] for k in pins["files"]}
+    BYTES.write_text(json.dumps(pins, indent=2) + "\n")
+    print(f"pinned this CPU's bytes ({cpu_model()}) from {folder} in {BYTES}")
