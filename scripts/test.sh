@@ -31,7 +31,8 @@ if [ "${MLA_SKIP_LLAMACPP:-0}" != 1 ]; then
     MLA_LLAMACPP_PYTHON=$(bash scripts/llamacpp_env.sh)
     export MLA_LLAMACPP_PYTHON MLA_REQUIRE_LLAMACPP=1
 fi
-# Two pytest-xdist workers (MLA_TEST_WORKERS=N to change, 0 for one process): the test files that read the reference
-# conversion run in one of them (tests/conftest.py schedules them as one unit), every other file in either.
-workers=${MLA_TEST_WORKERS:-2}
+# One pytest process by default. MLA_TEST_WORKERS=N runs N pytest-xdist workers (the test files that read the
+# reference conversion as one unit in one of them: tests/conftest.py); on this 2-core machine two workers were slower
+# (37 min against 34: the reference conversion competes with the other worker), so it is for machines with more cores.
+workers=${MLA_TEST_WORKERS:-0}
 .venv/bin/python -m pytest -q --durations=30 -n "$workers" tests "$@"
