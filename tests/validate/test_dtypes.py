@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny import copy_tokenizer, write_tiny_llama
 from typer.testing import CliRunner
 
 from mla_convert.cli.commands import app
@@ -34,14 +33,6 @@ LOSSY = {
 }
 #: Ladder settings that fit the 64-token windows.
 SMALL = ["--prompt-tokens", "40", "--new-tokens", "8", "--matrix-max-history", "129"]
-
-
-@pytest.fixture(scope="module")
-def tiny_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny") / "src"
-    write_tiny_llama(folder, num_hidden_layers=3)
-    copy_tokenizer(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
