@@ -35,6 +35,8 @@ class DecodeResult:
             last generated token is never fed back).
         backend_log: attention calls per backend and phase, e.g. ``{"triton-interpreter:decode": 270}``.
         step_seconds: wall time of each decode step (seconds), prefill excluded.
+        layer_inputs: every layer's attention input over the request (``[B, T + new - 1, hidden]`` each) when
+            the caller captured them (validate's rung 3); empty otherwise.
     """
 
     tokens: torch.Tensor
@@ -42,6 +44,7 @@ class DecodeResult:
     cache: PagedLatentCache
     backend_log: dict[str, int] = field(default_factory=dict)
     step_seconds: list[float] = field(default_factory=list)
+    layer_inputs: list[torch.Tensor] = field(default_factory=list)
 
 
 @torch.no_grad()

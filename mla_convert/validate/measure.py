@@ -88,20 +88,50 @@ def decode_on_kernel_device(
 ) -> Any:
     """:func:`~mla_convert.runtime.decode.generate` on the device the kernel runs on (a CUDA GPU where Triton
     runs natively: the native kernel takes no CPU tensors), the model moved there for the call and back after;
-    the result's tokens, step logits and cache come back on the CPU, where the rung's checks run."""
+    the result's tokens, step logits and cache come back on the CPU, where the rung's checks run.
+
+    The result also carries ``layer_inputs``: every layer's attention input over the whole request
+    (``[1, T, hidden]`` each, CPU; the prefill's rows then one row per decode step), the inputs the cache rows
+    were written from (:func:`capture_layer_inputs`)."""
     device = kernel_device()
     if backend != "triton" or device.type == "cpu":
-        return generate(model, prompt, new_tokens, backend=backend, page_size=page_size, shuffle_pages=True)
+        with capture_layer_inputs(model) as inputs:
+            res = generate(model, prompt, new_tokens, backend=backend, page_size=page_size, shuffle_pages=True)
+        res.layer_inputs = inputs
+        return res
     torch.nn.Module.to(model, device)
     try:
-        res = generate(
-            model, prompt.to(device), new_tokens, backend=backend, page_size=page_size, shuffle_pages=True
-        )
+        with capture_layer_inputs(model) as inputs:
+            res = generate(
+                model, prompt.to(device), new_tokens, backend=backend, page_size=page_size, shuffle_pages=True
+            )
     finally:
         torch.nn.Module.to(model, torch.device("cpu"))
     res.tokens, res.step_logits = res.tokens.cpu(), res.step_logits.cpu()
     res.cache.to("cpu")
+    res.layer_inputs = inputs
     return res
+
+
+@contextmanager
+def capture_layer_inputs(model: MLAForCausalLM) -> Iterator[list[torch.Tensor]]:
+    """Record every layer's attention input ``x [1, t, hidden]`` over every forward call inside the block (one
+    request: a prefill, then decode steps); on exit the yielded list holds, per layer, the calls' inputs
+    concatenated along the sequence (``[1, T, hidden]``, on the CPU)."""
+    calls: list[list[torch.Tensor]] = [[] for _ in model.model.layers]
+    handles = [
+        layer.self_attn.register_forward_pre_hook(
+            lambda _m, args, i=i: calls[i].append(args[0].detach().cpu())
+        )
+        for i, layer in enumerate(model.model.layers)
+    ]
+    inputs: list[torch.Tensor] = []
+    try:
+        yield inputs
+    finally:
+        for handle in handles:
+            handle.remove()
+    inputs.extend(torch.cat(per_layer, dim=1) for per_layer in calls if per_layer)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -234,9 +234,15 @@ def _check_cache_rows(
     tol: float = TOL_ROWS,
     prefix: str = "",
 ) -> None:
-    """Every cache row of the decoded request vs ``[c_kv | k_rope]`` recomputed from the layer inputs
-    ``seen`` (``[1, T, hidden]`` each), ``k_rope`` rotated at its absolute position with ``pair_freq``;
-    checks named with ``prefix``, within ``tol``."""
+    """Every cache row of the decoded request vs ``[c_kv | k_rope]`` recomputed from the layer inputs that wrote
+    it, ``seen`` (``[1, T, hidden]`` each: the prefill's and each decode step's, captured during the decode),
+    ``k_rope`` rotated at its absolute position with ``pair_freq``; checks named with ``prefix``, within ``tol``.
+
+    The rows are compared with the decode's own layer inputs, not with a full pass's: a full pass over the same
+    tokens reaches each layer with inputs that differ by float rounding carried through the layers below (the
+    step-logits check measures that), which on some checkpoints is larger than a cache row's own rounding
+    (the first positions, where the attention sink's large activations sit: 3.8e-5 on a 30-pair SmolLM2
+    conversion, against 1e-5)."""
     rid = cache.active[0]
     t = seen[0].shape[1]
     pos = torch.arange(t)[None]
@@ -317,7 +323,7 @@ def rung_decode(
     res = decode_on_kernel_device(model, prompt, new_tokens, backend, page_size)
     tokens = res.tokens[:, :-1]  # the last generated token was never fed back
     model.set_attention_path("absorbed")
-    seen, logits = recompute_folded(model, tokens)
+    _, logits = recompute_folded(model, tokens)
     full = logits[:, prompt.shape[1] - 1 :].float()
     rung.check(
         "step logits vs full recomputation, max rel. error", rel_err(res.step_logits, full), TOL_DECODE_LOGITS
@@ -331,7 +337,7 @@ def rung_decode(
     )
     differing = float((res.step_logits.argmax(-1) != full.argmax(-1)).sum())
     rung.check("greedy tokens differing from full recomputation", differing, 0, "==")
-    _check_cache_rows(rung, model, seen, res.cache, pair_freq, freq_source)
+    _check_cache_rows(rung, model, res.layer_inputs, res.cache, pair_freq, freq_source)
     t = float(tokens.shape[1])
     rung.check("committed cache length (tokens)", float(res.cache.lengths[res.cache.active[0]]), t, "==")
     want = model.config.num_hidden_layers * (new_tokens - 1)
@@ -379,7 +385,7 @@ def _decode_in_dtype(
         res = decode_on_kernel_device(model, prompt, new_tokens, ran, page_size)
         tokens = res.tokens[:, :-1]
         model.set_attention_path("absorbed")
-        seen, logits = recompute_folded(model, tokens)
+        _, logits = recompute_folded(model, tokens)
         full = logits[:, prompt.shape[1] - 1 :].float()
         rung.check(
             f"{prefix}step logits vs full recomputation in {dtype}, max rel. error",
@@ -388,7 +394,7 @@ def _decode_in_dtype(
         )
         differing = int((res.step_logits.argmax(-1) != full.argmax(-1)).sum())
         rung.record(f"{prefix}greedy tokens differing from full recomputation (near ties)", float(differing))
-        _check_cache_rows(rung, model, seen, res.cache, pair_freq, freq_source, tol.rows, prefix)
+        _check_cache_rows(rung, model, res.layer_inputs, res.cache, pair_freq, freq_source, tol.rows, prefix)
     t = float(tokens.shape[1])
     rung.check(
         f"{prefix}committed cache length (tokens)", float(res.cache.lengths[res.cache.active[0]]), t, "=="

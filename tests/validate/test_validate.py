@@ -191,6 +191,34 @@ def test_validate_names_the_failing_rung(tiny_ckpt, tmp_path, corrupt, rung):
         assert rows["passed"] is False and rows["value"] > 1e-2
 
 
+def test_cache_rows_are_checked_against_the_inputs_that_wrote_them(tiny_ckpt, monkeypatch):
+    """Rung 3 recomputes each cache row from the layer input the decode wrote it from (captured during the decode),
+    so the check measures the cache, not float rounding carried through the layers below (a 30-pair SmolLM2
+    conversion: 3.8e-5 at the first positions against a full pass's inputs, 9e-7 against the decode's own). A cache
+    that stores one decode row 0.1 % off still fails it."""
+    from mla_convert.runtime.paged_cache import PagedLatentCache
+    from mla_convert.validate.ladder import validate
+
+    def rows_named(result, prefix: str) -> dict[str, float]:
+        (decode,) = [r for r in result.rungs if r.name == "decode-vs-recompute"]
+        return {c.name: c.value for c in decode.checks if c.name.startswith(prefix)}
+
+    settings = dict(windows=2, window=128, new_tokens=4, matrix_max_history=129, backend="absorbed", prompt_tokens=24)
+    clean = rows_named(validate(tiny_ckpt, **settings), "cache rows")
+    assert len(clean) == 2 and max(clean.values()) < 1e-6, clean
+
+    real_write = PagedLatentCache.write
+
+    def off_by_a_little(self, layer, rows):  # every decode step's row of one layer, 0.1 % of its largest value off
+        if layer == BROKEN_LAYER and rows.shape[1] == 1:
+            rows = rows + 1e-3 * rows.abs().max()
+        real_write(self, layer, rows)
+
+    monkeypatch.setattr(PagedLatentCache, "write", off_by_a_little)
+    broken = rows_named(validate(tiny_ckpt, **settings), "cache rows c_kv")
+    assert 5e-4 < next(iter(broken.values())) < 5e-3, broken
+
+
 def test_validate_without_the_source_still_checks_the_scale(tiny_ckpt, tmp_path):
     bad = broken_copy(tiny_ckpt, tmp_path / "bad", "scale-no-source")
     res = CliRunner().invoke(app, ["validate", str(bad), *SMALL])
