@@ -19,7 +19,7 @@ class CheckpointError(UserError):
     """A folder that is not a loadable (converted) checkpoint; one line: what, where, how to fix."""
 
 
-def read_checkpoint_config(ckpt: Path, require_mla: bool = True) -> dict[str, Any]:
+def read_checkpoint_config(ckpt: Path | str, require_mla: bool = True) -> dict[str, Any]:
     """``ckpt/config.json`` as a dict.
 
     Args:
@@ -31,6 +31,7 @@ def read_checkpoint_config(ckpt: Path, require_mla: bool = True) -> dict[str, An
         CheckpointError: a missing folder, a file, no ``config.json``, one that is not a JSON object, or (with ``require_mla``) another
             model type.
     """
+    ckpt = Path(ckpt)  # a str path works as well
     path = ckpt / "config.json"
     if not ckpt.exists():
         raise CheckpointError(f"{ckpt} does not exist; pass a folder written by 'mla-convert factor'")
@@ -98,7 +99,7 @@ def checkpoint_dtype(ckpt: Path) -> str:
     return floats.pop() if floats in ({"float16"}, {"bfloat16"}) else "float32"
 
 
-def load_checkpoint(ckpt: Path, require_mla: bool = True, dtype: Any = None) -> Any:
+def load_checkpoint(ckpt: Path | str, require_mla: bool = True, dtype: Any = None) -> Any:
     """The model in ``ckpt`` (float32 unless ``dtype`` names another torch dtype, eval mode) through
     ``AutoModelForCausalLM``, after
     :func:`read_checkpoint_config`'s checks; registers the ``mla`` model type first.
@@ -116,6 +117,7 @@ def load_checkpoint(ckpt: Path, require_mla: bool = True, dtype: Any = None) -> 
 
     from mla_convert import register
 
+    ckpt = Path(ckpt)
     config = read_checkpoint_config(ckpt, require_mla)
     if require_mla and config.get("model_type") == "deepseek_v3":
         from mla_convert.export.reimport import load_export_as_mla

@@ -87,7 +87,7 @@ def test_lossless_stream_is_the_same_function(tiny_src: Path, tmp_path: Path) ->
     report = _convert(tiny_src, tmp_path / "out", **SMALL, rope_mode="per-head", rope_pairs=8, kv_lora_rank=32, dtype="float32")
     ids = torch.randint(0, 49152, (2, 40), generator=torch.Generator().manual_seed(0))
     src_model = load_source_model(open_source(tiny_src))
-    mla = load_checkpoint(tmp_path / "out")
+    mla = load_checkpoint(str(tmp_path / "out"))  # a str path, as a user of the library may pass
     with torch.no_grad():
         torch.testing.assert_close(mla(input_ids=ids).logits, src_model(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
     assert report["model"]["eval"]["kl"] < 1e-9
