@@ -252,6 +252,9 @@ def check_vllm(ckpt: Path, export: Path, python: str, custom_ops: bool = False) 
     """
     from transformers import AutoTokenizer
 
+    from mla_convert import register
+
+    register()  # the checkpoint's config type, before its tokenizer is read (else transformers warns about `mla`)
     started = time.perf_counter()
     request = build_request(AutoTokenizer.from_pretrained(str(ckpt)))
     result, log = run_vllm(python, export, request, custom_ops)
@@ -274,9 +277,11 @@ def check_plugin(ckpts: list[Path], python: str, custom_ops: bool = False) -> li
     """
     from transformers import AutoTokenizer
 
+    from mla_convert import register
     from mla_convert.mla.configuration import MLAConfig
     from mla_convert.serve.vllm_plugin import served_shape
 
+    register()  # the checkpoints' config type, before their tokenizers are read
     started = time.perf_counter()
     requests = [{**build_request(AutoTokenizer.from_pretrained(str(c))), "custom_ops": custom_ops} for c in ckpts]
     results, log = run_probes(python, "vllm_probe.py", list(zip(ckpts, requests, strict=True)), "vLLM", True)
@@ -363,6 +368,9 @@ def check_mlx(ckpt: Path, export: Path, python: str, dtype: str | None = None) -
     """
     from transformers import AutoTokenizer
 
+    from mla_convert import register
+
+    register()  # the checkpoint's config type, before its tokenizer is read (else transformers warns about `mla`)
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(str(ckpt))
     request = build_request(tokenizer, MLX_WINDOW, MLX_WINDOWS, MLX_NEW_TOKENS, dtype)

@@ -115,10 +115,12 @@ def check_llamacpp(
     """
     from transformers import AutoTokenizer
 
+    from mla_convert import register
     from mla_convert.export import engine_check
     from mla_convert.export.engine_check import PROMPTS, agreement, build_request
     from mla_convert.mla.checkpoint import load_checkpoint
 
+    register()  # the checkpoint's config type, before its tokenizer is read (else transformers warns about `mla`)
     started = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(str(ckpt))
     request = {**build_request(tok), "texts": list(PROMPTS), "n_ctx": N_CTX, "cache_type": cache_type}
