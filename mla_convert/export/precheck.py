@@ -266,8 +266,10 @@ def export_lines(src: Any, options: Any, given: Collection[str] = ()) -> list[st
             gguf_at_least = "" if blocks else "at least "
             gguf_line = ("  --export gguf (llama.cpp deepseek2): " + (
                 f"exact{steer}; K-only cache {gguf_at_least}{served:g} values/token/layer (MLA {mla:g}, source {source}"
-                + ("; per-layer ranks are padded to the largest, then to whole blocks of 32 for llama.cpp's quantized "
-                   "caches)" if gguf_at_least else ")") if not gguf else "not exact: " + gguf[0]))
+                + (("; the latent padded to whole blocks of 32 for llama.cpp's quantized caches)" if exact_row else
+                    "; per-layer ranks are padded to the largest, then to whole blocks of 32 for llama.cpp's quantized "
+                    f"caches; factor --target llama.cpp spends a {served:g}-value row as one rank and the fastest "
+                    "pairs instead)") if gguf_at_least else ")") if not gguf else "not exact: " + gguf[0]))
     lines.append(gguf_line)
     lines.append(plugin_line(src, options))
     return lines

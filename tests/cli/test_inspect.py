@@ -134,3 +134,22 @@ def test_inspect_target_shows_the_engine_shaped_conversion():
     assert res.exit_code == 2 and "serves one shared rope head; --rope-mode per-head" in res.output
     res = CliRunner().invoke(cli.app, ["inspect", "smollm2-135m", "--target", "vllm", "--rope-pairs", "33"])
     assert res.exit_code == 2 and "the rope head holds 32" in res.output
+
+
+def test_gguf_line_names_the_shape_llamacpp_serves_unpadded():
+    """The default conversion's GGUF row is only known after it (per-layer ranks padded to the largest): the line says
+    "at least" and names ``--target llama.cpp``; with that target the row is the asked size, and at a row of whole
+    blocks of 32 nothing is padded at all."""
+
+    def gguf_line(*args: str) -> str:
+        res = CliRunner().invoke(cli.app, ["inspect", "smollm2-135m", *args], env={"COLUMNS": "400"})
+        assert res.exit_code == 0, res.output
+        (line,) = [x for x in res.output.splitlines() if "--export gguf (llama.cpp" in x]
+        return line
+
+    default = gguf_line()
+    assert "at least 120 values" in default and "factor --target llama.cpp spends a 120-value row" in default
+    shaped = gguf_line("--target", "llama.cpp")
+    assert "at least 120 values" in shaped and "latent padded to whole blocks of 32" in shaped
+    assert "--target llama.cpp spends" not in shaped
+    assert "K-only cache 128 values/token/layer (MLA 128, source 384)" in gguf_line("--target", "llama.cpp", "--cache-budget", "128")
