@@ -56,6 +56,12 @@ KEEP_F32 = "attn_kv_a_mqa"
 #: Default ``cache_block``: the block of every quantized KV cache type llama.cpp takes (q8_0, q4_0, q4_1, q5_0,
 #: q5_1, iq4_nl hold 32 values a block); f16 / bf16 / f32 caches take any width.
 CACHE_BLOCK = 32
+#: The GGUF string key that carries the export's llama.cpp parity (a JSON summary of
+#: :func:`~mla_convert.export.llamacpp_check.check_llamacpp`'s record, or why it was not measured): written as
+#: :data:`PARITY_BYTES` spaces, then filled in place once the staged file has been served (:func:`fill_parity`), so
+#: the file that is renamed into place carries what was measured on it.
+PARITY_KEY = "mla_convert.parity"
+PARITY_BYTES = 2048
 
 #: DeepSeek-V3 tensor name suffix -> llama.cpp ``deepseek2`` name (``gguf.MODEL_TENSORS[DEEPSEEK2]``).
 _LAYER_NAMES = {
@@ -300,6 +306,7 @@ def write_gguf(
     if template.is_file():  # the checkpoint's own template (the source's, carried at conversion)
         writer.add_key_value("tokenizer.chat_template", template.read_text(), gguf.GGUFValueType.STRING)
     writer.add_string("mla_convert.export", json.dumps(record))
+    writer.add_string(PARITY_KEY, " " * PARITY_BYTES)  # filled by fill_parity after the check
     m = ckpt / "mla_manifest.json"
     if m.is_file():
         writer.add_string("mla_convert.parent", str(json.loads(m.read_text()).get("canonical_id")))
@@ -396,11 +403,54 @@ def export_gguf(
             finally:
                 final.unlink(missing_ok=True)
         record["parity"] = _parity(ckpt, tmp, python, say) if check else "parity not measured (--no-check)"
+        fill_parity(tmp, record["parity"])
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     return path, record
+
+
+def parity_summary(parity: dict[str, Any] | str) -> dict[str, Any]:
+    """What the GGUF's :data:`PARITY_KEY` holds: the figures of a llama.cpp parity record (engine, text, log-prob
+    differences, greedy agreement, cache row, thresholds, passed), or ``{"not_measured": why}``."""
+    if isinstance(parity, str):
+        return {"not_measured": parity}
+    g = parity["greedy"]
+    return {
+        "engine": parity["engine"],
+        "text": parity["text"],
+        "tokens_scored": parity["tokens_scored"],
+        "logprob_abs_diff": parity["logprob_abs_diff"],
+        "greedy_argmax_equal": f"{g['argmax_equal']}/{g['count']}",
+        "greedy_max_margin": g["max_margin"],
+        "kv_cache_values_per_token_per_layer": parity["kv_cache_values_per_token_per_layer"],
+        "thresholds": None if parity["quantized"] else parity["thresholds"],
+        "passed": parity["passed"],
+    }
+
+
+def fill_parity(path: Path, parity: dict[str, Any] | str) -> None:
+    """Write :func:`parity_summary` of ``parity`` into the GGUF at ``path`` in place: the value of its
+    :data:`PARITY_KEY` string (reserved as :data:`PARITY_BYTES` spaces by :func:`write_gguf`), space-padded to the same
+    length, so no offset in the file moves (llama.cpp's quantizer copies the key as it is).
+
+    Raises:
+        ExportError: the file has no reserved field, or the summary does not fit it (a bug).
+    """
+    text = json.dumps(parity_summary(parity), separators=(",", ":")).encode()
+    if len(text) > PARITY_BYTES:
+        raise ExportError(f"the parity summary is {len(text)} bytes, over the {PARITY_BYTES} reserved: a bug, please report it")
+    key = PARITY_KEY.encode()
+    # GGUF key/value: uint64 key length, key, uint32 type (8: string), uint64 string length, the string
+    marker = len(key).to_bytes(8, "little") + key + (8).to_bytes(4, "little") + PARITY_BYTES.to_bytes(8, "little")
+    with path.open("r+b") as f:
+        head = f.read(16 * 1024 * 1024)  # metadata precedes the tensors: the tokenizer's keys are a few MB at most
+        at = head.find(marker)
+        if at < 0 or head[at + len(marker) : at + len(marker) + PARITY_BYTES] != b" " * PARITY_BYTES:
+            raise ExportError(f"{path} has no reserved {PARITY_KEY} field to record the parity in: a bug, please report it")
+        f.seek(at + len(marker))
+        f.write(text.ljust(PARITY_BYTES))
 
 
 # ------------------------------------------------------------------------------------------------ llama.cpp

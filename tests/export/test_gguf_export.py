@@ -9,6 +9,7 @@ transformers runs (tests/export/test_deepseek_v3.py): the absorbed score ``(W_UK
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -88,6 +89,8 @@ def test_gguf_keys_and_tensors_read_back(tiny_ckpt, bundled_tokenizer, tmp_path)
     assert keys[a + "expert_shared_count"] == 0 and keys[a + "expert_feed_forward_length"] == 128
     assert not any(k.startswith(a + "expert_count") or k.startswith(a + "expert_used") for k in keys)
     assert len(keys["tokenizer.ggml.tokens"]) == 49152 and keys["tokenizer.ggml.model"] == "gpt2"
+    # the reserved parity field, filled in place: here with why nothing was measured
+    assert json.loads(keys["mla_convert.parity"]) == {"not_measured": "parity not measured (--no-check)"}
     assert "<|im_start|>" in keys["tokenizer.chat_template"]
     expected = {"token_embd.weight", "output_norm.weight", "output.weight"} | {
         f"blk.{i}.{n}.weight" for i in range(2) for n in ("attn_norm", "ffn_norm", "attn_q", "attn_kv_a_mqa",

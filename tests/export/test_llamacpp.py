@@ -90,7 +90,11 @@ def test_export_check_runs_llamacpp(llamacpp_python, tmp_path, monkeypatch):
     assert res.exit_code == 0, res.output + str(res.exception)
     text = " ".join(res.output.split())
     assert "GGUF (q8_0)" in text and "llama.cpp parity: log-prob mean/max |d|" in text
-    tensors = {t.name: t for t in GGUFReader(str(out)).tensors}
+    reader = GGUFReader(str(out))
+    parity = json.loads(reader.fields["mla_convert.parity"].contents())  # measured on this file, kept through the quantizer
+    assert parity["passed"] is True and parity["thresholds"] is None and "q8_0" not in parity["engine"]
+    assert parity["tokens_scored"] == 254 and 0 < parity["logprob_abs_diff"]["mean"] < 1
+    tensors = {t.name: t for t in reader.tensors}
     assert tensors["blk.0.attn_q.weight"].tensor_type == T.Q8_0
     assert tensors["blk.0.attn_kv_a_mqa.weight"].tensor_type == T.F32  # its latent rows need float32's range
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mla", "q8.gguf", "src"]
