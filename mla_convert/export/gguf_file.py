@@ -299,6 +299,7 @@ def write_gguf(
     for _key, value, method in metadata(plan, config, name):
         getattr(writer, method)(value)
     writer.add_file_type(_FILE_TYPES[dtype])
+    writer.add_string(PARITY_KEY, " " * PARITY_BYTES)  # filled by fill_parity after the check; before the vocabulary
     template = ckpt / "chat_template.jinja"
     for key, value, vtype, sub in tok:
         if key != "tokenizer.chat_template" or not template.is_file():
@@ -306,7 +307,6 @@ def write_gguf(
     if template.is_file():  # the checkpoint's own template (the source's, carried at conversion)
         writer.add_key_value("tokenizer.chat_template", template.read_text(), gguf.GGUFValueType.STRING)
     writer.add_string("mla_convert.export", json.dumps(record))
-    writer.add_string(PARITY_KEY, " " * PARITY_BYTES)  # filled by fill_parity after the check
     m = ckpt / "mla_manifest.json"
     if m.is_file():
         writer.add_string("mla_convert.parent", str(json.loads(m.read_text()).get("canonical_id")))
@@ -445,7 +445,7 @@ def fill_parity(path: Path, parity: dict[str, Any] | str) -> None:
     # GGUF key/value: uint64 key length, key, uint32 type (8: string), uint64 string length, the string
     marker = len(key).to_bytes(8, "little") + key + (8).to_bytes(4, "little") + PARITY_BYTES.to_bytes(8, "little")
     with path.open("r+b") as f:
-        head = f.read(16 * 1024 * 1024)  # metadata precedes the tensors: the tokenizer's keys are a few MB at most
+        head = f.read(1024 * 1024)  # the field precedes the vocabulary's keys (write_gguf): within the first KB
         at = head.find(marker)
         if at < 0 or head[at + len(marker) : at + len(marker) + PARITY_BYTES] != b" " * PARITY_BYTES:
             raise ExportError(f"{path} has no reserved {PARITY_KEY} field to record the parity in: a bug, please report it")

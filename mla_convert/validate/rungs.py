@@ -284,6 +284,15 @@ def _check_backend_calls(rung: Rung, log: dict[str, int], backend: str, want: in
     )
 
 
+def _inputs_error(decoded: list[torch.Tensor], full: list[torch.Tensor]) -> float:
+    """Max over layers of the rel. error between the attention inputs the decode fed each layer (prefill rows, then
+    one row per step) and a full pass's over the same tokens: a paged prefill that attends wrongly (a mask, a page)
+    shows here at every earlier position, which the cache-row check, against the decode's own inputs, cannot see."""
+    if len(decoded) != len(full):
+        return math.inf
+    return max((rel_err(a, b) if a.shape == b.shape else math.inf for a, b in zip(decoded, full, strict=True)), default=0.0)
+
+
 def recompute_folded(model: MLAForCausalLM, tokens: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
     """:func:`capture_attention_inputs` with the weights folded as ``generate`` folds them
     (:meth:`~mla_convert.mla.modeling.MLAForCausalLM.set_folding`), so the decode is compared with a full pass
@@ -323,10 +332,15 @@ def rung_decode(
     res = decode_on_kernel_device(model, prompt, new_tokens, backend, page_size)
     tokens = res.tokens[:, :-1]  # the last generated token was never fed back
     model.set_attention_path("absorbed")
-    _, logits = recompute_folded(model, tokens)
+    seen, logits = recompute_folded(model, tokens)
     full = logits[:, prompt.shape[1] - 1 :].float()
     rung.check(
         "step logits vs full recomputation, max rel. error", rel_err(res.step_logits, full), TOL_DECODE_LOGITS
+    )
+    rung.check(
+        "layer inputs of the decode (every cached position) vs full recomputation, max rel. error over layers",
+        _inputs_error(res.layer_inputs, seen),
+        TOL_DECODE_LOGITS,
     )
     with torch.no_grad():  # the inference folding generate uses vs the factored weights, same tokens
         plain = model(input_ids=tokens, use_cache=False).logits[:, prompt.shape[1] - 1 :].float()
@@ -385,11 +399,16 @@ def _decode_in_dtype(
         res = decode_on_kernel_device(model, prompt, new_tokens, ran, page_size)
         tokens = res.tokens[:, :-1]
         model.set_attention_path("absorbed")
-        _, logits = recompute_folded(model, tokens)
+        seen, logits = recompute_folded(model, tokens)
         full = logits[:, prompt.shape[1] - 1 :].float()
         rung.check(
             f"{prefix}step logits vs full recomputation in {dtype}, max rel. error",
             rel_err(res.step_logits, full),
+            tol.logits,
+        )
+        rung.check(
+            f"{prefix}layer inputs of the decode vs full recomputation in {dtype}, max rel. error over layers",
+            _inputs_error(res.layer_inputs, seen),
             tol.logits,
         )
         differing = int((res.step_logits.argmax(-1) != full.argmax(-1)).sum())

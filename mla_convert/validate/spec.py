@@ -193,14 +193,15 @@ DECODE = RungSpec(
     "the model's RoPE frequency buffers against the source's RoPE table at the recorded pair indices (and "
     "`config.json`); paged prefill (on the kernel too for the triton backend: multi-token causal queries) + "
     "greedy one-token decode steps on the chosen backend against one full "
-    "pass: step logits, greedy tokens; every cache row against `[c_kv | k_rope]` recomputed from the layer "
-    "input that wrote it (captured during the decode), `k_rope` at its absolute position with those "
-    "frequencies; committed length; decode attention calls per backend",
-    f"frequencies rel. {tol(TOL_FREQ)}; logits rel. {tol(TOL_DECODE_LOGITS)}; cache rows rel. {tol(TOL_ROWS)}; "
+    "pass: step logits, greedy tokens, every layer's input at every cached position; every cache row against "
+    "`[c_kv | k_rope]` recomputed from the layer input that wrote it (captured during the decode), `k_rope` at "
+    "its absolute position with those frequencies; committed length; decode attention calls per backend",
+    f"frequencies rel. {tol(TOL_FREQ)}; logits and layer inputs rel. {tol(TOL_DECODE_LOGITS)}; cache rows rel. "
+    f"{tol(TOL_ROWS)}; "
     "tokens, length and call counts exact",
     "the decode again with the model's weights and its paged cache in the checkpoint's dtype (RoPE "
     "frequencies stay float32), against one full pass in that dtype over the same tokens: step logits, greedy "
-    "tokens (recorded: with step logits within tolerance they can differ only at near ties), every cache "
+    "tokens (recorded: with step logits within tolerance they can differ only at near ties), layer inputs, every cache "
     "row against its recomputation from the layer input that wrote it, committed length, decode calls; on the "
     "absorbed backend where the kernel cannot run that dtype (bfloat16 in the Triton interpreter), said so; "
     "the step logits against float32 recomputation are recorded",

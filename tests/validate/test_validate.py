@@ -262,3 +262,25 @@ def test_readme_rung_table_comes_from_the_spec():
     text = (root / "docs" / "decoding.md").read_text()
     block = text.split("<!-- rungs:start -->\n", 1)[1].split("\n<!-- rungs:end -->", 1)[0]
     assert block == readme.rungs_block()
+
+
+def test_capture_layer_inputs_is_the_request_in_order(tiny_ckpt):
+    """The inputs captured during a paged prefill + decode are, per layer, ``[1, T + new - 1, hidden]``: the prefill's
+    rows equal a plain pass's over the prompt, the hooks are gone afterwards, and an error inside the block removes
+    them too."""
+    from mla_convert.mla.checkpoint import load_checkpoint
+    from mla_convert.validate.measure import capture_attention_inputs, capture_layer_inputs, generate
+
+    model = load_checkpoint(tiny_ckpt)
+    prompt = torch.randint(0, 1000, (1, 9), generator=torch.Generator().manual_seed(0))
+    with capture_layer_inputs(model) as inputs:
+        generate(model, prompt, 4, backend="absorbed", page_size=4, shuffle_pages=True)
+    hidden = model.config.hidden_size
+    assert [tuple(x.shape) for x in inputs] == [(1, 9 + 4 - 1, hidden)] * model.config.num_hidden_layers
+    plain, _ = capture_attention_inputs(model, prompt)
+    for got, want in zip(inputs, plain, strict=True):
+        torch.testing.assert_close(got[:, :9], want, rtol=1e-5, atol=1e-5)
+    assert not any(layer.self_attn._forward_pre_hooks for layer in model.model.layers)
+    with pytest.raises(RuntimeError, match="stop"), capture_layer_inputs(model):
+        raise RuntimeError("stop")
+    assert not any(layer.self_attn._forward_pre_hooks for layer in model.model.layers)
