@@ -164,14 +164,14 @@ def parity(ckpt: Path, staged: Path, tokenizer_dir: Path, dtype: torch.dtype = t
     ours = load_checkpoint(ckpt)
     ids = parity_windows(tokenizer_dir)
     own_rounding = None
+    rounded: list[torch.Tensor] = []
     if dtype != torch.float32:  # compare with the checkpoint's weights as the export's dtype holds them
         with torch.no_grad():
             before = [ours(input_ids=w[None]).logits for w in ids]
             for p in ours.parameters():  # buffers (rope_inv_freq) stay float32, as checkpoints keep them
                 p.copy_(p.to(dtype).float())
-            own_rounding = max(
-                float((ours(input_ids=w[None]).logits - b).abs().max()) for w, b in zip(ids, before, strict=True)
-            )
+            rounded = [ours(input_ids=w[None]).logits for w in ids]  # compared with the export below as well
+            own_rounding = max(float((r - b).abs().max()) for r, b in zip(rounded, before, strict=True))
             del before
     try:
         stock = AutoModelForCausalLM.from_pretrained(str(staged), dtype=torch.float32).eval()
@@ -180,8 +180,9 @@ def parity(ckpt: Path, staged: Path, tokenizer_dir: Path, dtype: torch.dtype = t
     if type(stock).__module__ != "transformers.models.deepseek_v3.modeling_deepseek_v3":
         raise ExportError(f"the export loads as {type(stock).__module__}, not transformers' DeepseekV3ForCausalLM")
     with torch.no_grad():
+        mine = rounded or [ours(input_ids=w[None]).logits for w in ids]
         diff = max(
-            float((ours(input_ids=w[None]).logits - stock(input_ids=w[None]).logits).abs().max()) for w in ids
+            float((m - stock(input_ids=w[None]).logits).abs().max()) for w, m in zip(ids, mine, strict=True)
         )
         prompt = ids[0][None, :16]
         # EOS may not end either continuation early (min_new_tokens): both are PARITY_GREEDY tokens long, so a
