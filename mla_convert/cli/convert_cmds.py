@@ -97,7 +97,9 @@ def inspect(
     if why:
         console.print(f"\nfactor with these options takes {why}", highlight=False, markup=False)
     given = [k for k in ConvertOptions.model_fields if given_on_command_line(k)]
-    lines = factor_lines(options, src, max_shard_size, max(1, len(res.rope_candidates)))
+    from mla_convert.convert.rope_split import expected_measurements
+
+    lines = factor_lines(options, src, max_shard_size, max(1, len(res.rope_candidates)), expected_measurements(res))
     estimate_lines(options, max_shard_size, lines, given)
     from mla_convert.export.precheck import export_lines
 

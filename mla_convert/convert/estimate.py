@@ -552,10 +552,12 @@ def factor_disk(options: ConvertOptions, src: Any) -> Disk:
 
 
 def factor_lines(
-    options: ConvertOptions, src: Any, max_shard_size: str | int | None = None, candidates: int = 1
+    options: ConvertOptions, src: Any, max_shard_size: str | int | None = None, candidates: int = 1,
+    measured: int | None = None,
 ) -> list[str]:
-    """Lines for ``inspect``: peak memory (its phase and largest items), disk, the time estimate (``candidates``:
-    RoPE splits measured on the source), and where this machine runs the default bfloat16 calibration emulated,
+    """Lines for ``inspect``: peak memory (its phase and largest items), disk, the time estimate (``candidates``
+    and ``measured``: RoPE pairs on the search's ladder and the splits it is expected to convert, as
+    :func:`~mla_convert.convert.estimate_time.factor_time` takes them), and where this machine runs the default bfloat16 calibration emulated,
     that note (its calibrate stage is about 4x the estimate).
 
     Raises:
@@ -570,7 +572,7 @@ def factor_lines(
     items = ", ".join(f"{k} {b / GB:.2f}" for k, b in top.largest(4))
     disk = factor_disk(options, src)
     parts = ", ".join(f"{k} {b / GB:.2f}" for k, b in sorted(disk.items, key=lambda kv: -kv[1])[:3])
-    tim = factor_time(options, src, candidates)
+    tim = factor_time(options, src, candidates, measured)
     slow = ", ".join(f"{k} {_fmt_s(v)}" for k, v in sorted(tim.stages.items(), key=lambda kv: -kv[1])[:3])
     device = resolve_device(options.device)
     gpu = device.type != "cpu"

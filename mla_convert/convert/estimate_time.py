@@ -69,11 +69,12 @@ class TimeEstimate:
         return sum(self.stages.values())
 
 
-def factor_time(options: ConvertOptions, src: Any, candidates: int = 1) -> TimeEstimate:
+def factor_time(options: ConvertOptions, src: Any, candidates: int = 1, measured: int | None = None) -> TimeEstimate:
     """Seconds of each stage of a conversion on the reference machine: FLOPs / measured throughput.
 
-    ``candidates``: RoPE splits measured on the source (:mod:`mla_convert.convert.rope_split`; 1: none): each
-    other one's plan and spectrum in pass 1, then every one's plan, factorization, held-out forward and scoring.
+    ``candidates``: RoPE pairs on the source's candidate ladder (:mod:`mla_convert.convert.rope_split`; 1: none):
+    each other one's plan and spectrum in pass 1; ``measured`` (default: ``candidates``): the splits the search
+    converts (plan, factorization, held-out forward and scoring each).
 
     Forward passes: ``2 x parameters`` per token and layer, plus ``4 T H h`` for the source attention's scores
     and values (the masked full ``T x T``), or ``2 T H (2 d_c + d_R)`` on the MLA absorbed path. Statistics,
@@ -157,7 +158,8 @@ def factor_time(options: ConvertOptions, src: Any, candidates: int = 1) -> TimeE
         refit_s = (refit_fwd + refit64 + assemble64) / (REFIT_GFLOPS * giga)
         held_s = (n_l * variants * tok["held"] * f_conv(t) + seq_fwd) / (CONVERTED_FORWARD_GFLOPS * giga)
         score_s = 2.0 * s.vocab * d * (t - 1) * s.held * variants / (SCORE_GFLOPS * giga)
-        stages["rope split"] = (candidates - 1) * plan_s + candidates * (plan_s + factor_s + refit_s + held_s + score_s)
+        runs = candidates if measured is None else measured
+        stages["rope split"] = (candidates - 1) * plan_s + runs * (plan_s + factor_s + refit_s + held_s + score_s)
     return TimeEstimate(stages)
 
 

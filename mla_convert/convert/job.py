@@ -317,7 +317,10 @@ def run_factor(
     work, done = open_work(out, job, resume)
     with frozen_heap():  # the per-layer gc.collect skips the objects made before the layers run
         try:
-            conv = StreamedConversion(src, options, texts, work, progress, rope_candidates=resolution.rope_candidates)
+            conv = StreamedConversion(
+                src, options, texts, work, progress, rope_candidates=resolution.rope_candidates,
+                rope_strategies=resolution.rope_strategies,
+            )
             if done is not None:
                 conv.state = load_torch(work / "state.pt")
             step = (done["pass"], done["layer"]) if done is not None else (1, -1)

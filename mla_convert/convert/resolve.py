@@ -13,7 +13,8 @@ them in one order, so ``ConvertOptions(cache_budget=72)`` converts as ``factor -
 3. the RoPE split and levers measured best for the budget where not given
    (:func:`~mla_convert.convert.suggest.follow_budget`: measured on another model, a prior, and said so); the
    split's pairs are then measured on the source itself among candidates around that prior
-   (:func:`~mla_convert.convert.rope_split.rope_candidates`; the conversion chooses, before converting);
+   (:func:`~mla_convert.convert.rope_split.rope_candidates`), and the rope strategy too where not given (the
+   conversion chooses, before converting);
 4. with an export asked for, a scaled-RoPE source's selection steered to the pairs one plain RoPE table holds
    (:func:`~mla_convert.export.precheck.steer_for_export`).
 
@@ -31,6 +32,7 @@ from mla_convert.convert.options import (
     OptionsError,
     SourceShape,
     cache_budget_of,
+    geometry,
     source_width,
 )
 
@@ -51,12 +53,16 @@ class Resolution:
             (:mod:`mla_convert.convert.rope_split`), ``options.rope_pairs`` (the prior) among them; empty: the
             pairs are fixed (given, an engine's row, a fixed ``kv_lora_rank``, a NoPE-width reduction, a steered
             export selection).
+        rope_strategies: the other rope strategies the conversion measures at the pairs it chose (with
+            ``rope_candidates`` only, where ``--rope-strategy`` is not given); ``options.rope_strategy`` is the
+            prior.
     """
 
     options: ConvertOptions
     why: str | None
     choices: dict[str, str] = field(default_factory=dict)
     rope_candidates: tuple[int, ...] = ()
+    rope_strategies: tuple[str, ...] = ()
 
 
 def check_sizes_given(options: ConvertOptions, given: Collection[str]) -> None:
@@ -193,14 +199,45 @@ def resolve_options(
             if getattr(options, k) != getattr(before, k):
                 choices[k] = f"--export {export} (the pairs a plain RoPE table holds for this scaled source)"
                 candidates = ()  # the steered selection is the one an export holds
+    strategies: tuple[str, ...] = ()
     if len(candidates) > 1:
         listed = ", ".join(map(str, candidates))
         choices["rope_pairs"] = (
-            f"measured on this source: the lowest held-out KL among --rope-pairs {listed} "
-            f"(the prior {options.rope_pairs}: {choices['rope_pairs']})"
+            f"measured on this source: the lowest held-out KL in a local search over --rope-pairs {listed} from "
+            f"the prior (the prior {options.rope_pairs}: {choices['rope_pairs']})"
         )
-        whys.append(f"the conversion measures --rope-pairs {listed} on this source (KL on held-out windows) and "
-                    "converts the best")
+        if "rope_strategy" not in given:
+            strategies = _other_strategies(options, src, export, target)
+        if strategies:
+            choices["rope_strategy"] = (
+                f"measured on this source at the pairs chosen: the lower held-out KL of --rope-strategy "
+                f"{', '.join((options.rope_strategy, *strategies))} (the prior {options.rope_strategy}: "
+                f"{choices['rope_strategy']})"
+            )
+        also = f" and --rope-strategy {', '.join(strategies)} at the best pairs" if strategies else ""
+        whys.append(f"the conversion measures --rope-pairs {listed} (a local search from {options.rope_pairs}){also} "
+                    "on this source (KL on held-out windows) and converts the best")
     else:
         candidates = ()
-    return Resolution(options, "; ".join(whys) if whys else None, choices, candidates)
+    return Resolution(options, "; ".join(whys) if whys else None, choices, candidates, strategies)
+
+
+#: The rope strategies a conversion measures against its prior (the ones measured best at some cache size:
+#: measured_splits.json).
+MEASURED_STRATEGIES = ("2-norm", "rotation")
+
+
+def _other_strategies(options: ConvertOptions, src: SourceShape, export: str | None, target: str) -> tuple[str, ...]:
+    """The strategies of :data:`MEASURED_STRATEGIES` other than ``options``' that keep its pairs on ``src`` (and,
+    with ``export``, that a scaled source's export holds)."""
+    from mla_convert.export.precheck import scaled_rope_problem
+
+    out = []
+    for s in MEASURED_STRATEGIES:
+        alt = options.model_copy(update={"rope_strategy": s})
+        if s == options.rope_strategy or geometry(alt, src).rope_pairs != options.rope_pairs:
+            continue
+        if export and scaled_rope_problem(src, alt, "transformers" if target == "llama.cpp" else target):
+            continue
+        out.append(s)
+    return tuple(out)

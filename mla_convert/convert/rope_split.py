@@ -1,19 +1,23 @@
-"""The RoPE split measured on the source being converted: how many RoPE pairs the cache row keeps.
+"""The RoPE split measured on the source being converted: how many RoPE pairs the cache row keeps, and which.
 
 A cache row of ``B`` values per token per layer is spent on the rope key (``R`` rope heads x ``2 r`` values) and
 the latent (the rest). Where the user does not give ``--rope-pairs``, :func:`~mla_convert.convert.resolve.
-resolve_options` starts from the split measured best on another model (``measured_splits.json``, a prior) and asks
-for candidates around it (:func:`rope_candidates`). The conversion then measures them on this source, the way the
-``o_proj`` refit is decided (docs/math.md §Partial RoPE):
+resolve_options` starts from the split and rope strategy measured best on another model (``measured_splits.json``,
+a prior) and asks for candidates around it (:func:`rope_candidates`) and for the other strategies (``2-norm``,
+``rotation``) where ``--rope-strategy`` is not given. The conversion then measures them on this source, the way
+the ``o_proj`` refit is decided (docs/math.md §Partial RoPE):
 
 1. pass 1 (:func:`candidate_spectra`): per layer, each candidate's RoPE plan and weighted K/V matrix from the same
    calibration statistics, and its singular values;
-2. between the passes (:func:`choose_rope_pairs`): per candidate the latent ranks allocated over every layer's
-   spectrum (:func:`~mla_convert.convert.factorize.allocate_ranks`); the held-out windows then run through each
-   candidate's converted layers (factored, assembled, rounded to the output dtype as written, with the
-   ``o_proj`` refit of the conversion's mode, kept where it lowers the held-out loss, as the conversion decides),
-   and the candidate with the lowest mean KL(source || converted) on them is converted. Its plans and
-   targets replace pass 1's in the work folder, so pass 2 converts it as if it had been given.
+2. between the passes (:func:`choose_rope_pairs`): per measured split the latent ranks allocated over every layer's
+   spectrum (:func:`~mla_convert.convert.factorize.allocate_ranks`); the held-out windows then run through its
+   converted layers (factored, assembled, rounded to the output dtype as written, with the ``o_proj`` refit of
+   the conversion's mode, kept where it lowers the held-out loss, as the conversion decides), scored by the mean
+   KL(source || converted). The pairs are searched locally: the prior and its neighbours on the candidate ladder,
+   then one step further while the best is at the edge of what was measured (the KL falls, then rises, over the
+   pairs: rope values are taken from the latent); each other strategy is then measured at the best pairs. The
+   split with the lowest KL is converted: its plans and targets replace pass 1's in the work folder, so pass 2
+   converts it as if it had been given.
 
 The held-out windows are calibration-split text the statistics never saw; the evaluation windows never choose.
 """
@@ -35,6 +39,7 @@ from mla_convert.convert.workdir import load_torch, save_torch
 from mla_convert.metrics import head_scores
 
 if TYPE_CHECKING:
+    from mla_convert.convert.resolve import Resolution
     from mla_convert.convert.stream import StreamedConversion
 
 #: Candidate RoPE pairs as multiples of the prior's: half of it to one and a half times it.
@@ -67,6 +72,16 @@ def rope_candidates(options: ConvertOptions, src: SourceShape, budget: float) ->
     return tuple(sorted(out))
 
 
+def expected_measurements(res: Resolution) -> int:
+    """The splits a conversion with ``res`` is expected to convert on the held-out windows: the prior and its
+    neighbours on the ladder, and each other strategy (a local search that walks on measures more)."""
+    ladder = res.rope_candidates
+    if len(ladder) < 2:
+        return 1
+    at = ladder.index(res.options.rope_pairs)
+    return len(ladder[max(0, at - 1): at + 2]) + len(res.rope_strategies)
+
+
 def _latent_fits(geo: Geometry, budget: float) -> bool:
     """Whether ``budget`` leaves every layer at least one latent value after the rope key."""
     return geo.latent_total(budget) >= geo.num_layers
@@ -83,8 +98,15 @@ def candidate_spectra(conv: StreamedConversion, weights: dict[str, torch.Tensor]
         split["spectra"].setdefault(r, []).append(spectrum(target))
 
 
-def _with_pairs(options: ConvertOptions, pairs: int) -> ConvertOptions:
-    return options.model_copy(update={"rope_pairs": pairs})
+def _with_pairs(options: ConvertOptions, pairs: int, strategy: str | None = None) -> ConvertOptions:
+    update: dict[str, Any] = {"rope_pairs": pairs}
+    if strategy is not None:
+        update["rope_strategy"] = strategy
+    return options.model_copy(update=update)
+
+
+#: One measured split: (RoPE pairs, rope strategy).
+Key = tuple[int, str]
 
 
 def _stats(p1: dict[str, Any]) -> LayerStats:
@@ -93,77 +115,143 @@ def _stats(p1: dict[str, Any]) -> LayerStats:
     return LayerStats(p1["target"].xx, p1["x_mean"], q_norm, k_norm, int(p1["tokens"]))
 
 
+class _Search:
+    """The measurements of one search: per split its allocated ranks, held-out KL and loss (of the variant the
+    conversion keeps) and whether the ``o_proj`` refit was kept."""
+
+    def __init__(self, conv: StreamedConversion, spectra: dict[Key, list[torch.Tensor]]) -> None:
+        self.conv, self.spectra = conv, spectra
+        self.kl: dict[Key, float] = {}
+        self.loss: dict[Key, float] = {}
+        self.refit: dict[Key, bool] = {}
+
+    def ranks(self, key: Key) -> list[int] | None:
+        """The latent ranks allocated over every layer's spectrum for ``key``; None where the budget cannot hold
+        that split's latent (not a candidate)."""
+        opts = _with_pairs(self.conv.options, *key)
+        try:
+            return layer_ranks(opts, self.spectra[key], geometry(opts, self.conv.src))
+        except FactorError:
+            return None
+
+    def add_spectra(self, key: Key, stage: str) -> None:
+        """``key``'s per-layer singular values from pass 1's statistics (one pass over the layers)."""
+        conv, opts = self.conv, _with_pairs(self.conv.options, *key)
+        out = []
+        for i in range(conv.n_layers):
+            weights = conv._attention(i, conv._source_tensors(i))
+            _, target = plan_and_target(conv.src, opts, weights, _stats(load_torch(conv._layer_file(i, "p1.pt"))))
+            out.append(spectrum(target))
+            conv.src.release()
+            conv.progress(stage, 1, conv.n_layers)
+        self.spectra[key] = out
+
+    def measure(self, keys: list[Key], stage: str) -> None:
+        """Convert every split in ``keys`` layer by layer on the held-out windows and score it (one pass over the
+        layers for all of them)."""
+        conv, src = self.conv, self.conv.src
+        runs = {k: _Candidate(conv, _with_pairs(conv.options, *k), rk) for k in keys if (rk := self.ranks(k))}
+        steps = conv.n_layers + len(runs)
+        for i in range(conv.n_layers):
+            p1 = load_torch(conv._layer_file(i, "p1.pt"))
+            source = conv._source_tensors(i)
+            weights = conv._attention(i, source)
+            stats = _stats(p1)
+            for run in runs.values():
+                run.layer(i, p1, source, weights, stats)
+            src.release()
+            conv.progress(stage, 1, steps)
+        head, src_norm, mla_norm = conv._head()
+        ref = (conv.state["streams"]["src_held"], src_norm, head)
+        for k, run in runs.items():
+            scored = {
+                name: head_scores(hidden, conv.texts.held, mla_norm, head, ref, head_dtype=conv.dtype)
+                for name, hidden in run.variants().items()
+            }
+            means = {name: sum(w) / len(w) for name, (_, w) in scored.items()}
+            # the variant the conversion keeps (StreamedConversion.decide_refit): the refit where it lowers the loss
+            kept = "fit" if "fit" in means and means["fit"] < means["plain"] else "plain"
+            self.kl[k], self.loss[k] = float(scored[kept][0].kl or 0.0), means[kept]
+            self.refit[k] = kept == "fit"
+            conv.progress(stage, 1, steps)
+
+
+def _next_pairs(ladder: list[int], measured: dict[int, float]) -> list[int]:
+    """The candidates beside the best measured one not measured yet (empty: the best is a local minimum)."""
+    best = ladder.index(min(measured, key=lambda r: measured[r]))
+    return [ladder[j] for j in (best - 1, best + 1) if 0 <= j < len(ladder) and ladder[j] not in measured]
+
+
 @torch.no_grad()
 def choose_rope_pairs(conv: StreamedConversion) -> dict[str, Any] | None:
-    """Measure every candidate on the held-out windows, convert the best (module docstring).
+    """Measure candidates on the held-out windows, convert the best (module docstring).
 
-    Updates ``conv.options.rope_pairs``, the work folder's plans and targets and ``conv.state`` (spectra, NoPE
-    widths) to the chosen candidate; recorded in ``conv.state["rope_split"]["result"]`` so a resumed conversion
-    does not measure again.
+    The pairs: the prior and its neighbours on the candidate ladder first, then one step at a time towards the
+    lower KL while the best is at the edge of what was measured (the KL over the pairs falls, then rises: a
+    budget spent on rope values is taken from the latent). The rope strategy (``conv.rope_strategies``, when the
+    user did not give one): each alternative at the pairs chosen. Updates ``conv.options`` (``rope_pairs``,
+    ``rope_strategy``), the work folder's plans and targets and ``conv.state`` (spectra, NoPE widths) to the
+    chosen split; recorded in ``conv.state["rope_split"]["result"]`` so a resumed conversion does not measure
+    again.
 
     Returns:
         ``{"candidates": [...], "prior": r, "chosen": r, "kl": {r: nats}, "loss": {r: nats}, "refit": {r: kept},
-        "tokens": n, "seconds": s}`` (KL and loss per held-out token of the variant kept), or None when there was nothing to choose (no
-        candidates, or no held-out windows).
+        "strategy": {"prior": s, "chosen": s, "kl": {s: nats}, "loss": ..., "refit": ...} or None, "tokens": n,
+        "seconds": s}`` (KL and loss per held-out token of the variant kept; ``kl`` over the pairs measured at the
+        prior strategy), or None when there was nothing to choose (no candidates, or no held-out windows).
     """
     st = conv.state
     split = st.get("rope_split")
     if split is None or not conv.texts.held.numel():
         return None
     if "result" in split:
-        conv.options = _with_pairs(conv.options, split["result"]["chosen"])
-        return dict(split["result"])
+        result = split["result"]
+        strategy = (result.get("strategy") or {}).get("chosen")
+        conv.options = _with_pairs(conv.options, result["chosen"], strategy)
+        return dict(result)
     t0 = time.perf_counter()
-    src, prior = conv.src, conv.options.rope_pairs
-    spectra = {prior: st["spectra"], **split["spectra"]}
-    ranks: dict[int, list[int]] = {}
-    for r in conv.rope_candidates:
-        opts = _with_pairs(conv.options, r)
-        try:
-            ranks[r] = layer_ranks(opts, spectra[r], geometry(opts, src))
-        except FactorError:  # the budget cannot hold this split's latent: not a candidate
-            continue
-    runs = {r: _Candidate(conv, r, rk) for r, rk in ranks.items()}
-    steps = conv.n_layers + len(runs)  # every layer's candidates, then each candidate scored through the head
-    for i in range(conv.n_layers):
-        p1 = load_torch(conv._layer_file(i, "p1.pt"))
-        source = conv._source_tensors(i)
-        weights = conv._attention(i, source)
-        stats = _stats(p1)
-        for run in runs.values():
-            run.layer(i, p1, source, weights, stats)
-        src.release()
-        conv.progress("rope split", 1, steps)
-    head, src_norm, mla_norm = conv._head()
-    kl: dict[int, float] = {}
-    loss: dict[int, float] = {}
-    refit: dict[int, bool] = {}
-    ref = (st["streams"]["src_held"], src_norm, head)
-    for r, run in runs.items():
-        scored = {
-            name: head_scores(hidden, conv.texts.held, mla_norm, head, ref, head_dtype=conv.dtype)
-            for name, hidden in run.variants().items()
-        }
-        means = {name: sum(w) / len(w) for name, (_, w) in scored.items()}
-        # the variant the conversion keeps (StreamedConversion.decide_refit): the refit where it lowers the loss
-        kept = "fit" if "fit" in means and means["fit"] < means["plain"] else "plain"
-        kl[r], loss[r], refit[r] = float(scored[kept][0].kl or 0.0), means[kept], kept == "fit"
-        conv.progress("rope split", 1, steps)
-    chosen = min(kl, key=lambda r: (kl[r], r != prior))
-    if chosen != prior:
-        _replace_plans(conv, chosen, spectra[chosen])
+    prior, prior_strategy = conv.options.rope_pairs, conv.options.rope_strategy
+    search = _Search(conv, {(prior, prior_strategy): st["spectra"]}
+                     | {(r, prior_strategy): s for r, s in split["spectra"].items()})  # fmt: skip
+    ladder = [r for r in conv.rope_candidates if search.ranks((r, prior_strategy)) is not None]
+    if prior not in ladder:  # the prior always fits (resolve checked it); kept for a safe index
+        ladder = sorted({*ladder, prior})
+    at = ladder.index(prior)
+    search.measure([(r, prior_strategy) for r in ladder[max(0, at - 1): at + 2]], "rope split")
+    pairs_kl = {r: v for (r, s), v in search.kl.items() if s == prior_strategy}
+    while step := _next_pairs(ladder, pairs_kl):
+        search.measure([(r, prior_strategy) for r in step], f"rope split: {step[0]} pairs")
+        pairs_kl = {r: v for (r, s), v in search.kl.items() if s == prior_strategy}
+    best = min(pairs_kl, key=lambda r: (pairs_kl[r], r != prior))
+    strategies = [s for s in conv.rope_strategies
+                  if geometry(_with_pairs(conv.options, best, s), conv.src).rope_pairs == best]  # fmt: skip
+    for s in strategies:
+        search.add_spectra((best, s), f"rope strategy: {s} spectra")
+        search.measure([(best, s)], f"rope strategy: {s}")
+    at_best = {s: search.kl[(best, s)] for s in [prior_strategy, *strategies] if (best, s) in search.kl}
+    strategy = min(at_best, key=lambda s: (at_best[s], s != prior_strategy))
+    chosen = (best, strategy)
+    if chosen != (prior, prior_strategy):
+        _replace_plans(conv, chosen, search.spectra[chosen])
     result = {
-        "candidates": sorted(ranks),
+        "candidates": ladder,
         "prior": prior,
-        "chosen": chosen,
-        "kl": kl,
-        "loss": loss,
-        "refit": refit,
+        "chosen": best,
+        "kl": pairs_kl,
+        "loss": {r: v for (r, s), v in search.loss.items() if s == prior_strategy},
+        "refit": {r: v for (r, s), v in search.refit.items() if s == prior_strategy},
+        "strategy": {
+            "prior": prior_strategy,
+            "chosen": strategy,
+            "kl": at_best,
+            "loss": {s: search.loss[(best, s)] for s in at_best},
+            "refit": {s: search.refit[(best, s)] for s in at_best},
+        } if strategies else None,
         "tokens": int(conv.texts.held[:, 1:].numel()),
         "seconds": time.perf_counter() - t0,
     }
     split["result"] = result
-    conv.options = _with_pairs(conv.options, chosen)
+    conv.options = _with_pairs(conv.options, best, strategy)
     return dict(result)
 
 
@@ -173,9 +261,8 @@ class _Candidate:
     source's kept calibration inputs; sequential: on its own refit windows carried through its converted layers)
     and both variants' held-out streams (``plain``; ``fit`` when a refit is in play)."""
 
-    def __init__(self, conv: StreamedConversion, pairs: int, ranks: list[int]) -> None:
-        self.conv, self.ranks = conv, ranks
-        self.options = _with_pairs(conv.options, pairs)
+    def __init__(self, conv: StreamedConversion, options: ConvertOptions, ranks: list[int]) -> None:
+        self.conv, self.ranks, self.options = conv, ranks, options
         streams = conv.state["streams"]
         self.plain = streams["mla_held"].clone()
         self.fit = self.plain.clone() if conv.refit else None
@@ -224,9 +311,9 @@ class _Candidate:
         return {"plain": self.plain, "fit": self.fit}
 
 
-def _replace_plans(conv: StreamedConversion, pairs: int, spectra: list[torch.Tensor]) -> None:
-    """The chosen candidate's plans and weighted K/V matrices in the work folder (pass 2 reads them)."""
-    opts = _with_pairs(conv.options, pairs)
+def _replace_plans(conv: StreamedConversion, key: Key, spectra: list[torch.Tensor]) -> None:
+    """The chosen split's plans and weighted K/V matrices in the work folder (pass 2 reads them)."""
+    opts = _with_pairs(conv.options, *key)
     d_nope = []
     for i in range(conv.n_layers):
         p1 = load_torch(conv._layer_file(i, "p1.pt"))
@@ -253,6 +340,13 @@ def split_record(split: dict[str, Any] | None) -> dict[str, Any] | None:
         "kl_nats_per_token": {str(r): round(v, 5) for r, v in sorted(split["kl"].items())},
         "loss_nats_per_token": {str(r): round(v, 5) for r, v in sorted(split["loss"].items())},
         "o_proj_refit_kept": {str(r): v for r, v in sorted(split["refit"].items())},
+        "strategy": None if not split.get("strategy") else {
+            "prior": split["strategy"]["prior"],
+            "chosen": split["strategy"]["chosen"],
+            "kl_nats_per_token": {k: round(v, 5) for k, v in split["strategy"]["kl"].items()},
+            "loss_nats_per_token": {k: round(v, 5) for k, v in split["strategy"]["loss"].items()},
+            "o_proj_refit_kept": dict(split["strategy"]["refit"]),
+        },
         "measured_on": f"{split['tokens']} held-out calibration-split tokens, each candidate with the o_proj "
         "refit where it lowers their loss (as the conversion keeps it)",
         "seconds": round(split["seconds"], 1),
@@ -261,7 +355,8 @@ def split_record(split: dict[str, Any] | None) -> dict[str, Any] | None:
 
 def outcome(record: dict[str, Any]) -> str:
     """The measured split in one sentence (``record``: :func:`split_record`'s), saying when the best is the smallest
-    or largest candidate tried (the best may then lie beyond: ``--rope-pairs`` tries it)."""
+    or largest candidate (the best may then lie beyond: ``--rope-pairs`` tries it), and the rope strategy measured
+    at the chosen pairs, where one was."""
     kl = record["kl_nats_per_token"]
     kls = ", ".join(f"{r}: {v:.4f}" for r, v in kl.items())
     chosen, cands = record["chosen"], record["candidates"]
@@ -270,8 +365,14 @@ def outcome(record: dict[str, Any]) -> str:
         side = "fewer" if chosen == cands[0] else "more"
         edge = (f"; the {'smallest' if side == 'fewer' else 'largest'} candidate tried: {side} pairs may do better "
                 "still, --rope-pairs tries them")
-    return (f"--rope-pairs {chosen} measured best on this source (KL nats/token on the held-out windows: {kls}; "
+    said = (f"--rope-pairs {chosen} measured best on this source (KL nats/token on the held-out windows: {kls}; "
             f"the prior was {record['prior']}{edge})")
+    strategy = record.get("strategy")
+    if strategy:
+        kls = ", ".join(f"{k}: {v:.4f}" for k, v in strategy["kl_nats_per_token"].items())
+        said += (f"; --rope-strategy {strategy['chosen']} measured best at {chosen} pairs ({kls}; the prior was "
+                 f"{strategy['prior']})")
+    return said
 
 
 def split_sentence(split: dict[str, Any] | None, why: str | None) -> str | None:

@@ -82,6 +82,7 @@ class StreamedConversion:
         rope_candidates: RoPE pairs to measure on this source (:mod:`mla_convert.convert.rope_split`; the first
             pass records their spectra, :func:`~mla_convert.convert.rope_split.choose_rope_pairs` picks one);
             empty: ``options.rope_pairs`` as given.
+        rope_strategies: the other rope strategies to measure at the pairs chosen (with ``rope_candidates``).
     """
 
     def __init__(
@@ -95,11 +96,13 @@ class StreamedConversion:
         trim: bool = True,
         resumable: bool = True,
         rope_candidates: tuple[int, ...] = (),
+        rope_strategies: tuple[str, ...] = (),
     ) -> None:
         self.src = src
         self.trim = trim
         self.resumable = resumable
         self.rope_candidates = rope_candidates if len(rope_candidates) > 1 else ()
+        self.rope_strategies = rope_strategies if self.rope_candidates else ()
         self.options = options
         self.texts = texts
         self.work = work

@@ -55,10 +55,14 @@ def test_the_library_converts_as_the_command_line():
     cli = resolve_options(ConvertOptions.model_validate({"cache_budget": 72}), SMOLLM2, given={"cache_budget"})
     assert lib.options == cli.options
     assert (lib.options.rope_pairs, lib.options.refit_o_proj, lib.options.cache_fraction) == (16, "sequential", None)
-    assert lib.choices["rope_pairs"].startswith("measured on this source: the lowest held-out KL among --rope-pairs ")
+    assert lib.choices["rope_pairs"].startswith("measured on this source: the lowest held-out KL in a local search over "
+                                                "--rope-pairs ")
     assert "(the prior 16: measured best for the budget on another model" in lib.choices["rope_pairs"]
     assert lib.rope_candidates == cli.rope_candidates == (8, 12, 16, 20, 24)
-    assert lib.choices["refit_o_proj"].startswith("measured best") and lib.choices["rope_strategy"] == "default"
+    assert lib.choices["refit_o_proj"].startswith("measured best")
+    assert lib.rope_strategies == ("rotation",)  # the strategy is not given: the other one is measured too
+    assert lib.choices["rope_strategy"].startswith("measured on this source at the pairs chosen: the lower held-out KL "
+                                                   "of --rope-strategy 2-norm, rotation (the prior 2-norm: default)")
     # resolving resolved options changes nothing (run_factor may be handed either)
     assert resolve_options(lib.options, SMOLLM2, given={"cache_budget"}).options == lib.options
 
@@ -165,7 +169,7 @@ def test_user_shapes_convert_at_the_default_fraction(tmp_path, name):
     manifest = json.loads((out / "mla_manifest.json").read_text())
     assert manifest["options"]["cache_budget"] == 0.3125 * width and manifest["options"]["cache_fraction"] == 0.3125
     assert manifest["choices"]["cache_budget"] == f"--cache-fraction 0.3125 (default) of the source's {width} values"
-    assert manifest["choices"]["rope_pairs"].startswith("measured on this source: the lowest held-out KL among")
+    assert manifest["choices"]["rope_pairs"].startswith("measured on this source: the lowest held-out KL in a local")
     split = report["run"]["rope_split"]  # measured on this source: the prior among the candidates, the best kept
     assert split["prior"] in split["candidates"] and manifest["options"]["rope_pairs"] == split["chosen"]
     kl = split["kl_nats_per_token"]

@@ -18,7 +18,7 @@ from test_stream import _convert  # run_factor with the options split from the r
 from mla_convert.convert.job import prepare_text
 from mla_convert.convert.options import ConvertOptions
 from mla_convert.convert.resolve import resolve_options
-from mla_convert.convert.rope_split import outcome
+from mla_convert.convert.rope_split import expected_measurements, outcome
 from mla_convert.convert.workdir import work_dir
 from mla_convert.metrics import evaluate
 from mla_convert.mla.checkpoint import load_checkpoint
@@ -44,9 +44,15 @@ def test_candidates_surround_the_prior(src, candidates):
     assert res.rope_candidates == candidates
     assert res.options.rope_pairs in candidates
     assert res.choices["rope_pairs"].startswith(
-        f"measured on this source: the lowest held-out KL among --rope-pairs {', '.join(map(str, candidates))}"
+        "measured on this source: the lowest held-out KL in a local search over --rope-pairs "
+        f"{', '.join(map(str, candidates))} from the prior"
     )
     assert "measured_splits.json" in res.choices["rope_pairs"]  # the prior says where it came from
+    # the strategy is not given either: the other measured one is tried at the pairs chosen
+    assert res.options.rope_strategy == "2-norm" and res.rope_strategies == ("rotation",)
+    assert res.choices["rope_strategy"].startswith("measured on this source at the pairs chosen")
+    around = {24: 3, 64: 2, 32: 2}[res.options.rope_pairs]  # the prior and its neighbours (the prior at the edge: one)
+    assert expected_measurements(res) == around + 1  # then the other strategy
 
 
 @pytest.mark.parametrize(
@@ -60,36 +66,71 @@ def test_candidates_surround_the_prior(src, candidates):
 )
 def test_nothing_is_measured_where_the_pairs_are_fixed(options, given, target):
     res = resolve_options(options, SMOLLM2, target, given)
-    assert res.rope_candidates == ()
+    assert res.rope_candidates == () and res.rope_strategies == ()
     assert not res.choices["rope_pairs"].startswith("measured on this source")
+    assert not res.choices["rope_strategy"].startswith("measured on this source")
+
+
+def test_a_given_strategy_is_not_measured():
+    res = resolve_options(ConvertOptions(rope_strategy="rotation"), SMOLLM2, given={"rope_strategy"})
+    assert res.rope_candidates and res.rope_strategies == ()
+    assert res.choices["rope_strategy"] == "given"
+
+
+def _written_kl(src_dir: Path, out: Path) -> float:
+    """The oracle: the written checkpoint's KL on the held-out windows, read back and run whole."""
+    from transformers import AutoTokenizer
+
+    src = open_source(src_dir)
+    text = prepare_text(AutoTokenizer.from_pretrained(str(src.path)), ConvertOptions(**SMALL))
+    return evaluate(load_checkpoint(out), text.held_out, load_source_model(src)).kl
 
 
 @pytest.mark.parametrize("refit", ["none", "teacher", "sequential"])
 def test_the_measured_split_converts_as_if_given(tiny_src: Path, tmp_path: Path, refit: str) -> None:
-    """The search picks one candidate by held-out KL; ``--rope-pairs`` that candidate gives the same weights bit for
-    bit, and the search's KL of it (with the refit where the conversion keeps it) is the KL of the written model on
-    the held-out windows."""
+    """The search picks one split by held-out KL; ``--rope-pairs`` and ``--rope-strategy`` of that split give the
+    same weights bit for bit, and the search's KL of it (with the refit where the conversion keeps it) is the KL
+    of the written model on the held-out windows. The pairs are a local minimum of what was measured: the prior
+    and its neighbours first, then further only while the best is at the edge."""
     report = _convert(tiny_src, tmp_path / "out", **SMALL, refit_o_proj=refit)
     split = report["run"]["rope_split"]
     assert split["candidates"] == [2, 3, 4, 5, 6] and split["prior"] == 4
     chosen = split["chosen"]
     kl = {int(r): v for r, v in split["kl_nats_per_token"].items()}
-    assert chosen == min(kl, key=lambda r: kl[r]) and len(set(kl.values())) == len(kl)  # measured, not equal
-    assert report["options"]["rope_pairs"] == chosen
+    assert {3, 4, 5} <= set(kl) and len(set(kl.values())) == len(kl)  # measured, not equal
+    assert chosen == min(kl, key=lambda r: kl[r])
+    ladder = split["candidates"]
+    at = ladder.index(chosen)
+    assert all(ladder[j] in kl for j in (at - 1, at + 1) if 0 <= j < len(ladder))  # a local minimum
+    strategy = split["strategy"]
+    assert strategy["prior"] == "2-norm" and set(strategy["kl_nats_per_token"]) == {"2-norm", "rotation"}
+    assert strategy["kl_nats_per_token"]["2-norm"] == split["kl_nats_per_token"][str(chosen)]
+    picked = strategy["chosen"]
+    assert picked == min(strategy["kl_nats_per_token"], key=lambda k: strategy["kl_nats_per_token"][k])
+    assert report["options"]["rope_pairs"] == chosen and report["options"]["rope_strategy"] == picked
     assert all(len(layer["rope_pairs"][0]) == chosen for layer in report["layers"])
     assert f"--rope-pairs {chosen} measured best on this source" in report["run"]["rope_pairs_chosen_by"]
-    given = _convert(tiny_src, tmp_path / "given", **SMALL, refit_o_proj=refit, rope_pairs=chosen)
+    assert f"--rope-strategy {picked} measured best at {chosen} pairs" in report["run"]["rope_pairs_chosen_by"]
+    given = _convert(tiny_src, tmp_path / "given", **SMALL, refit_o_proj=refit, rope_pairs=chosen,
+                     rope_strategy=picked)  # fmt: skip
     kept = (report["model"]["o_proj_refit"] or {}).get("kept", False)
-    assert split["o_proj_refit_kept"][str(chosen)] == kept
+    assert strategy["o_proj_refit_kept"][picked] == kept
     assert given["run"]["rope_split"] is None
     assert _digest(tmp_path / "out") == _digest(tmp_path / "given")
-    # the oracle: the written checkpoint's KL on the held-out windows, read back and run whole
-    src = open_source(tiny_src)
-    from transformers import AutoTokenizer
+    assert strategy["kl_nats_per_token"][picked] == pytest.approx(_written_kl(tiny_src, tmp_path / "out"),
+                                                                  rel=1e-3, abs=1e-5)  # fmt: skip
 
-    text = prepare_text(AutoTokenizer.from_pretrained(str(src.path)), ConvertOptions(**SMALL))
-    full = evaluate(load_checkpoint(tmp_path / "out"), text.held_out, load_source_model(src))
-    assert kl[chosen] == pytest.approx(full.kl, rel=1e-3, abs=1e-5)
+
+def test_the_strategy_not_chosen_was_measured_as_converted(tiny_src: Path, tmp_path: Path) -> None:
+    """The oracle for the strategy the search did not keep: converting the chosen pairs with it, given, writes a
+    checkpoint whose held-out KL is the one the search recorded for it (so the comparison was a fair one)."""
+    report = _convert(tiny_src, tmp_path / "out", **SMALL)
+    split = report["run"]["rope_split"]
+    kls = split["strategy"]["kl_nats_per_token"]
+    other = next(s for s in kls if s != split["strategy"]["chosen"])
+    given = tmp_path / "other"
+    _convert(tiny_src, given, **SMALL, rope_pairs=split["chosen"], rope_strategy=other)
+    assert kls[other] == pytest.approx(_written_kl(tiny_src, given), rel=1e-3, abs=1e-5)
 
 
 class Stop(Exception):
@@ -115,6 +156,7 @@ def test_resume_keeps_the_measured_split(tiny_src: Path, tmp_path: Path, stage: 
     report = _convert(tiny_src, out, **SMALL, resume=True)
     assert report["run"]["rope_split"]["chosen"] == whole["run"]["rope_split"]["chosen"]
     assert report["run"]["rope_split"]["kl_nats_per_token"] == whole["run"]["rope_split"]["kl_nats_per_token"]
+    assert report["run"]["rope_split"]["strategy"] == whole["run"]["rope_split"]["strategy"]
     assert _digest(out) == _digest(tmp_path / "whole")
 
 
@@ -131,15 +173,22 @@ def test_the_outcome_says_when_the_best_is_at_the_edge():
 
 
 def test_progress_counts_every_step_of_the_search(tiny_src: Path, tmp_path: Path) -> None:
-    """The "rope split" stage ends when the search does: each layer, then each candidate scored through the head
-    (a bar that said "done" before the scoring under-reported the search's time)."""
-    seen: list[tuple[int, int]] = []
+    """Each stage of the search ends when its work does: per measurement round each layer, then each split scored
+    through the head (a bar that said "done" before the scoring under-reported the search's time); the other
+    strategy's spectra are a pass over the layers of their own."""
+    seen: dict[str, list[tuple[int, int]]] = {}
 
     def record(name: str, n: int, total: int) -> None:
-        if name == "rope split":
-            seen.append((n, total))
+        if name.startswith("rope "):
+            seen.setdefault(name, []).append((n, total))
 
     report = _convert(tiny_src, tmp_path / "out", **SMALL, progress=record)
-    steps = 3 + len(report["run"]["rope_split"]["candidates"])  # 3 layers
-    assert {total for _, total in seen} == {steps}
-    assert sum(n for n, _ in seen) == steps
+    split = report["run"]["rope_split"]
+    for name, steps in seen.items():
+        (total,) = {t for _, t in steps}
+        assert sum(n for n, _ in steps) == total, name
+    assert seen["rope split"][0][1] == 3 + 3  # 3 layers, then the prior and its two neighbours
+    assert seen["rope strategy: rotation spectra"][0][1] == 3
+    assert seen["rope strategy: rotation"][0][1] == 3 + 1
+    more = [n for n in seen if n.startswith("rope split: ")]
+    assert len(split["kl_nats_per_token"]) == 3 + len(more)
