@@ -99,7 +99,9 @@ def inspect(
     given = [k for k in ConvertOptions.model_fields if given_on_command_line(k)]
     from mla_convert.convert.rope_split import expected_measurements
 
-    lines = factor_lines(options, src, max_shard_size, max(1, len(res.rope_candidates)), expected_measurements(res))
+    lines = factor_lines(
+        options, src, max_shard_size, max(1, len(res.rope_candidates)), expected_measurements(res), res.refit_modes
+    )
     estimate_lines(options, max_shard_size, lines, given)
     from mla_convert.export.precheck import export_lines
 

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,6 +125,8 @@ class FactorShape:
     probe: int  # P tokens
     refit: bool
     sequential: bool  # the refit fits on the converted model's own inputs (its windows travel through pass 2)
+    teacher_inputs: bool  # pass 1 keeps the source's refit inputs (a teacher refit, or one the search measures)
+    refit_windows: bool  # pass 1 starts the refit windows' converted stream (a sequential refit, or measured)
     objective: str
     budget: bool  # ranks allocated from every layer's spectrum
     rows: int  # r, rows of the weighted K/V matrix
@@ -189,8 +192,10 @@ def output_dtype(options: ConvertOptions, src: Any) -> Any:
     return resolve_dtype(options.dtype, src)
 
 
-def factor_shape(options: ConvertOptions, src: Any) -> FactorShape:
-    """The sizes of a conversion of ``src`` with ``options`` (config and headers only).
+def factor_shape(options: ConvertOptions, src: Any, refit_modes: Collection[str] = ()) -> FactorShape:
+    """The sizes of a conversion of ``src`` with ``options`` (config and headers only); ``refit_modes``: the other
+    ``o_proj`` refit modes its search measures (:attr:`~mla_convert.convert.resolve.Resolution.refit_modes`),
+    whose inputs pass 1 keeps too.
 
     ``src`` is a :class:`~mla_convert.sources.checkpoint.SourceModel` or anything with its ``num_layers``,
     ``num_heads``, ``num_kv_heads``, ``head_dim``, ``hidden_size``, ``config``, ``weight_map``, ``shape(name)``,
@@ -254,6 +259,8 @@ def factor_shape(options: ConvertOptions, src: Any) -> FactorShape:
         probe=min(PROBE_TOKENS, options.window),
         refit=options.refit_o_proj != "none",
         sequential=options.refit_o_proj == "sequential",
+        teacher_inputs="teacher" in {options.refit_o_proj, *refit_modes},
+        refit_windows="sequential" in {options.refit_o_proj, *refit_modes},
         objective=options.objective,
         budget=options.kv_lora_rank is None,
         rows=geo.nope_width + g * hd,
@@ -309,9 +316,11 @@ def _chunk_bytes(s: FactorShape, windows: int) -> float:
     return float(per_window * _chunk_windows(s, windows))
 
 
-def factor_phases(options: ConvertOptions, src: Any, max_shard_size: str | int | None = None) -> list[Phase]:
+def factor_phases(
+    options: ConvertOptions, src: Any, max_shard_size: str | int | None = None, refit_modes: Collection[str] = ()
+) -> list[Phase]:
     """The phases of ``mla-convert factor`` (:func:`~mla_convert.convert.job.run_factor`, CPU) in bytes; the
-    module docstring lists what each holds.
+    module docstring lists what each holds (``refit_modes``: as :func:`factor_shape` takes them).
 
     Raises:
         ValueError: a ``max_shard_size`` huggingface_hub cannot read.
@@ -320,7 +329,7 @@ def factor_phases(options: ConvertOptions, src: Any, max_shard_size: str | int |
     from mla_convert.convert.job import SAMPLE_MAX_BYTES
     from mla_convert.metrics import head_scores
 
-    s = factor_shape(options, src)
+    s = factor_shape(options, src, refit_modes)
     shard_max = parse_size(max_shard_size if max_shard_size is not None else DEFAULT_MAX_SHARD_SIZE)
     d, t, n, m, e = s.hidden, s.window, s.calib, s.held, s.evaluation
     tok = s.tokens
@@ -330,7 +339,7 @@ def factor_phases(options: ConvertOptions, src: Any, max_shard_size: str | int |
     base: tuple[tuple[str, float], ...] = (("runtime", RUNTIME_BYTES),)
     if s.gguf_bytes:
         base += (("mapped GGUF file", float(s.gguf_bytes)),)
-    seq = tok["calib"] if s.sequential else 0  # the sequential refit's windows, converted (a float32 stream)
+    seq = tok["calib"] if s.refit_windows else 0  # the sequential refit's windows, converted (a float32 stream)
     streams1 = row * (tok["calib"] + 2 * (tok["held"] + tok["eval"] + tok["probe"]) + seq)
     streams2 = row * (2 * tok["eval"] + tok["held"] * (2 if s.refit else 1) + tok["probe"] + seq)
     pass1 = base + (("streams (source and converted)", streams1),)
@@ -516,13 +525,13 @@ class Disk:
 def _captures(s: FactorShape) -> float:
     """Bytes of one layer's kept float32 captures: the held-out attention inputs and outputs, and the refit's
     source outputs (with the source inputs too for the teacher-forced refit)."""
-    refit = 0 if not s.refit else 4 if s.sequential else 8
+    refit = 0 if not s.refit else 8 if s.teacher_inputs else 4
     return s.hidden * (refit * s.tokens["calib"] + 8.0 * s.tokens["held"])
 
 
-def factor_disk(options: ConvertOptions, src: Any) -> Disk:
-    """The disk a conversion writes (module docstring)."""
-    s = factor_shape(options, src)
+def factor_disk(options: ConvertOptions, src: Any, refit_modes: Collection[str] = ()) -> Disk:
+    """The disk a conversion writes (module docstring; ``refit_modes``: as :func:`factor_shape` takes them)."""
+    s = factor_shape(options, src, refit_modes)
     d, hd, tok = s.hidden, s.head_dim, s.tokens
     n_l = s.layers
     captures = _captures(s)
@@ -535,7 +544,7 @@ def factor_disk(options: ConvertOptions, src: Any) -> Disk:
     )
     attn = s.out_itemsize * (s.conv_attn_params + (d * s.heads * hd if s.refit else 0))
     state = (
-        4.0 * d * (tok["calib"] * (2 if s.sequential else 1) + 2 * (tok["held"] + tok["eval"] + tok["probe"]))
+        4.0 * d * (tok["calib"] * (2 if s.refit_windows else 1) + 2 * (tok["held"] + tok["eval"] + tok["probe"]))
     )
     gguf_copies = 4.0 * n_l * s.layer_params if s.gguf_bytes else 0.0
     items = (
@@ -553,7 +562,7 @@ def factor_disk(options: ConvertOptions, src: Any) -> Disk:
 
 def factor_lines(
     options: ConvertOptions, src: Any, max_shard_size: str | int | None = None, candidates: int = 1,
-    measured: int | None = None,
+    measured: int | None = None, refit_modes: Collection[str] = (),
 ) -> list[str]:
     """Lines for ``inspect``: peak memory (its phase and largest items), disk, the time estimate (``candidates``
     and ``measured``: RoPE pairs on the search's ladder and the splits it is expected to convert, as
@@ -568,9 +577,9 @@ def factor_lines(
     from mla_convert.convert.estimate_time import fmt_seconds as _fmt_s
     from mla_convert.convert.stream import resolve_device
 
-    top = peak(factor_phases(options, src, max_shard_size))
+    top = peak(factor_phases(options, src, max_shard_size, refit_modes))
     items = ", ".join(f"{k} {b / GB:.2f}" for k, b in top.largest(4))
-    disk = factor_disk(options, src)
+    disk = factor_disk(options, src, refit_modes)
     parts = ", ".join(f"{k} {b / GB:.2f}" for k, b in sorted(disk.items, key=lambda kv: -kv[1])[:3])
     tim = factor_time(options, src, candidates, measured)
     slow = ", ".join(f"{k} {_fmt_s(v)}" for k, v in sorted(tim.stages.items(), key=lambda kv: -kv[1])[:3])

@@ -319,7 +319,7 @@ def run_factor(
         try:
             conv = StreamedConversion(
                 src, options, texts, work, progress, rope_candidates=resolution.rope_candidates,
-                rope_strategies=resolution.rope_strategies,
+                rope_strategies=resolution.rope_strategies, refit_modes=resolution.refit_modes,
             )
             if done is not None:
                 conv.state = load_torch(work / "state.pt")

@@ -13,8 +13,8 @@ them in one order, so ``ConvertOptions(cache_budget=72)`` converts as ``factor -
 3. the RoPE split and levers measured best for the budget where not given
    (:func:`~mla_convert.convert.suggest.follow_budget`: measured on another model, a prior, and said so); the
    split's pairs are then measured on the source itself among candidates around that prior
-   (:func:`~mla_convert.convert.rope_split.rope_candidates`), and the rope strategy too where not given (the
-   conversion chooses, before converting);
+   (:func:`~mla_convert.convert.rope_split.rope_candidates`), and the rope strategy and ``o_proj`` refit mode
+   too where not given (the conversion chooses, before converting);
 4. with an export asked for, a scaled-RoPE source's selection steered to the pairs one plain RoPE table holds
    (:func:`~mla_convert.export.precheck.steer_for_export`).
 
@@ -56,6 +56,9 @@ class Resolution:
         rope_strategies: the other rope strategies the conversion measures at the pairs it chose (with
             ``rope_candidates`` only, where ``--rope-strategy`` is not given); ``options.rope_strategy`` is the
             prior.
+        refit_modes: the other ``o_proj`` refit modes the conversion measures at the split it chose (with
+            ``rope_candidates`` only, where ``--refit-o-proj`` is not given and the prior refits);
+            ``options.refit_o_proj`` is the prior.
     """
 
     options: ConvertOptions
@@ -63,6 +66,7 @@ class Resolution:
     choices: dict[str, str] = field(default_factory=dict)
     rope_candidates: tuple[int, ...] = ()
     rope_strategies: tuple[str, ...] = ()
+    refit_modes: tuple[str, ...] = ()
 
 
 def check_sizes_given(options: ConvertOptions, given: Collection[str]) -> None:
@@ -200,6 +204,7 @@ def resolve_options(
                 choices[k] = f"--export {export} (the pairs a plain RoPE table holds for this scaled source)"
                 candidates = ()  # the steered selection is the one an export holds
     strategies: tuple[str, ...] = ()
+    modes: tuple[str, ...] = ()
     if len(candidates) > 1:
         listed = ", ".join(map(str, candidates))
         choices["rope_pairs"] = (
@@ -214,14 +219,24 @@ def resolve_options(
                 f"{', '.join((options.rope_strategy, *strategies))} (the prior {options.rope_strategy}: "
                 f"{choices['rope_strategy']})"
             )
+        if "refit_o_proj" not in given and options.refit_o_proj in REFIT_MODES:
+            modes = tuple(m for m in REFIT_MODES if m != options.refit_o_proj)
+            choices["refit_o_proj"] = (
+                f"measured on this source at the split chosen: the lower held-out KL of --refit-o-proj "
+                f"{', '.join((options.refit_o_proj, *modes))} (the prior {options.refit_o_proj}: "
+                f"{choices['refit_o_proj']})"
+            )
         also = f" and --rope-strategy {', '.join(strategies)} at the best pairs" if strategies else ""
+        also += f", --refit-o-proj {', '.join(modes)} at the best split" if modes else ""
         whys.append(f"the conversion measures --rope-pairs {listed} (a local search from {options.rope_pairs}){also} "
                     "on this source (KL on held-out windows) and converts the best")
     else:
         candidates = ()
-    return Resolution(options, "; ".join(whys) if whys else None, choices, candidates, strategies)
+    return Resolution(options, "; ".join(whys) if whys else None, choices, candidates, strategies, modes)
 
 
+#: The ``o_proj`` refit modes a conversion measures against its prior (where the prior refits at all).
+REFIT_MODES = ("teacher", "sequential")
 #: The rope strategies a conversion measures against its prior (the ones measured best at some cache size:
 #: measured_splits.json).
 MEASURED_STRATEGIES = ("2-norm", "rotation")

@@ -1,23 +1,25 @@
-"""The RoPE split measured on the source being converted: how many RoPE pairs the cache row keeps, and which.
+"""The RoPE split measured on the source being converted: how many RoPE pairs the cache row keeps, which, and the
+``o_proj`` refit that goes with them.
 
 A cache row of ``B`` values per token per layer is spent on the rope key (``R`` rope heads x ``2 r`` values) and
 the latent (the rest). Where the user does not give ``--rope-pairs``, :func:`~mla_convert.convert.resolve.
-resolve_options` starts from the split and rope strategy measured best on another model (``measured_splits.json``,
-a prior) and asks for candidates around it (:func:`rope_candidates`) and for the other strategies (``2-norm``,
-``rotation``) where ``--rope-strategy`` is not given. The conversion then measures them on this source, the way
+resolve_options` starts from the split and levers measured best on another model (``measured_splits.json``, a
+prior) and asks for candidates around it (:func:`rope_candidates`), for the other rope strategy (``2-norm``,
+``rotation``) where ``--rope-strategy`` is not given, and for the other ``o_proj`` refit mode (``teacher``,
+``sequential``) where ``--refit-o-proj`` is not given. The conversion then measures them on this source, the way
 the ``o_proj`` refit is decided (docs/math.md §Partial RoPE):
 
 1. pass 1 (:func:`candidate_spectra`): per layer, each candidate's RoPE plan and weighted K/V matrix from the same
-   calibration statistics, and its singular values;
-2. between the passes (:func:`choose_rope_pairs`): per measured split the latent ranks allocated over every layer's
-   spectrum (:func:`~mla_convert.convert.factorize.allocate_ranks`); the held-out windows then run through its
-   converted layers (factored, assembled, rounded to the output dtype as written, with the ``o_proj`` refit of
-   the conversion's mode, kept where it lowers the held-out loss, as the conversion decides), scored by the mean
-   KL(source || converted). The pairs are searched locally: the prior and its neighbours on the candidate ladder,
-   then one step further while the best is at the edge of what was measured (the KL falls, then rises, over the
-   pairs: rope values are taken from the latent); each other strategy is then measured at the best pairs. The
-   split with the lowest KL is converted: its plans and targets replace pass 1's in the work folder, so pass 2
-   converts it as if it had been given.
+   calibration statistics, and its singular values (and what each refit mode fits on);
+2. between the passes (:func:`choose_rope_pairs`): per measured conversion the latent ranks allocated over every
+   layer's spectrum (:func:`~mla_convert.convert.factorize.allocate_ranks`); the held-out windows then run through
+   its converted layers (factored, assembled, rounded to the output dtype as written, with its ``o_proj`` refit,
+   kept where it lowers the held-out loss, as the conversion decides), scored by the mean KL(source ||
+   converted). One coordinate at a time from the prior: the pairs by a local search (the prior and its neighbours
+   on the candidate ladder, then one step further while the best is at the edge of what was measured: the KL
+   falls, then rises, over the pairs, as rope values are taken from the latent); then each other strategy at the
+   best pairs; then each other refit mode at that split. The lowest KL is converted: its plans and targets
+   replace pass 1's in the work folder, so pass 2 converts it as if it had been given.
 
 The held-out windows are calibration-split text the statistics never saw; the evaluation windows never choose.
 """
@@ -74,12 +76,13 @@ def rope_candidates(options: ConvertOptions, src: SourceShape, budget: float) ->
 
 def expected_measurements(res: Resolution) -> int:
     """The splits a conversion with ``res`` is expected to convert on the held-out windows: the prior and its
-    neighbours on the ladder, and each other strategy (a local search that walks on measures more)."""
+    neighbours on the ladder, each other strategy and each other refit mode (a local search that walks on
+    measures more)."""
     ladder = res.rope_candidates
     if len(ladder) < 2:
         return 1
     at = ladder.index(res.options.rope_pairs)
-    return len(ladder[max(0, at - 1): at + 2]) + len(res.rope_strategies)
+    return len(ladder[max(0, at - 1): at + 2]) + len(res.rope_strategies) + len(res.refit_modes)
 
 
 def _latent_fits(geo: Geometry, budget: float) -> bool:
@@ -98,15 +101,21 @@ def candidate_spectra(conv: StreamedConversion, weights: dict[str, torch.Tensor]
         split["spectra"].setdefault(r, []).append(spectrum(target))
 
 
-def _with_pairs(options: ConvertOptions, pairs: int, strategy: str | None = None) -> ConvertOptions:
+def _with_pairs(
+    options: ConvertOptions, pairs: int, strategy: str | None = None, refit: str | None = None
+) -> ConvertOptions:
     update: dict[str, Any] = {"rope_pairs": pairs}
     if strategy is not None:
         update["rope_strategy"] = strategy
+    if refit is not None:
+        update["refit_o_proj"] = refit
     return options.model_copy(update=update)
 
 
-#: One measured split: (RoPE pairs, rope strategy).
-Key = tuple[int, str]
+#: One measured conversion: (RoPE pairs, rope strategy, o_proj refit mode).
+Key = tuple[int, str, str]
+#: The plan of a split, whose spectra the ranks are allocated over: (RoPE pairs, rope strategy).
+Plan = tuple[int, str]
 
 
 def _stats(p1: dict[str, Any]) -> LayerStats:
@@ -119,7 +128,7 @@ class _Search:
     """The measurements of one search: per split its allocated ranks, held-out KL and loss (of the variant the
     conversion keeps) and whether the ``o_proj`` refit was kept."""
 
-    def __init__(self, conv: StreamedConversion, spectra: dict[Key, list[torch.Tensor]]) -> None:
+    def __init__(self, conv: StreamedConversion, spectra: dict[Plan, list[torch.Tensor]]) -> None:
         self.conv, self.spectra = conv, spectra
         self.kl: dict[Key, float] = {}
         self.loss: dict[Key, float] = {}
@@ -130,11 +139,11 @@ class _Search:
         that split's latent (not a candidate)."""
         opts = _with_pairs(self.conv.options, *key)
         try:
-            return layer_ranks(opts, self.spectra[key], geometry(opts, self.conv.src))
+            return layer_ranks(opts, self.spectra[key[:2]], geometry(opts, self.conv.src))
         except FactorError:
             return None
 
-    def add_spectra(self, key: Key, stage: str) -> None:
+    def add_spectra(self, key: Plan, stage: str) -> None:
         """``key``'s per-layer singular values from pass 1's statistics (one pass over the layers)."""
         conv, opts = self.conv, _with_pairs(self.conv.options, *key)
         out = []
@@ -186,19 +195,20 @@ def _next_pairs(ladder: list[int], measured: dict[int, float]) -> list[int]:
 def choose_rope_pairs(conv: StreamedConversion) -> dict[str, Any] | None:
     """Measure candidates on the held-out windows, convert the best (module docstring).
 
-    The pairs: the prior and its neighbours on the candidate ladder first, then one step at a time towards the
-    lower KL while the best is at the edge of what was measured (the KL over the pairs falls, then rises: a
-    budget spent on rope values is taken from the latent). The rope strategy (``conv.rope_strategies``, when the
-    user did not give one): each alternative at the pairs chosen. Updates ``conv.options`` (``rope_pairs``,
-    ``rope_strategy``), the work folder's plans and targets and ``conv.state`` (spectra, NoPE widths) to the
-    chosen split; recorded in ``conv.state["rope_split"]["result"]`` so a resumed conversion does not measure
-    again.
+    Coordinate by coordinate, each from the prior: the pairs (the prior and its neighbours on the candidate
+    ladder, then one step at a time towards the lower KL while the best is at the edge of what was measured: the
+    KL over the pairs falls, then rises, as a budget spent on rope values is taken from the latent); then each
+    other rope strategy (``conv.rope_strategies``) at the pairs chosen; then each other ``o_proj`` refit mode
+    (``conv.refit_modes``) at that split. Updates ``conv.options`` (``rope_pairs``, ``rope_strategy``,
+    ``refit_o_proj``), the work folder's plans and targets and ``conv.state`` (spectra, NoPE widths) to the
+    choice; recorded in ``conv.state["rope_split"]["result"]`` so a resumed conversion does not measure again.
 
     Returns:
         ``{"candidates": [...], "prior": r, "chosen": r, "kl": {r: nats}, "loss": {r: nats}, "refit": {r: kept},
-        "strategy": {"prior": s, "chosen": s, "kl": {s: nats}, "loss": ..., "refit": ...} or None, "tokens": n,
-        "seconds": s}`` (KL and loss per held-out token of the variant kept; ``kl`` over the pairs measured at the
-        prior strategy), or None when there was nothing to choose (no candidates, or no held-out windows).
+        "strategy": {"prior": s, "chosen": s, "kl": {s: nats}, "loss": ..., "refit": ...} or None,
+        "refit_mode": {the same over the refit modes} or None, "tokens": n, "seconds": s}`` (KL and loss per
+        held-out token of the variant kept; ``kl`` over the pairs measured at the prior levers), or None when there
+        was nothing to choose (no candidates, or no held-out windows).
     """
     st = conv.state
     split = st.get("rope_split")
@@ -207,66 +217,85 @@ def choose_rope_pairs(conv: StreamedConversion) -> dict[str, Any] | None:
     if "result" in split:
         result = split["result"]
         strategy = (result.get("strategy") or {}).get("chosen")
-        conv.options = _with_pairs(conv.options, result["chosen"], strategy)
+        mode = (result.get("refit_mode") or {}).get("chosen")
+        conv.options = _with_pairs(conv.options, result["chosen"], strategy, mode)
         return dict(result)
     t0 = time.perf_counter()
-    prior, prior_strategy = conv.options.rope_pairs, conv.options.rope_strategy
-    search = _Search(conv, {(prior, prior_strategy): st["spectra"]}
-                     | {(r, prior_strategy): s for r, s in split["spectra"].items()})  # fmt: skip
-    ladder = [r for r in conv.rope_candidates if search.ranks((r, prior_strategy)) is not None]
+    prior, strategy0, mode0 = conv.options.rope_pairs, conv.options.rope_strategy, conv.options.refit_o_proj
+    search = _Search(conv, {(prior, strategy0): st["spectra"]}
+                     | {(r, strategy0): s for r, s in split["spectra"].items()})  # fmt: skip
+    ladder = [r for r in conv.rope_candidates if search.ranks((r, strategy0, mode0)) is not None]
     if prior not in ladder:  # the prior always fits (resolve checked it); kept for a safe index
         ladder = sorted({*ladder, prior})
     at = ladder.index(prior)
-    search.measure([(r, prior_strategy) for r in ladder[max(0, at - 1): at + 2]], "rope split")
-    pairs_kl = {r: v for (r, s), v in search.kl.items() if s == prior_strategy}
-    while step := _next_pairs(ladder, pairs_kl):
-        search.measure([(r, prior_strategy) for r in step], f"rope split: {step[0]} pairs")
-        pairs_kl = {r: v for (r, s), v in search.kl.items() if s == prior_strategy}
+
+    def by_pairs(what: dict[Key, Any]) -> dict[int, Any]:
+        return {k[0]: v for k, v in what.items() if k[1:] == (strategy0, mode0)}
+
+    search.measure([(r, strategy0, mode0) for r in ladder[max(0, at - 1): at + 2]], "rope split")
+    while step := _next_pairs(ladder, by_pairs(search.kl)):
+        search.measure([(r, strategy0, mode0) for r in step], f"rope split: {step[0]} pairs")
+    pairs_kl = by_pairs(search.kl)
     best = min(pairs_kl, key=lambda r: (pairs_kl[r], r != prior))
     strategies = [s for s in conv.rope_strategies
                   if geometry(_with_pairs(conv.options, best, s), conv.src).rope_pairs == best]  # fmt: skip
     for s in strategies:
         search.add_spectra((best, s), f"rope strategy: {s} spectra")
-        search.measure([(best, s)], f"rope strategy: {s}")
-    at_best = {s: search.kl[(best, s)] for s in [prior_strategy, *strategies] if (best, s) in search.kl}
-    strategy = min(at_best, key=lambda s: (at_best[s], s != prior_strategy))
-    chosen = (best, strategy)
-    if chosen != (prior, prior_strategy):
-        _replace_plans(conv, chosen, search.spectra[chosen])
+        search.measure([(best, s, mode0)], f"rope strategy: {s}")
+    strategy_rec = _lever(search, [(best, s, mode0) for s in [strategy0, *strategies]], 1) if strategies else None
+    strategy = strategy_rec["chosen"] if strategy_rec else strategy0
+    modes = list(conv.refit_modes)
+    for m in modes:
+        search.measure([(best, strategy, m)], f"o_proj refit: {m}")
+    mode_rec = _lever(search, [(best, strategy, m) for m in [mode0, *modes]], 2) if modes else None
+    mode = mode_rec["chosen"] if mode_rec else mode0
+    if (best, strategy) != (prior, strategy0):
+        _replace_plans(conv, (best, strategy), search.spectra[(best, strategy)])
     result = {
         "candidates": ladder,
         "prior": prior,
         "chosen": best,
         "kl": pairs_kl,
-        "loss": {r: v for (r, s), v in search.loss.items() if s == prior_strategy},
-        "refit": {r: v for (r, s), v in search.refit.items() if s == prior_strategy},
-        "strategy": {
-            "prior": prior_strategy,
-            "chosen": strategy,
-            "kl": at_best,
-            "loss": {s: search.loss[(best, s)] for s in at_best},
-            "refit": {s: search.refit[(best, s)] for s in at_best},
-        } if strategies else None,
+        "loss": by_pairs(search.loss),
+        "refit": by_pairs(search.refit),
+        "strategy": strategy_rec,
+        "refit_mode": mode_rec,
         "tokens": int(conv.texts.held[:, 1:].numel()),
         "seconds": time.perf_counter() - t0,
     }
     split["result"] = result
-    conv.options = _with_pairs(conv.options, best, strategy)
+    conv.options = _with_pairs(conv.options, best, strategy, mode)
     return dict(result)
+
+
+def _lever(search: _Search, keys: list[Key], part: int) -> dict[str, Any]:
+    """One lever's measurements (``part`` of the key: 1 the strategy, 2 the refit mode; ``keys[0]`` the prior's)
+    and the value with the lowest KL (the prior's on a tie)."""
+    kl = {k[part]: search.kl[k] for k in keys if k in search.kl}
+    prior = keys[0][part]
+    return {
+        "prior": prior,
+        "chosen": min(kl, key=lambda v: (kl[v], v != prior)),
+        "kl": kl,
+        "loss": {k[part]: search.loss[k] for k in keys if k in search.loss},
+        "refit": {k[part]: search.refit[k] for k in keys if k in search.refit},
+    }
 
 
 class _Candidate:
     """One candidate's converted model on the held-out windows, layer by layer, as pass 2 converts it: factored at
-    its allocated ranks, assembled, rounded, with the ``o_proj`` refit of the conversion's mode (teacher: on the
+    its allocated ranks, assembled, rounded, with the ``o_proj`` refit of its options' mode (teacher: on the
     source's kept calibration inputs; sequential: on its own refit windows carried through its converted layers)
     and both variants' held-out streams (``plain``; ``fit`` when a refit is in play)."""
 
     def __init__(self, conv: StreamedConversion, options: ConvertOptions, ranks: list[int]) -> None:
         self.conv, self.ranks, self.options = conv, ranks, options
+        self.refit = options.refit_o_proj != "none"
+        self.sequential = options.refit_o_proj == "sequential"
         streams = conv.state["streams"]
         self.plain = streams["mla_held"].clone()
-        self.fit = self.plain.clone() if conv.refit else None
-        self.refit_windows = streams["mla_refit"].clone() if conv.sequential else None
+        self.fit = self.plain.clone() if self.refit else None
+        self.refit_windows = streams["mla_refit"].clone() if self.sequential else None
         self.lossy_seen = False
         self.refit_layers = 0
 
@@ -286,7 +315,7 @@ class _Candidate:
         lossy = not is_lossless([plan], [factors])
         fit_w = None
         o_proj = layer.self_attn.o_proj.weight
-        if conv.refit and (lossy or (conv.sequential and self.lossy_seen)):
+        if self.refit and (lossy or (self.sequential and self.lossy_seen)):
             plain_w = o_proj.detach().clone()
             x, out = p1["refit"]
             if self.refit_windows is not None:
@@ -311,7 +340,7 @@ class _Candidate:
         return {"plain": self.plain, "fit": self.fit}
 
 
-def _replace_plans(conv: StreamedConversion, key: Key, spectra: list[torch.Tensor]) -> None:
+def _replace_plans(conv: StreamedConversion, key: Plan, spectra: list[torch.Tensor]) -> None:
     """The chosen split's plans and weighted K/V matrices in the work folder (pass 2 reads them)."""
     opts = _with_pairs(conv.options, *key)
     d_nope = []
@@ -340,23 +369,30 @@ def split_record(split: dict[str, Any] | None) -> dict[str, Any] | None:
         "kl_nats_per_token": {str(r): round(v, 5) for r, v in sorted(split["kl"].items())},
         "loss_nats_per_token": {str(r): round(v, 5) for r, v in sorted(split["loss"].items())},
         "o_proj_refit_kept": {str(r): v for r, v in sorted(split["refit"].items())},
-        "strategy": None if not split.get("strategy") else {
-            "prior": split["strategy"]["prior"],
-            "chosen": split["strategy"]["chosen"],
-            "kl_nats_per_token": {k: round(v, 5) for k, v in split["strategy"]["kl"].items()},
-            "loss_nats_per_token": {k: round(v, 5) for k, v in split["strategy"]["loss"].items()},
-            "o_proj_refit_kept": dict(split["strategy"]["refit"]),
-        },
+        "strategy": _lever_record(split.get("strategy")),
+        "refit_mode": _lever_record(split.get("refit_mode")),
         "measured_on": f"{split['tokens']} held-out calibration-split tokens, each candidate with the o_proj "
         "refit where it lowers their loss (as the conversion keeps it)",
         "seconds": round(split["seconds"], 1),
     }
 
 
+def _lever_record(lever: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not lever:
+        return None
+    return {
+        "prior": lever["prior"],
+        "chosen": lever["chosen"],
+        "kl_nats_per_token": {k: round(v, 5) for k, v in lever["kl"].items()},
+        "loss_nats_per_token": {k: round(v, 5) for k, v in lever["loss"].items()},
+        "o_proj_refit_kept": dict(lever["refit"]),
+    }
+
+
 def outcome(record: dict[str, Any]) -> str:
     """The measured split in one sentence (``record``: :func:`split_record`'s), saying when the best is the smallest
-    or largest candidate (the best may then lie beyond: ``--rope-pairs`` tries it), and the rope strategy measured
-    at the chosen pairs, where one was."""
+    or largest candidate (the best may then lie beyond: ``--rope-pairs`` tries it), and the rope strategy and
+    ``o_proj`` refit mode measured at the chosen pairs, where they were."""
     kl = record["kl_nats_per_token"]
     kls = ", ".join(f"{r}: {v:.4f}" for r, v in kl.items())
     chosen, cands = record["chosen"], record["candidates"]
@@ -372,6 +408,10 @@ def outcome(record: dict[str, Any]) -> str:
         kls = ", ".join(f"{k}: {v:.4f}" for k, v in strategy["kl_nats_per_token"].items())
         said += (f"; --rope-strategy {strategy['chosen']} measured best at {chosen} pairs ({kls}; the prior was "
                  f"{strategy['prior']})")
+    mode = record.get("refit_mode")
+    if mode:
+        kls = ", ".join(f"{k}: {v:.4f}" for k, v in mode["kl_nats_per_token"].items())
+        said += f"; --refit-o-proj {mode['chosen']} measured best there ({kls}; the prior was {mode['prior']})"
     return said
 
 

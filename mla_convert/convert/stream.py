@@ -83,6 +83,9 @@ class StreamedConversion:
             pass records their spectra, :func:`~mla_convert.convert.rope_split.choose_rope_pairs` picks one);
             empty: ``options.rope_pairs`` as given.
         rope_strategies: the other rope strategies to measure at the pairs chosen (with ``rope_candidates``).
+        refit_modes: the other ``o_proj`` refit modes to measure at the split chosen (with ``rope_candidates``):
+            pass 1 then keeps what each mode fits on (the source's refit inputs for ``teacher``, the refit windows
+            for ``sequential``).
     """
 
     def __init__(
@@ -97,26 +100,40 @@ class StreamedConversion:
         resumable: bool = True,
         rope_candidates: tuple[int, ...] = (),
         rope_strategies: tuple[str, ...] = (),
+        refit_modes: tuple[str, ...] = (),
     ) -> None:
         self.src = src
         self.trim = trim
         self.resumable = resumable
         self.rope_candidates = rope_candidates if len(rope_candidates) > 1 else ()
         self.rope_strategies = rope_strategies if self.rope_candidates else ()
+        self.refit_modes = refit_modes if self.rope_candidates else ()
         self.options = options
         self.texts = texts
         self.work = work
         self.progress = progress or (lambda stage, n, total: None)
         self.device = resolve_device(options.device)
         self.dtype = resolve_dtype(options.dtype, src)
-        self.refit = options.refit_o_proj != "none"
-        #: the refit fits on the converted model's own attention inputs (pass 2 carries the refit windows)
-        self.sequential = options.refit_o_proj == "sequential"
+        modes = {options.refit_o_proj, *self.refit_modes}
+        #: pass 1 keeps the source's attention inputs on the refit windows (a teacher-forced refit fits on them)
+        self.keep_teacher_inputs = "teacher" in modes
+        #: pass 1 starts the refit windows' converted stream (a sequential refit fits on the converted inputs)
+        self.keep_refit_windows = "sequential" in modes
         self.n_layers = src.num_layers
         self.state: dict[str, Any] = {}
         self.keep_stats = keep_stats
         self.stats: list[LayerStats] = []
         self.intermediate = int(getattr(src.config, "intermediate_size", None) or 4 * src.hidden_size)
+
+    @property
+    def refit(self) -> bool:
+        """Whether the conversion refits ``o_proj`` (``options.refit_o_proj``, which the search may change)."""
+        return self.options.refit_o_proj != "none"
+
+    @property
+    def sequential(self) -> bool:
+        """The refit fits on the converted model's own attention inputs (pass 2 carries the refit windows)."""
+        return self.options.refit_o_proj == "sequential"
 
     # ------------------------------------------------------------------ helpers
     def _embed(self) -> dict[str, torch.Tensor]:
@@ -169,7 +186,7 @@ class StreamedConversion:
                 cache_source=[],
                 timings=[{} for _ in range(self.n_layers)],
             )
-            if self.sequential:  # the refit windows, to travel through the converted layers in pass 2
+            if self.keep_refit_windows:  # the refit windows, to travel through the converted layers in pass 2
                 stride = refit_stride(*emb["calib"].shape[:2])
                 st["streams"]["mla_refit"] = self._round(emb["calib"][::stride])
         for i in range(start, self.n_layers):
@@ -208,7 +225,7 @@ class StreamedConversion:
                 rows = [j for j in range(x.shape[0]) if (seen[0] + j) % stride == 0]
                 seen[0] += x.shape[0]
                 if rows:
-                    if not self.sequential:  # a sequential refit reads the converted inputs instead
+                    if self.keep_teacher_inputs:  # a sequential refit reads the converted inputs instead
                         kept_x.append(x[rows].detach().float().cpu())
                     kept_out.append(out[rows].detach().float().cpu())
 
@@ -281,6 +298,8 @@ class StreamedConversion:
             )
             for k in ("src_calib", "src_held", "src_probe"):
                 s.pop(k, None)  # pass 1's streams are spent; their layer data is in the work folder
+            if not self.sequential:
+                s.pop("mla_refit", None)  # kept for a sequential refit the search measured and did not choose
             if self.refit:
                 s["mla_held_fit"] = s["mla_held"].clone()
         for i in range(start, self.n_layers):

@@ -51,8 +51,12 @@ def test_candidates_surround_the_prior(src, candidates):
     # the strategy is not given either: the other measured one is tried at the pairs chosen
     assert res.options.rope_strategy == "2-norm" and res.rope_strategies == ("rotation",)
     assert res.choices["rope_strategy"].startswith("measured on this source at the pairs chosen")
+    # and the refit mode: the prior at 31.25 % is the teacher-forced refit; the sequential one is measured too
+    assert res.options.refit_o_proj == "teacher" and res.refit_modes == ("sequential",)
+    assert res.choices["refit_o_proj"].startswith("measured on this source at the split chosen: the lower held-out "
+                                                  "KL of --refit-o-proj teacher, sequential (the prior teacher")
     around = {24: 3, 64: 2, 32: 2}[res.options.rope_pairs]  # the prior and its neighbours (the prior at the edge: one)
-    assert expected_measurements(res) == around + 1  # then the other strategy
+    assert expected_measurements(res) == around + 1 + 1  # then the other strategy, then the other refit mode
 
 
 @pytest.mark.parametrize(
@@ -66,15 +70,20 @@ def test_candidates_surround_the_prior(src, candidates):
 )
 def test_nothing_is_measured_where_the_pairs_are_fixed(options, given, target):
     res = resolve_options(options, SMOLLM2, target, given)
-    assert res.rope_candidates == () and res.rope_strategies == ()
+    assert res.rope_candidates == () and res.rope_strategies == () and res.refit_modes == ()
     assert not res.choices["rope_pairs"].startswith("measured on this source")
     assert not res.choices["rope_strategy"].startswith("measured on this source")
 
 
-def test_a_given_strategy_is_not_measured():
+def test_a_given_lever_is_not_measured():
     res = resolve_options(ConvertOptions(rope_strategy="rotation"), SMOLLM2, given={"rope_strategy"})
-    assert res.rope_candidates and res.rope_strategies == ()
+    assert res.rope_candidates and res.rope_strategies == () and res.refit_modes == ("sequential",)
     assert res.choices["rope_strategy"] == "given"
+    res = resolve_options(ConvertOptions(refit_o_proj="teacher"), SMOLLM2, given={"refit_o_proj"})
+    assert res.rope_candidates and res.rope_strategies == ("rotation",) and res.refit_modes == ()
+    assert res.choices["refit_o_proj"] == "given"
+    none = resolve_options(ConvertOptions(refit_o_proj="none"), SMOLLM2, given={"refit_o_proj"})
+    assert none.refit_modes == ()  # no refit asked for: none measured
 
 
 def _written_kl(src_dir: Path, out: Path) -> float:
@@ -102,6 +111,7 @@ def test_the_measured_split_converts_as_if_given(tiny_src: Path, tmp_path: Path,
     ladder = split["candidates"]
     at = ladder.index(chosen)
     assert all(ladder[j] in kl for j in (at - 1, at + 1) if 0 <= j < len(ladder))  # a local minimum
+    assert split["refit_mode"] is None  # given
     strategy = split["strategy"]
     assert strategy["prior"] == "2-norm" and set(strategy["kl_nats_per_token"]) == {"2-norm", "rotation"}
     assert strategy["kl_nats_per_token"]["2-norm"] == split["kl_nats_per_token"][str(chosen)]
@@ -121,16 +131,44 @@ def test_the_measured_split_converts_as_if_given(tiny_src: Path, tmp_path: Path,
                                                                   rel=1e-3, abs=1e-5)  # fmt: skip
 
 
-def test_the_strategy_not_chosen_was_measured_as_converted(tiny_src: Path, tmp_path: Path) -> None:
-    """The oracle for the strategy the search did not keep: converting the chosen pairs with it, given, writes a
-    checkpoint whose held-out KL is the one the search recorded for it (so the comparison was a fair one)."""
+def test_the_search_converts_its_choice_as_if_given(tiny_src: Path, tmp_path: Path) -> None:
+    """Nothing given: the pairs, the strategy and the refit mode are measured; the three given give the same
+    weights bit for bit, and the search's KL of its choice is the written model's."""
     report = _convert(tiny_src, tmp_path / "out", **SMALL)
     split = report["run"]["rope_split"]
-    kls = split["strategy"]["kl_nats_per_token"]
-    other = next(s for s in kls if s != split["strategy"]["chosen"])
-    given = tmp_path / "other"
-    _convert(tiny_src, given, **SMALL, rope_pairs=split["chosen"], rope_strategy=other)
-    assert kls[other] == pytest.approx(_written_kl(tiny_src, given), rel=1e-3, abs=1e-5)
+    strategy, mode = split["strategy"], split["refit_mode"]
+    assert (strategy["prior"], mode["prior"]) == ("2-norm", "teacher")
+    assert set(mode["kl_nats_per_token"]) == {"teacher", "sequential"}
+    # the refit modes are measured at the split chosen: the prior mode's figure is the strategy's there
+    assert mode["kl_nats_per_token"]["teacher"] == strategy["kl_nats_per_token"][strategy["chosen"]]
+    picked = (split["chosen"], strategy["chosen"], mode["chosen"])
+    kls = mode["kl_nats_per_token"]
+    assert mode["chosen"] == min(kls, key=lambda k: kls[k])
+    opts = report["options"]
+    assert (opts["rope_pairs"], opts["rope_strategy"], opts["refit_o_proj"]) == picked
+    assert f"--refit-o-proj {mode['chosen']} measured best there" in report["run"]["rope_pairs_chosen_by"]
+    _convert(tiny_src, tmp_path / "given", **SMALL, rope_pairs=picked[0], rope_strategy=picked[1],
+             refit_o_proj=picked[2])  # fmt: skip
+    assert _digest(tmp_path / "out") == _digest(tmp_path / "given")
+    assert kls[mode["chosen"]] == pytest.approx(_written_kl(tiny_src, tmp_path / "out"), rel=1e-3, abs=1e-5)
+
+
+@pytest.mark.parametrize("lever", ["strategy", "refit_mode"])
+def test_the_lever_not_chosen_was_measured_as_converted(tiny_src: Path, tmp_path: Path, lever: str) -> None:
+    """The oracle for the value the search did not keep: converting with it given, at the point of the search where
+    it was measured (the strategy at the best pairs and the prior refit mode; the refit mode at the chosen pairs
+    and strategy), writes a checkpoint whose held-out KL is the one the search recorded for it."""
+    report = _convert(tiny_src, tmp_path / "out", **SMALL)
+    split = report["run"]["rope_split"]
+    rec = split[lever]
+    other = next(v for v in rec["kl_nats_per_token"] if v != rec["chosen"])
+    if lever == "strategy":
+        given = {"rope_strategy": other, "refit_o_proj": split["refit_mode"]["prior"]}
+    else:
+        given = {"rope_strategy": split["strategy"]["chosen"], "refit_o_proj": other}
+    _convert(tiny_src, tmp_path / "other", **SMALL, rope_pairs=split["chosen"], **given)
+    assert rec["kl_nats_per_token"][other] == pytest.approx(_written_kl(tiny_src, tmp_path / "other"), rel=1e-3,
+                                                            abs=1e-5)  # fmt: skip
 
 
 class Stop(Exception):
@@ -157,6 +195,7 @@ def test_resume_keeps_the_measured_split(tiny_src: Path, tmp_path: Path, stage: 
     assert report["run"]["rope_split"]["chosen"] == whole["run"]["rope_split"]["chosen"]
     assert report["run"]["rope_split"]["kl_nats_per_token"] == whole["run"]["rope_split"]["kl_nats_per_token"]
     assert report["run"]["rope_split"]["strategy"] == whole["run"]["rope_split"]["strategy"]
+    assert report["run"]["rope_split"]["refit_mode"] == whole["run"]["rope_split"]["refit_mode"]
     assert _digest(out) == _digest(tmp_path / "whole")
 
 
@@ -175,11 +214,11 @@ def test_the_outcome_says_when_the_best_is_at_the_edge():
 def test_progress_counts_every_step_of_the_search(tiny_src: Path, tmp_path: Path) -> None:
     """Each stage of the search ends when its work does: per measurement round each layer, then each split scored
     through the head (a bar that said "done" before the scoring under-reported the search's time); the other
-    strategy's spectra are a pass over the layers of their own."""
+    strategy's spectra are a pass over the layers of their own; then the other refit mode."""
     seen: dict[str, list[tuple[int, int]]] = {}
 
     def record(name: str, n: int, total: int) -> None:
-        if name.startswith("rope "):
+        if name.startswith(("rope ", "o_proj refit: ")):
             seen.setdefault(name, []).append((n, total))
 
     report = _convert(tiny_src, tmp_path / "out", **SMALL, progress=record)
@@ -190,5 +229,6 @@ def test_progress_counts_every_step_of_the_search(tiny_src: Path, tmp_path: Path
     assert seen["rope split"][0][1] == 3 + 3  # 3 layers, then the prior and its two neighbours
     assert seen["rope strategy: rotation spectra"][0][1] == 3
     assert seen["rope strategy: rotation"][0][1] == 3 + 1
+    assert seen["o_proj refit: sequential"][0][1] == 3 + 1
     more = [n for n in seen if n.startswith("rope split: ")]
     assert len(split["kl_nats_per_token"]) == 3 + len(more)
