@@ -59,7 +59,9 @@ def test_the_library_converts_as_the_command_line():
                                                 "--rope-pairs ")
     assert "(the prior 16: measured best for the budget on another model" in lib.choices["rope_pairs"]
     assert lib.rope_candidates == cli.rope_candidates == (8, 12, 16, 20, 24)
-    assert lib.choices["refit_o_proj"].startswith("measured best")
+    assert lib.choices["refit_o_proj"].startswith("measured on this source at the split chosen")  # the prior: 72's
+    assert "(the prior sequential: measured best for the budget on another model" in lib.choices["refit_o_proj"]
+    assert lib.refit_modes == ("teacher",)
     assert lib.rope_strategies == ("rotation",)  # the strategy is not given: the other one is measured too
     assert lib.choices["rope_strategy"].startswith("measured on this source at the pairs chosen: the lower held-out KL "
                                                    "of --rope-strategy 2-norm, rotation (the prior 2-norm: default)")
