@@ -228,8 +228,9 @@ def resolve_options(
             )
         also = f" and --rope-strategy {', '.join(strategies)} at the best pairs" if strategies else ""
         also += f", --refit-o-proj {', '.join(modes)} at the best split" if modes else ""
-        whys.append(f"the conversion measures --rope-pairs {listed} (a local search from {options.rope_pairs}){also} "
-                    "on this source (KL on held-out windows) and converts the best")
+        whys.append(f"the conversion searches --rope-pairs {listed} from {options.rope_pairs} (its neighbours first, "
+                    f"the others only while the best is at an edge){also} on this source (KL on held-out windows) and "
+                    "converts the best")
     else:
         candidates = ()
     return Resolution(options, "; ".join(whys) if whys else None, choices, candidates, strategies, modes)
