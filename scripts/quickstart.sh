@@ -5,7 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/mla-convert factor smollm2-135m out/smollm2-mla --overwrite "$@"
+# --device cpu: the device is a recorded option, so this reproduces the pinned reference's canonical id
+# (manifests/smollm2-135m-reference.json) on any host; pass --device auto (or cuda) after it to convert on a GPU.
+.venv/bin/mla-convert factor smollm2-135m out/smollm2-mla --overwrite --device cpu "$@"
 .venv/bin/mla-convert manifest verify out/smollm2-mla
 .venv/bin/mla-convert validate out/smollm2-mla
 .venv/bin/mla-convert generate out/smollm2-mla "The history of Paris" --max-new-tokens 32
