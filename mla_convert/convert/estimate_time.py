@@ -158,8 +158,13 @@ def factor_time(options: ConvertOptions, src: Any, candidates: int = 1, measured
         refit_s = (refit_fwd + refit64 + assemble64) / (REFIT_GFLOPS * giga)
         held_s = (n_l * variants * tok["held"] * f_conv(t) + seq_fwd) / (CONVERTED_FORWARD_GFLOPS * giga)
         score_s = 2.0 * s.vocab * d * (t - 1) * s.held * variants / (SCORE_GFLOPS * giga)
+        # the source's side of every candidate's KL, once per search: its logits and two float64 [T, C] x [C, d]
+        # products (metrics.reference_scores), about three model passes
+        reference_s = 3.0 * score_s / variants
         runs = candidates if measured is None else measured
-        stages["rope split"] = (candidates - 1) * plan_s + runs * (plan_s + factor_s + refit_s + held_s + score_s)
+        stages["rope split"] = (
+            (candidates - 1) * plan_s + runs * (plan_s + factor_s + refit_s + held_s + score_s) + reference_s
+        )
     return TimeEstimate(stages)
 
 

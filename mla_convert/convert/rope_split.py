@@ -38,7 +38,7 @@ from mla_convert.convert.options import ConvertOptions, Geometry, SourceShape, g
 from mla_convert.convert.refit import refit_o_proj
 from mla_convert.convert.steps import is_lossless, layer_ranks, layer_state, mla_config, plan_and_target
 from mla_convert.convert.workdir import load_torch, save_torch
-from mla_convert.metrics import head_scores
+from mla_convert.metrics import ReferenceScores, head_scores, reference_scores
 
 if TYPE_CHECKING:
     from mla_convert.convert.resolve import Resolution
@@ -133,6 +133,7 @@ class _Search:
         self.kl: dict[Key, float] = {}
         self.loss: dict[Key, float] = {}
         self.refit: dict[Key, bool] = {}
+        self.reference: ReferenceScores | None = None
 
     def ranks(self, key: Key) -> list[int] | None:
         """The latent ranks allocated over every layer's spectrum for ``key``; None where the budget cannot hold
@@ -171,10 +172,12 @@ class _Search:
             src.release()
             conv.progress(stage, 1, steps)
         head, src_norm, mla_norm = conv._head()
-        ref = (conv.state["streams"]["src_held"], src_norm, head)
+        if self.reference is None:  # the source's side of every candidate's KL, once per search
+            ref = (conv.state["streams"]["src_held"], src_norm, head)
+            self.reference = reference_scores(ref, conv.texts.held, head, head_dtype=conv.dtype)
         for k, run in runs.items():
             scored = {
-                name: head_scores(hidden, conv.texts.held, mla_norm, head, ref, head_dtype=conv.dtype)
+                name: head_scores(hidden, conv.texts.held, mla_norm, head, self.reference, head_dtype=conv.dtype)
                 for name, hidden in run.variants().items()
             }
             means = {name: sum(w) / len(w) for name, (_, w) in scored.items()}
