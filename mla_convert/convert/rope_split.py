@@ -118,10 +118,14 @@ Key = tuple[int, str, str]
 Plan = tuple[int, str]
 
 
-def _stats(p1: dict[str, Any]) -> LayerStats:
-    """A layer's calibration statistics again from what pass 1 saved (``p1.pt``)."""
+def _stats(p1: dict[str, Any], objective: str) -> LayerStats:
+    """A layer's calibration statistics again from what pass 1 saved (``p1.pt``), with the ``C^½`` its target
+    was weighted by (:func:`~mla_convert.convert.factorize.xx_sqrt`; not computed again for every candidate)."""
     q_norm, k_norm = p1["pair_norms"]
-    return LayerStats(p1["target"].xx, p1["x_mean"], q_norm, k_norm, int(p1["tokens"]))
+    st = LayerStats(p1["target"].xx, p1["x_mean"], q_norm, k_norm, int(p1["tokens"]))
+    if objective != "weight":
+        st.moments["xx_sqrt"] = p1["target"].right
+    return st
 
 
 class _Search:
@@ -150,7 +154,8 @@ class _Search:
         out = []
         for i in range(conv.n_layers):
             weights = conv._attention(i, conv._source_tensors(i))
-            _, target = plan_and_target(conv.src, opts, weights, _stats(load_torch(conv._layer_file(i, "p1.pt"))))
+            stats = _stats(load_torch(conv._layer_file(i, "p1.pt")), opts.objective)
+            _, target = plan_and_target(conv.src, opts, weights, stats)
             out.append(spectrum(target))
             conv.src.release()
             conv.progress(stage, 1, conv.n_layers)
@@ -166,7 +171,7 @@ class _Search:
             p1 = load_torch(conv._layer_file(i, "p1.pt"))
             source = conv._source_tensors(i)
             weights = conv._attention(i, source)
-            stats = _stats(p1)
+            stats = _stats(p1, conv.options.objective)
             for run in runs.values():
                 run.layer(i, p1, source, weights, stats)
             src.release()
@@ -350,7 +355,7 @@ def _replace_plans(conv: StreamedConversion, key: Plan, spectra: list[torch.Tens
     for i in range(conv.n_layers):
         p1 = load_torch(conv._layer_file(i, "p1.pt"))
         weights = conv._attention(i, conv._source_tensors(i))
-        plan, target = plan_and_target(conv.src, opts, weights, _stats(p1))
+        plan, target = plan_and_target(conv.src, opts, weights, _stats(p1, opts.objective))
         target.singular_values = spectra[i]
         p1["target"] = target
         save_torch(conv._layer_file(i, "plan.pt"), plan)
