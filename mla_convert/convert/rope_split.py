@@ -411,16 +411,22 @@ def outcome(record: dict[str, Any]) -> str:
                 "still, --rope-pairs tries them")
     said = (f"--rope-pairs {chosen} measured best on this source (KL nats/token on the held-out windows: {kls}; "
             f"the prior was {record['prior']}{edge})")
-    strategy = record.get("strategy")
-    if strategy:
-        kls = ", ".join(f"{k}: {v:.4f}" for k, v in strategy["kl_nats_per_token"].items())
-        said += (f"; --rope-strategy {strategy['chosen']} measured best at {chosen} pairs ({kls}; the prior was "
-                 f"{strategy['prior']})")
-    mode = record.get("refit_mode")
-    if mode:
-        kls = ", ".join(f"{k}: {v:.4f}" for k, v in mode["kl_nats_per_token"].items())
-        said += f"; --refit-o-proj {mode['chosen']} measured best there ({kls}; the prior was {mode['prior']})"
+    if record.get("strategy"):
+        said += "; " + _lever_said("--rope-strategy", record["strategy"], f"at {chosen} pairs")
+    if record.get("refit_mode"):
+        said += "; " + _lever_said("--refit-o-proj", record["refit_mode"], "there")
     return said
+
+
+def _lever_said(flag: str, lever: dict[str, Any], where: str) -> str:
+    """One lever's outcome (``lever``: :func:`_lever_record`'s); a tie keeps the prior and says so (with why, where
+    no candidate kept its ``o_proj`` refit: the refit modes then convert the same model)."""
+    kl = lever["kl_nats_per_token"]
+    kls = ", ".join(f"{k}: {v:.4f}" for k, v in kl.items())
+    if len(kl) > 1 and len(set(kl.values())) == 1:
+        why = "; no candidate kept its o_proj refit" if not any(lever["o_proj_refit_kept"].values()) else ""
+        return f"{flag} {lever['chosen']} kept, the prior: every value measured the same {where} ({kls}{why})"
+    return f"{flag} {lever['chosen']} measured best {where} ({kls}; the prior was {lever['prior']})"
 
 
 def split_sentence(split: dict[str, Any] | None, why: str | None) -> str | None:
