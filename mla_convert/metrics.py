@@ -104,13 +104,112 @@ def measure_cache(model: PreTrainedModel, input_ids: torch.Tensor) -> dict[str, 
     }
 
 
+@dataclass
+class ReferenceScores:
+    """What KL(reference || model), top-1 agreement and the reference's perplexity need of the reference model, per
+    predicted token of each window: computed once by :func:`reference_scores`, then any number of models are scored
+    against it by :func:`head_scores` at the cost of their own logits alone (a conversion's search scores several
+    candidates against one source on the same held-out windows).
+
+    Per window ``w`` (lists over the windows), float64 on the hidden states' device:
+        lse: ``[T-1]`` log-sum-exp of the reference's logits.
+        target: ``[T-1]`` the reference's logit of the next token.
+        argmax: ``[T-1]`` (int64) the reference's most likely token.
+        expected_logit: ``[T-1]`` E_p[l_ref] = sum_v p_ref(v) l_ref(v).
+        mean_row: ``[T-1, hidden]`` E_p[w] = sum_v p_ref(v) w_v over the *model's* LM-head rows (as rounded to
+            ``head_dtype``), so that the model's expected logit under the reference is ``h . mean_row``.
+        head_dtype: the rounding of the model's head ``mean_row`` was made with.
+
+    KL per token: ``(expected_logit - lse) - (h . mean_row - lse_model)`` (both expectations under the
+    reference's distribution), exact algebra on the chunked log-sum-exp of :func:`head_scores`.
+    """
+
+    lse: list[torch.Tensor]
+    target: list[torch.Tensor]
+    argmax: list[torch.Tensor]
+    expected_logit: list[torch.Tensor]
+    mean_row: list[torch.Tensor]
+    head_dtype: torch.dtype | None
+
+
+def _vec(n: int, fill: float, dev: torch.device) -> torch.Tensor:
+    return torch.full((n,), fill, dtype=torch.float64, device=dev)
+
+
+@torch.no_grad()
+def reference_scores(
+    reference: tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor], torch.Tensor],
+    ids: torch.Tensor,
+    head: torch.Tensor,
+    head_dtype: torch.dtype | None = None,
+    vocab_chunk: int = 8192,
+) -> ReferenceScores:
+    """The reference's per-token terms of :class:`ReferenceScores`, the vocabulary in chunks (online
+    log-sum-exp, as :func:`head_scores`).
+
+    Args:
+        reference: ``(hidden [N, T, hidden], norm, head_ref [V, hidden])`` of the reference model (its head used as
+            stored).
+        ids: ``[N, T]`` the windows' tokens; position ``t`` predicts token ``t + 1``.
+        head: ``[V, hidden]`` the LM head of the models that will be scored against it, rounded to ``head_dtype``
+            when given (their ``mean_row``).
+        vocab_chunk: rows of the heads read at a time (float64 ``[T, C]`` temporaries).
+
+    Raises:
+        ValueError: for empty windows, or heads of different vocabularies.
+    """
+    hidden, norm, head_ref = reference
+    if ids.numel() == 0:
+        raise ValueError("no evaluation windows")
+    if head.shape != head_ref.shape:
+        raise ValueError(f"LM heads of shapes {tuple(head.shape)} and {tuple(head_ref.shape)}: not one vocabulary")
+    out = ReferenceScores([], [], [], [], [], head_dtype)
+    vocab = head.shape[0]
+    # the scored models' head differs from the reference's where it is rounded, or is another tensor
+    rounded = head is not head_ref or (head_dtype is not None and head_dtype != head.dtype)
+    for w in range(ids.shape[0]):
+        target = ids[w, 1:].to(hidden.device)
+        h = norm(hidden[w, :-1]).float()
+        n, dev = target.shape[0], h.device
+        m, s, tgt, best = _vec(n, -math.inf, dev), _vec(n, 0.0, dev), _vec(n, 0.0, dev), _vec(n, -math.inf, dev)
+        arg = torch.zeros(n, dtype=torch.long, device=dev)
+        mean_mine = torch.zeros(n, head.shape[1], dtype=torch.float64, device=dev)
+        mean_ref = torch.zeros_like(mean_mine) if rounded else mean_mine
+        for v0 in range(0, vocab, vocab_chunk):
+            v1 = min(v0 + vocab_chunk, vocab)
+            rows = head_ref[v0:v1].to(dev)
+            logits = (h @ rows.float().T).double()
+            top, where = logits.max(-1)
+            new = torch.maximum(m, top)
+            scale = torch.exp(m - new)
+            e = torch.exp(logits - new[:, None])
+            s = s * scale + e.sum(-1)
+            mean_ref.mul_(scale[:, None]).add_(e @ rows.double())
+            if rounded:
+                mine = head[v0:v1].to(dev)
+                mine = mine.to(head_dtype) if head_dtype is not None else mine
+                mean_mine.mul_(scale[:, None]).add_(e @ mine.double())
+            m = new
+            inside = (target >= v0) & (target < v1)
+            tgt[inside] = logits[inside, target[inside] - v0]
+            up = top > best
+            best, arg = torch.where(up, top, best), torch.where(up, where + v0, arg)
+        out.lse.append(m + torch.log(s))
+        out.target.append(tgt)
+        out.argmax.append(arg)
+        # both expectations as h . E_p[w] in float64, so a model scored against itself has a KL of exactly 0
+        out.expected_logit.append((h.double() * mean_ref).sum(-1) / s)
+        out.mean_row.append(mean_mine / s[:, None])
+    return out
+
+
 @torch.no_grad()
 def head_scores(
     hidden: torch.Tensor,
     ids: torch.Tensor,
     norm: Callable[[torch.Tensor], torch.Tensor],
     head: torch.Tensor,
-    reference: tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor], torch.Tensor] | None = None,
+    reference: tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor], torch.Tensor] | ReferenceScores | None = None,
     head_dtype: torch.dtype | None = None,
     vocab_chunk: int = 8192,
 ) -> tuple[EvalResult, list[float]]:
@@ -118,25 +217,34 @@ def head_scores(
 
     The streamed twin of :func:`evaluate`: the LM head ``head [V, hidden]`` is read ``vocab_chunk`` rows at a
     time (cast to float32; first to ``head_dtype`` when given, i.e. the written checkpoint's dtype), and the
-    log-sum-exp, the target logit, the argmax and the reference-weighted log-ratio are accumulated online, so
-    no ``[T, V]`` log-probability table of the whole vocabulary is kept.
+    log-sum-exp, the target logit and the argmax are accumulated online, so no ``[T, V]`` log-probability table of
+    the whole vocabulary is kept. The reference's side of the KL is :class:`ReferenceScores` (computed here from a
+    ``(hidden, norm, head)`` tuple, or given, made once for several models).
 
     Args:
         hidden: ``[N, T, hidden]`` outputs of the last decoder layer (before the final norm).
         ids: ``[N, T]`` the windows' tokens; position ``t`` predicts token ``t + 1``.
         norm: the final RMSNorm.
         head: ``[V, hidden]`` LM head (any float dtype).
-        reference: ``(hidden, norm, head)`` of the reference model for KL(reference || model) and top-1.
+        reference: ``(hidden, norm, head)`` of the reference model, or its :func:`reference_scores` on these windows
+            with this head and ``head_dtype``, for KL(reference || model) and top-1.
         head_dtype: round the model's head to this dtype before use (the reference's is used as stored).
 
     Returns:
         The :class:`EvalResult` and each window's mean next-token loss in nats.
 
     Raises:
-        ValueError: for empty windows.
+        ValueError: for empty windows, or a :class:`ReferenceScores` of other windows or another head rounding.
     """
     if ids.numel() == 0:
         raise ValueError("no evaluation windows")
+    ref = reference_scores(reference, ids, head, head_dtype, vocab_chunk) if isinstance(reference, tuple) \
+        else reference  # fmt: skip
+    if ref is not None and (len(ref.lse) != ids.shape[0] or ref.head_dtype != head_dtype):
+        raise ValueError(
+            f"reference scores of {len(ref.lse)} windows rounded to {ref.head_dtype} for {ids.shape[0]} windows "
+            f"rounded to {head_dtype}: make them with reference_scores on the same windows and head_dtype"
+        )
     nll = ref_nll = kl = 0.0
     agree = count = 0
     losses: list[float] = []
@@ -144,17 +252,9 @@ def head_scores(
     for w in range(ids.shape[0]):
         target = ids[w, 1:].to(hidden.device)
         h = norm(hidden[w, :-1]).float()
-        hr = reference[1](reference[0][w, :-1]).float() if reference is not None else None
-        n = target.shape[0]
-        dev = h.device
-
-        def vec(fill: float, n: int = n, dev: torch.device = dev) -> torch.Tensor:
-            return torch.full((n,), fill, dtype=torch.float64, device=dev)
-
-        m, s, tgt, best = vec(-math.inf), vec(0.0), vec(0.0), vec(-math.inf)
-        mr, sr, s1, tgt_r, best_r = vec(-math.inf), vec(0.0), vec(0.0), vec(0.0), vec(-math.inf)
+        n, dev = target.shape[0], h.device
+        m, s, tgt, best = _vec(n, -math.inf, dev), _vec(n, 0.0, dev), _vec(n, 0.0, dev), _vec(n, -math.inf, dev)
         arg = torch.zeros(n, dtype=torch.long, device=dev)
-        arg_r = torch.zeros(n, dtype=torch.long, device=dev)
         for v0 in range(0, vocab, vocab_chunk):
             v1 = min(v0 + vocab_chunk, vocab)
             rows = head[v0:v1].to(h.device)
@@ -168,29 +268,17 @@ def head_scores(
             tgt[inside] = logits[inside, target[inside] - v0]
             up = top > best
             best, arg = torch.where(up, top, best), torch.where(up, where + v0, arg)
-            if hr is not None:
-                lr = (hr @ rows.float().T).double()
-                top_r, where_r = lr.max(-1)
-                new_r = torch.maximum(mr, top_r)
-                scale = torch.exp(mr - new_r)
-                e = torch.exp(lr - new_r[:, None])
-                sr = sr * scale + e.sum(-1)
-                s1 = s1 * scale + (e * (lr - logits)).sum(-1)
-                mr = new_r
-                tgt_r[inside] = lr[inside, target[inside] - v0]
-                up_r = top_r > best_r
-                best_r, arg_r = torch.where(up_r, top_r, best_r), torch.where(up_r, where_r + v0, arg_r)
         lse = m + torch.log(s)
         window_nll = float((lse - tgt).sum())
         nll += window_nll
         losses.append(window_nll / n)
-        if hr is not None:
-            lse_r = mr + torch.log(sr)
-            ref_nll += float((lse_r - tgt_r).sum())
-            kl += float((s1 / sr - lse_r + lse).sum())
-            agree += int((arg == arg_r).sum())
+        if ref is not None:
+            ref_nll += float((ref.lse[w] - ref.target[w]).sum())
+            expected = (h.double() * ref.mean_row[w]).sum(-1)  # E_ref[model logit]
+            kl += float(((ref.expected_logit[w] - ref.lse[w]) - (expected - lse)).sum())
+            agree += int((arg == ref.argmax[w]).sum())
         count += n
     res = EvalResult(math.exp(nll / count), count, ids.shape[1], ids.shape[0])
-    if reference is not None:
+    if ref is not None:
         res.kl, res.top1, res.reference_perplexity = kl / count, agree / count, math.exp(ref_nll / count)
     return res, losses

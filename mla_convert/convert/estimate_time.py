@@ -106,9 +106,9 @@ def factor_time(options: ConvertOptions, src: Any, candidates: int = 1, measured
     hq, gk = h * hd, g * hd
     plan64 = 2.0 * hq * d * d + 2.0 * hq * hq * d + 2.0 * gk * d * d + 2.0 * gk * gk * d
     plan_la = 0.0
+    sqrt64 = sqrt_la = 0.0  # C^½ of the layer's input: once per layer, shared by every plan tried on it
     if s.objective != "weight":
-        plan64 += 4.0 * d**3
-        plan_la += EIGH_S_PER_N3 * d**3
+        sqrt64, sqrt_la = 4.0 * d**3, EIGH_S_PER_N3 * d**3
     if s.objective == "output":
         plan64 += h * (2.0 * d_n * d * d + 2.0 * d_n * d_n * d + 2.0 * hd * hd * d) + 4.0 * r**3
         plan_la += EIGH_S_PER_N3 * r**3
@@ -144,7 +144,7 @@ def factor_time(options: ConvertOptions, src: Any, candidates: int = 1, measured
         "source forward": (fwd_src + stats32) / (SOURCE_FORWARD_GFLOPS * giga)
         + fwd_calib / (calib_rate * giga)
         + stats64 * f64,
-        "plan": n_l * (plan64 * f64 + plan_la * FLOAT64_TWO_THREADS),
+        "plan": n_l * ((plan64 + sqrt64) * f64 + (plan_la + sqrt_la) * FLOAT64_TWO_THREADS),
         "factor": n_l * (factor64 * f64 + factor_la * FLOAT64_TWO_THREADS),
         "assemble + refit": (refit_fwd + refit64 + assemble64) / (REFIT_GFLOPS * giga),
         "held-out forward": (held_fwd + seq_fwd) / (CONVERTED_FORWARD_GFLOPS * giga),
@@ -158,8 +158,13 @@ def factor_time(options: ConvertOptions, src: Any, candidates: int = 1, measured
         refit_s = (refit_fwd + refit64 + assemble64) / (REFIT_GFLOPS * giga)
         held_s = (n_l * variants * tok["held"] * f_conv(t) + seq_fwd) / (CONVERTED_FORWARD_GFLOPS * giga)
         score_s = 2.0 * s.vocab * d * (t - 1) * s.held * variants / (SCORE_GFLOPS * giga)
+        # the source's side of every candidate's KL, once per search: its logits and two float64 [T, C] x [C, d]
+        # products (metrics.reference_scores), about three model passes
+        reference_s = 3.0 * score_s / variants
         runs = candidates if measured is None else measured
-        stages["rope split"] = (candidates - 1) * plan_s + runs * (plan_s + factor_s + refit_s + held_s + score_s)
+        stages["rope split"] = (
+            (candidates - 1) * plan_s + runs * (plan_s + factor_s + refit_s + held_s + score_s) + reference_s
+        )
     return TimeEstimate(stages)
 
 

@@ -75,6 +75,15 @@ def _psd_sqrt(m: torch.Tensor, eps: float = 1e-10) -> tuple[torch.Tensor, torch.
     return (evecs * evals.sqrt()) @ evecs.T, (evecs * evals.rsqrt()) @ evecs.T
 
 
+def xx_sqrt(st: LayerStats) -> torch.Tensor:
+    """``C^½`` of the layer's input second moment ``st.xx`` (``[hidden, hidden]`` float64), computed once per
+    statistics object and kept in ``st.moments``: every RoPE plan a search tries on the layer weighs by the same
+    ``C^½`` (one eigendecomposition of ``hidden x hidden`` per layer instead of one per plan)."""
+    if "xx_sqrt" not in st.moments:
+        st.moments["xx_sqrt"] = _psd_sqrt(st.xx)[0]
+    return st.moments["xx_sqrt"]
+
+
 def build_target(
     w: dict[str, torch.Tensor],
     plan: RopePlan,
@@ -103,7 +112,7 @@ def build_target(
     rows, hidden = target.shape
     n = w_kn.shape[0]
     eye_h = torch.eye(hidden, dtype=torch.float64)
-    right = _psd_sqrt(st.xx)[0] if objective != "weight" else eye_h
+    right = xx_sqrt(st) if objective != "weight" else eye_h
     left = torch.eye(rows, dtype=torch.float64)
     if objective == "output":
         h = num_heads

@@ -38,7 +38,7 @@ from mla_convert.convert.options import ConvertOptions, Geometry, SourceShape, g
 from mla_convert.convert.refit import refit_o_proj
 from mla_convert.convert.steps import is_lossless, layer_ranks, layer_state, mla_config, plan_and_target
 from mla_convert.convert.workdir import load_torch, save_torch
-from mla_convert.metrics import head_scores
+from mla_convert.metrics import ReferenceScores, head_scores, reference_scores
 
 if TYPE_CHECKING:
     from mla_convert.convert.resolve import Resolution
@@ -118,10 +118,14 @@ Key = tuple[int, str, str]
 Plan = tuple[int, str]
 
 
-def _stats(p1: dict[str, Any]) -> LayerStats:
-    """A layer's calibration statistics again from what pass 1 saved (``p1.pt``)."""
+def _stats(p1: dict[str, Any], objective: str) -> LayerStats:
+    """A layer's calibration statistics again from what pass 1 saved (``p1.pt``), with the ``C^½`` its target
+    was weighted by (:func:`~mla_convert.convert.factorize.xx_sqrt`; not computed again for every candidate)."""
     q_norm, k_norm = p1["pair_norms"]
-    return LayerStats(p1["target"].xx, p1["x_mean"], q_norm, k_norm, int(p1["tokens"]))
+    st = LayerStats(p1["target"].xx, p1["x_mean"], q_norm, k_norm, int(p1["tokens"]))
+    if objective != "weight":
+        st.moments["xx_sqrt"] = p1["target"].right
+    return st
 
 
 class _Search:
@@ -133,6 +137,7 @@ class _Search:
         self.kl: dict[Key, float] = {}
         self.loss: dict[Key, float] = {}
         self.refit: dict[Key, bool] = {}
+        self.reference: ReferenceScores | None = None
 
     def ranks(self, key: Key) -> list[int] | None:
         """The latent ranks allocated over every layer's spectrum for ``key``; None where the budget cannot hold
@@ -149,7 +154,8 @@ class _Search:
         out = []
         for i in range(conv.n_layers):
             weights = conv._attention(i, conv._source_tensors(i))
-            _, target = plan_and_target(conv.src, opts, weights, _stats(load_torch(conv._layer_file(i, "p1.pt"))))
+            stats = _stats(load_torch(conv._layer_file(i, "p1.pt")), opts.objective)
+            _, target = plan_and_target(conv.src, opts, weights, stats)
             out.append(spectrum(target))
             conv.src.release()
             conv.progress(stage, 1, conv.n_layers)
@@ -165,16 +171,18 @@ class _Search:
             p1 = load_torch(conv._layer_file(i, "p1.pt"))
             source = conv._source_tensors(i)
             weights = conv._attention(i, source)
-            stats = _stats(p1)
+            stats = _stats(p1, conv.options.objective)
             for run in runs.values():
                 run.layer(i, p1, source, weights, stats)
             src.release()
             conv.progress(stage, 1, steps)
         head, src_norm, mla_norm = conv._head()
-        ref = (conv.state["streams"]["src_held"], src_norm, head)
+        if self.reference is None:  # the source's side of every candidate's KL, once per search
+            ref = (conv.state["streams"]["src_held"], src_norm, head)
+            self.reference = reference_scores(ref, conv.texts.held, head, head_dtype=conv.dtype)
         for k, run in runs.items():
             scored = {
-                name: head_scores(hidden, conv.texts.held, mla_norm, head, ref, head_dtype=conv.dtype)
+                name: head_scores(hidden, conv.texts.held, mla_norm, head, self.reference, head_dtype=conv.dtype)
                 for name, hidden in run.variants().items()
             }
             means = {name: sum(w) / len(w) for name, (_, w) in scored.items()}
@@ -347,7 +355,7 @@ def _replace_plans(conv: StreamedConversion, key: Plan, spectra: list[torch.Tens
     for i in range(conv.n_layers):
         p1 = load_torch(conv._layer_file(i, "p1.pt"))
         weights = conv._attention(i, conv._source_tensors(i))
-        plan, target = plan_and_target(conv.src, opts, weights, _stats(p1))
+        plan, target = plan_and_target(conv.src, opts, weights, _stats(p1, opts.objective))
         target.singular_values = spectra[i]
         p1["target"] = target
         save_torch(conv._layer_file(i, "plan.pt"), plan)
@@ -403,16 +411,22 @@ def outcome(record: dict[str, Any]) -> str:
                 "still, --rope-pairs tries them")
     said = (f"--rope-pairs {chosen} measured best on this source (KL nats/token on the held-out windows: {kls}; "
             f"the prior was {record['prior']}{edge})")
-    strategy = record.get("strategy")
-    if strategy:
-        kls = ", ".join(f"{k}: {v:.4f}" for k, v in strategy["kl_nats_per_token"].items())
-        said += (f"; --rope-strategy {strategy['chosen']} measured best at {chosen} pairs ({kls}; the prior was "
-                 f"{strategy['prior']})")
-    mode = record.get("refit_mode")
-    if mode:
-        kls = ", ".join(f"{k}: {v:.4f}" for k, v in mode["kl_nats_per_token"].items())
-        said += f"; --refit-o-proj {mode['chosen']} measured best there ({kls}; the prior was {mode['prior']})"
+    if record.get("strategy"):
+        said += "; " + _lever_said("--rope-strategy", record["strategy"], f"at {chosen} pairs")
+    if record.get("refit_mode"):
+        said += "; " + _lever_said("--refit-o-proj", record["refit_mode"], "there")
     return said
+
+
+def _lever_said(flag: str, lever: dict[str, Any], where: str) -> str:
+    """One lever's outcome (``lever``: :func:`_lever_record`'s); a tie keeps the prior and says so (with why, where
+    no candidate kept its ``o_proj`` refit: the refit modes then convert the same model)."""
+    kl = lever["kl_nats_per_token"]
+    kls = ", ".join(f"{k}: {v:.4f}" for k, v in kl.items())
+    if len(kl) > 1 and len(set(kl.values())) == 1:
+        why = "; no candidate kept its o_proj refit" if not any(lever["o_proj_refit_kept"].values()) else ""
+        return f"{flag} {lever['chosen']} kept, the prior: every value measured the same {where} ({kls}{why})"
+    return f"{flag} {lever['chosen']} measured best {where} ({kls}; the prior was {lever['prior']})"
 
 
 def split_sentence(split: dict[str, Any] | None, why: str | None) -> str | None:

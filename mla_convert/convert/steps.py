@@ -38,6 +38,7 @@ class LayerRecord:
     rel_error_act: float
     attn_rel_error: float | None = None
     rope_energy: float = 0.0
+    attn_rel_error_no_refit: float | None = None  # the same with the assembled o_proj (differs where a refit is kept)
 
 
 def layer_ranks(options: ConvertOptions, spectra: list[torch.Tensor], geo: Geometry) -> list[int]:

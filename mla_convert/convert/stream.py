@@ -515,8 +515,8 @@ class StreamedConversion:
         refit = st.get("refit")
         errs = st["attn_err"]["fit" if st.get("variant") else "plain"]
         records: list[LayerRecord] = st["records"]
-        for rec, err in zip(records, errs, strict=False):
-            rec.attn_rel_error = err
+        for rec, err, plain in zip(records, errs, st["attn_err"]["plain"], strict=False):
+            rec.attn_rel_error, rec.attn_rel_error_no_refit = err, plain
         if refit is not None:
             config.source["o_proj_refit"] = refit
         probe_tokens = int(self.texts.probe.numel())
