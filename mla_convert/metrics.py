@@ -132,8 +132,38 @@ class ReferenceScores:
     head_dtype: torch.dtype | None
 
 
-def _vec(n: int, fill: float, dev: torch.device) -> torch.Tensor:
-    return torch.full((n,), fill, dtype=torch.float64, device=dev)
+class _OnlineLogits:
+    """One window's next-token logits read a vocabulary chunk at a time: per token the running maximum ``m``, the
+    sum ``s`` of ``exp(logit - m)`` (so ``lse = m + log s``), the target's logit and the argmax (float64)."""
+
+    def __init__(self, target: torch.Tensor) -> None:
+        n, dev = target.shape[0], target.device
+        self.target = target
+        self.m = torch.full((n,), -math.inf, dtype=torch.float64, device=dev)
+        self.s = torch.zeros(n, dtype=torch.float64, device=dev)
+        self.tgt = torch.zeros(n, dtype=torch.float64, device=dev)
+        self.best = torch.full((n,), -math.inf, dtype=torch.float64, device=dev)
+        self.arg = torch.zeros(n, dtype=torch.long, device=dev)
+
+    def add(self, logits: torch.Tensor, v0: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Take the chunk ``logits [n, C]`` of vocabulary rows ``v0..v0+C``; returns the rescale of earlier sums
+        ``[n]`` and the chunk's ``exp(logit - m)`` ``[n, C]`` (for sums the caller keeps beside ``s``)."""
+        top, where = logits.max(-1)
+        new = torch.maximum(self.m, top)
+        scale = torch.exp(self.m - new)
+        e = torch.exp(logits - new[:, None])
+        self.s = self.s * scale + e.sum(-1)
+        self.m = new
+        t = self.target
+        inside = (t >= v0) & (t < v0 + logits.shape[1])
+        self.tgt[inside] = logits[inside, t[inside] - v0]
+        up = top > self.best
+        self.best, self.arg = torch.where(up, top, self.best), torch.where(up, where + v0, self.arg)
+        return scale, e
+
+    @property
+    def lse(self) -> torch.Tensor:
+        return self.m + torch.log(self.s)
 
 
 @torch.no_grad()
@@ -170,36 +200,24 @@ def reference_scores(
     for w in range(ids.shape[0]):
         target = ids[w, 1:].to(hidden.device)
         h = norm(hidden[w, :-1]).float()
-        n, dev = target.shape[0], h.device
-        m, s, tgt, best = _vec(n, -math.inf, dev), _vec(n, 0.0, dev), _vec(n, 0.0, dev), _vec(n, -math.inf, dev)
-        arg = torch.zeros(n, dtype=torch.long, device=dev)
-        mean_mine = torch.zeros(n, head.shape[1], dtype=torch.float64, device=dev)
+        dev = h.device
+        acc = _OnlineLogits(target)
+        mean_mine = torch.zeros(target.shape[0], head.shape[1], dtype=torch.float64, device=dev)
         mean_ref = torch.zeros_like(mean_mine) if rounded else mean_mine
         for v0 in range(0, vocab, vocab_chunk):
-            v1 = min(v0 + vocab_chunk, vocab)
-            rows = head_ref[v0:v1].to(dev)
-            logits = (h @ rows.float().T).double()
-            top, where = logits.max(-1)
-            new = torch.maximum(m, top)
-            scale = torch.exp(m - new)
-            e = torch.exp(logits - new[:, None])
-            s = s * scale + e.sum(-1)
+            rows = head_ref[v0 : v0 + vocab_chunk].to(dev)
+            scale, e = acc.add((h @ rows.float().T).double(), v0)
             mean_ref.mul_(scale[:, None]).add_(e @ rows.double())
             if rounded:
-                mine = head[v0:v1].to(dev)
+                mine = head[v0 : v0 + vocab_chunk].to(dev)
                 mine = mine.to(head_dtype) if head_dtype is not None else mine
                 mean_mine.mul_(scale[:, None]).add_(e @ mine.double())
-            m = new
-            inside = (target >= v0) & (target < v1)
-            tgt[inside] = logits[inside, target[inside] - v0]
-            up = top > best
-            best, arg = torch.where(up, top, best), torch.where(up, where + v0, arg)
-        out.lse.append(m + torch.log(s))
-        out.target.append(tgt)
-        out.argmax.append(arg)
+        out.lse.append(acc.lse)
+        out.target.append(acc.tgt)
+        out.argmax.append(acc.arg)
         # both expectations as h . E_p[w] in float64, so a model scored against itself has a KL of exactly 0
-        out.expected_logit.append((h.double() * mean_ref).sum(-1) / s)
-        out.mean_row.append(mean_mine / s[:, None])
+        out.expected_logit.append((h.double() * mean_ref).sum(-1) / acc.s)
+        out.mean_row.append(mean_mine / acc.s[:, None])
     return out
 
 
@@ -252,24 +270,14 @@ def head_scores(
     for w in range(ids.shape[0]):
         target = ids[w, 1:].to(hidden.device)
         h = norm(hidden[w, :-1]).float()
-        n, dev = target.shape[0], h.device
-        m, s, tgt, best = _vec(n, -math.inf, dev), _vec(n, 0.0, dev), _vec(n, 0.0, dev), _vec(n, -math.inf, dev)
-        arg = torch.zeros(n, dtype=torch.long, device=dev)
+        n = target.shape[0]
+        acc = _OnlineLogits(target)
         for v0 in range(0, vocab, vocab_chunk):
-            v1 = min(v0 + vocab_chunk, vocab)
-            rows = head[v0:v1].to(h.device)
+            rows = head[v0 : v0 + vocab_chunk].to(h.device)
             mine = rows.to(head_dtype) if head_dtype is not None else rows
-            logits = (h @ mine.float().T).double()
-            top, where = logits.max(-1)
-            new = torch.maximum(m, top)
-            s = s * torch.exp(m - new) + torch.exp(logits - new[:, None]).sum(-1)
-            m = new
-            inside = (target >= v0) & (target < v1)
-            tgt[inside] = logits[inside, target[inside] - v0]
-            up = top > best
-            best, arg = torch.where(up, top, best), torch.where(up, where + v0, arg)
-        lse = m + torch.log(s)
-        window_nll = float((lse - tgt).sum())
+            acc.add((h @ mine.float().T).double(), v0)
+        lse, arg = acc.lse, acc.arg
+        window_nll = float((lse - acc.tgt).sum())
         nll += window_nll
         losses.append(window_nll / n)
         if ref is not None:
