@@ -142,13 +142,13 @@ class _OnlineLogits:
         self.m = torch.full((n,), -math.inf, dtype=torch.float64, device=dev)
         self.s = torch.zeros(n, dtype=torch.float64, device=dev)
         self.tgt = torch.zeros(n, dtype=torch.float64, device=dev)
-        self.best = torch.full((n,), -math.inf, dtype=torch.float64, device=dev)
         self.arg = torch.zeros(n, dtype=torch.long, device=dev)
 
     def add(self, logits: torch.Tensor, v0: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Take the chunk ``logits [n, C]`` of vocabulary rows ``v0..v0+C``; returns the rescale of earlier sums
         ``[n]`` and the chunk's ``exp(logit - m)`` ``[n, C]`` (for sums the caller keeps beside ``s``)."""
         top, where = logits.max(-1)
+        self.arg = torch.where(top > self.m, where + v0, self.arg)  # the running maximum is the best logit so far
         new = torch.maximum(self.m, top)
         scale = torch.exp(self.m - new)
         e = torch.exp(logits - new[:, None])
@@ -157,8 +157,6 @@ class _OnlineLogits:
         t = self.target
         inside = (t >= v0) & (t < v0 + logits.shape[1])
         self.tgt[inside] = logits[inside, t[inside] - v0]
-        up = top > self.best
-        self.best, self.arg = torch.where(up, top, self.best), torch.where(up, where + v0, self.arg)
         return scale, e
 
     @property
