@@ -2,7 +2,8 @@
 12.5 % of its KV cache with ``factor``'s defaults (the resolved split and levers), scored on Wikipedia and news.
 
 Each size runs ``mla-convert factor qwen2.5-coder-1.5b OUT --cache-fraction F --dtype bfloat16 --device cpu`` as
-its own process, measured from outside like ``benchmarks/scale.py`` (wall seconds, peak resident memory), then
+its own process, measured like ``benchmarks/scale.py`` (wall seconds; peak resident memory: the larger of the
+child's ``ru_maxrss`` and ``factor``'s own per-phase ``VmHWM``, ``scale.peak_gb``), then
 ``mla-convert eval OUT --against qwen2.5-coder-1.5b --text T --windows 8`` on the evaluation splits of Wikipedia
 and news (perplexity, ratio to the source). A code model: prose perplexity is high; the ratio is what to read.
 Rows are merged into ``benchmarks/results/second_model.json`` as they finish (an interrupted run resumes at the
@@ -24,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from scale import ROOT, machine, mla_convert_cmd, run_measured
+from scale import ROOT, machine, mla_convert_cmd, peak_gb, run_measured
 
 RESULTS = ROOT / "benchmarks" / "results" / "second_model.json"
 LOGS = ROOT / "benchmarks" / "runs" / "second-model"
@@ -61,7 +62,8 @@ def measure(source: str, fraction: float, flags: list[str]) -> dict[str, Any]:
             "values": report["model"]["cache"]["converted"]["values_per_token_per_layer"],
             "source_values": report["model"]["cache"]["source"]["values_per_token_per_layer"],
             "wall_s": m.wall_s,
-            "peak_rss_gb": m.peak_rss_gb,
+            "peak_rss_gb": m.peak_rss_gb,  # ru_maxrss: the last phase's peak only (scale.peak_gb)
+            "report_run": {k: report["run"][k] for k in ("peak_rss_mb", "peak_rss_mb_by_phase")},
             "chosen": report["run"].get("rope_pairs_chosen_by"),
             "command": shlex.join(cmd[len(mla_convert_cmd()) - 1 :]),
         }
@@ -87,7 +89,7 @@ def table(rows: list[dict[str, Any]], host: dict[str, Any]) -> list[str]:
     for r in sorted(rows, key=lambda r: -r["fraction"]):
         cells = [f"{r[t]['ppl']:.2f} (x{r[t]['ppl'] / r[t]['source_ppl']:.2f})" for t in TEXTS]
         out.append(f"| {100 * r['fraction']:.2f} % | {r['values']:g} of {r['source_values']:g} | {' | '.join(cells)} | "
-                   f"{r['wall_s'] / 60:.1f} min | {r['peak_rss_gb']:.1f} GB |")  # fmt: skip
+                   f"{r['wall_s'] / 60:.1f} min | {peak_gb(r):.1f} GB |")  # fmt: skip
     return out
 
 
