@@ -148,11 +148,12 @@ def mha_folder(smol, smol_model, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def reference_ckpt(tmp_path_factory) -> Path:
-    """``mla-convert factor smollm2-135m OUT`` once per session (:func:`run_reference`; ~10 min on 2 idle cores,
-    streamed; under pytest-xdist in one worker, :func:`pytest_xdist_make_scheduler`).
+    """``mla-convert factor smollm2-135m OUT`` with the pinned levers given once per session (:func:`run_reference`:
+    the pinned conversion without its search; ~10 min on 2 idle cores, streamed; under pytest-xdist in one worker,
+    :func:`pytest_xdist_make_scheduler`).
 
-    For quick local iteration ``MLA_CONVERT_TEST_REFERENCE=DIR`` reuses an existing default conversion
-    (CI never sets it, so CI always converts afresh)."""
+    For quick local iteration ``MLA_CONVERT_TEST_REFERENCE=DIR`` reuses an existing reference conversion, searched
+    (the quick start's) or not (CI never sets it, so CI always converts afresh)."""
     reuse = os.environ.get("MLA_CONVERT_TEST_REFERENCE")
     if reuse:
         return Path(reuse)

@@ -2,7 +2,11 @@
 
 ``manifests/smollm2-135m-reference.json`` pins the manifest of ``mla-convert factor smollm2-135m OUT --device
 cpu`` (default options on the CPU: ``--device`` is a recorded option, and ``auto`` would convert on a GPU where
-there is one, so a GPU host reproduces the pin only with ``cpu``). Any change of output — tensors, options,
+there is one, so a GPU host reproduces the pin only with ``cpu``). The suite converts it with the levers the
+pinned search chose given (``tests/reference_runs.py``: the search left out, the rest the same), and checks that
+its manifest, with ``choices`` saying where the levers came from as the search does, has the pinned canonical id
+(``MLA_CONVERT_TEST_REFERENCE=out/smollm2-mla`` checks the quick start's searched one as it is). Any change of
+output — tensors, options,
 RoPE pairs, ranks, calibration documents, reconstruction figures — changes the canonical id and fails here; the
 output files are pinned byte for byte, the weights and config per CPU model (``smollm2-135m-reference.bytes.json``:
 float kernels round differently on different CPUs). After an intended change, re-pin with ``python tests/convert/test_reference.py --repin``
@@ -23,7 +27,7 @@ from mla_convert.cli.commands import app
 from mla_convert.kernels import kernel_backend
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from reference_runs import run_reference  # noqa: E402
+from reference_runs import as_searched, run_reference  # noqa: E402
 
 PINNED = Path(__file__).resolve().parents[2] / "manifests" / "smollm2-135m-reference.json"
 #: The float-bearing files' bytes per CPU model (float kernels round differently on different CPUs).
@@ -85,11 +89,14 @@ def _figures_differ_only(a: object, b: object, skip: frozenset[str] = frozenset(
 
 
 def test_reference_manifest_is_pinned(reference):
-    got = json.loads((reference / "mla_manifest.json").read_text())
+    written = json.loads((reference / "mla_manifest.json").read_text())
+    assert written["canonical_id"] == canonical_id(written)
+    got = as_searched(written)  # the levers given (the suite's run): where the pinned search chose them
+    if got is not written:
+        got["canonical_id"] = canonical_id(got)
     pinned = json.loads(PINNED.read_text())
     assert got["options"]["device"] == pinned["options"]["device"] == "cpu"  # reproducible on a GPU host too
     assert got["run"]["device"] == "cpu"
-    assert got["canonical_id"] == canonical_id(got)
     if (
         cpu_model() in json.loads(BYTES.read_text())["by_cpu"]
         or got["canonical_id"] == pinned["canonical_id"]
@@ -175,7 +182,7 @@ if __name__ == "__main__" and "--repin" in sys.argv:
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        manifest = run_reference(Path(tmp) / "ref")
+        manifest = run_reference(Path(tmp) / "ref", search=True)  # the default conversion, its search included
     PINNED.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     pins = json.loads(BYTES.read_text())
     pins["by_cpu"][cpu_model()] = {k: manifest["outputs"][k] for k in pins["files"]}
@@ -184,8 +191,8 @@ if __name__ == "__main__" and "--repin" in sys.argv:
 
 if __name__ == "__main__" and "--pin-bytes-from" in sys.argv:  # a reference conversion made on this machine
     folder = Path(sys.argv[sys.argv.index("--pin-bytes-from") + 1])
-    manifest = json.loads((folder / "mla_manifest.json").read_text())
-    if manifest["canonical_id"] != json.loads(PINNED.read_text())["canonical_id"]:
+    manifest = json.loads((folder / "mla_manifest.json").read_text())  # the quick start's, or the suite's
+    if canonical_id(as_searched(manifest)) != json.loads(PINNED.read_text())["canonical_id"]:
         sys.exit(f"{folder} is not the pinned reference conversion (canonical id {manifest['canonical_id']})")
     pins = json.loads(BYTES.read_text())
     pins["by_cpu"][cpu_model()] = {k: manifest["outputs"][k] for k in pins["files"]}
