@@ -29,7 +29,7 @@ REFERENCE_FILES = frozenset(
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """pytest-xdist's scheduling (``-n N``): whole test files to workers, the files of :data:`REFERENCE_FILES` as one
-    unit, so the reference conversion (~10 min) is made once, and first (the unit of tests/adapt)."""
+    unit, so the reference conversion (~6 min) is made once, and first (the unit of tests/adapt)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ReferenceScheduling(LoadScopeScheduling):
@@ -149,7 +149,7 @@ def mha_folder(smol, smol_model, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def reference_ckpt(tmp_path_factory) -> Path:
     """``mla-convert factor smollm2-135m OUT`` with the pinned levers given once per session (:func:`run_reference`:
-    the pinned conversion without its search; ~10 min on 2 idle cores, streamed; under pytest-xdist in one worker,
+    the pinned conversion without its search; ~6 min on 2 idle cores, streamed; under pytest-xdist in one worker,
     :func:`pytest_xdist_make_scheduler`).
 
     For quick local iteration ``MLA_CONVERT_TEST_REFERENCE=DIR`` reuses an existing reference conversion, searched
