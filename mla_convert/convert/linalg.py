@@ -65,3 +65,34 @@ def solve(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """
     with threads_for(a, b):
         return torch.linalg.solve(a, b)
+
+
+def diagonal_blocks(m: torch.Tensor) -> list[torch.Tensor]:
+    """Index sets ``[k]`` (sorted, int64) of the diagonal blocks of a symmetric ``[n, n]`` matrix up to a
+    permutation: the connected components of its nonzero pattern (label propagation with pointer jumping).
+    An index with no nonzero entry forms its own block."""
+    n = m.shape[0]
+    linked = (m != 0) | torch.eye(n, dtype=torch.bool, device=m.device)
+    label = torch.arange(n, device=m.device)
+    while True:
+        new = torch.where(linked, label[None, :], n).amin(dim=1)  # smallest label among each index's neighbours
+        new = new[new]  # jump to that label's own label
+        if torch.equal(new, label):
+            break
+        label = new
+    return [torch.nonzero(label == root).flatten() for root in torch.unique(label).tolist()]
+
+
+def psd_sqrt(m: torch.Tensor, eps: float = 1e-10) -> torch.Tensor:
+    """Symmetric square root of a PSD ``[n, n]`` matrix, with the ridge ``eps * mean diag`` added and eigenvalues
+    clamped at it. Block-diagonal matrices (up to a permutation: :func:`diagonal_blocks`) are decomposed block by
+    block, the square root being block-diagonal on the same blocks: the output objective's ``(n_nope + G d_v)``
+    weight of a Llama-3-8B-shaped layer is 2G blocks of ~128, one 1,900-wide ``eigh`` (1.5 s in float64 on a 2-core
+    AMD EPYC) becoming 16 small ones."""
+    ridge = eps * float(torch.diagonal(m).mean().clamp_min(1e-30))
+    out = torch.zeros_like(m)
+    for idx in diagonal_blocks(m):
+        block = m[idx[:, None], idx[None, :]]
+        evals, evecs = eigh(block + ridge * torch.eye(idx.numel(), dtype=m.dtype, device=m.device))
+        out[idx[:, None], idx[None, :]] = (evecs * evals.clamp_min(ridge).sqrt()) @ evecs.T
+    return out
