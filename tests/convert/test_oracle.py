@@ -102,7 +102,7 @@ def _check_model(
 
 # --- partial RoPE at full rank, the real model ---------------------------------------------------------
 
-#: The real model's cases: the default (the shared-basis fault lived here) and per-head. Every strategy x basis x
+#: The real model's cases (SmolLM2's first layers, ``smol_head``): the default (the shared-basis fault lived here) and per-head. Every strategy x basis x
 #: mode runs on the tiny sources of three families below (test_tiny_partial_rope_full_rank).
 REAL_PARTIAL = [
     ("shared", "2-norm", 24, "complex"),
@@ -111,10 +111,8 @@ REAL_PARTIAL = [
 
 
 @pytest.mark.parametrize(("mode", "strategy", "pairs", "basis"), REAL_PARTIAL)
-def test_partial_rope_full_rank_equals_unrotated_source(
-    smol_st, smol_model, smol_windows, eval_ids, mode, strategy, pairs, basis
-):
-    moved = _check_partial_rope(smol_st, smol_model, smol_windows, eval_ids, mode, strategy, pairs, basis)
+def test_partial_rope_full_rank_equals_unrotated_source(smol_head, smol_windows, eval_ids, mode, strategy, pairs, basis):
+    moved = _check_partial_rope(*smol_head, smol_windows, eval_ids, mode, strategy, pairs, basis)
     assert moved > 0.1  # the oracle is not the source: dropping rotations is a real change
 
 
@@ -128,9 +126,7 @@ def test_partial_rope_full_rank_equals_unrotated_source(
         ("shared", 96, "output", "joint"),
     ],
 )
-def test_low_rank_all_rope_equals_projected_values(
-    smol_st, smol_model, smol_windows, eval_ids, mode, pairs, objective, factorization
-):
+def test_low_rank_all_rope_equals_projected_values(smol_head, smol_windows, eval_ids, mode, pairs, objective, factorization):
     # 96 < the rank of E[x xᵀ] on the 256 calibration tokens in every layer (layer 0: 138), so the
     # activation-weighted projection is determined.
     opts = _opts(
@@ -141,23 +137,21 @@ def test_low_rank_all_rope_equals_projected_values(
         factorization=factorization,
         kv_lora_rank=96,
     )
-    _, _, want, source = _check(
-        smol_st, smol_model, smol_windows, eval_ids, opts, full_rank=False, paths=("absorbed", "naive")
-    )
+    _, _, want, source = _check(*smol_head, smol_windows, eval_ids, opts, full_rank=False, paths=("absorbed", "naive"))
     assert (want - source).abs().max().item() > 0.1
 
 
 # --- both combined: the default conversion on the real model --------------------------------------------
 
 
-def test_default_conversion_equals_oracle_on_every_path(smol_default, smol_model, eval_ids):
+def test_default_conversion_equals_oracle_on_every_path(smol_default, smol_head, eval_ids):
     """Default options (shared 2-norm r=24, output-aware joint SVD at a 120-value budget, o_proj refit):
     the oracle takes the refitted ``o_proj`` from the checkpoint; naive, absorbed and the Triton decode
     path over the paged latent cache all equal it."""
     from mla_convert.kernels import kernel_backend
     from mla_convert.runtime.decode import generate
 
-    conv = smol_default  # every default but float32 weights
+    conv, smol_model = smol_default, smol_head[1]  # every default but float32 weights
     # the refit ran; whether it is kept is a held-out loss comparison on 384 calibration tokens that float rounding
     # decides (kept on the AMD EPYC hosts, dropped on an AMX Xeon): the oracle takes o_proj from the checkpoint either way
     refit = conv.config.source["o_proj_refit"]
