@@ -67,20 +67,30 @@ def solve(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.linalg.solve(a, b)
 
 
+#: Label-propagation passes :func:`diagonal_blocks` runs before it treats the matrix as one block (dense blocks,
+#: the conversion's case, settle in 2-3; a long permuted chain could take up to its length).
+BLOCK_PASSES = 32
+
+
 def diagonal_blocks(m: torch.Tensor) -> list[torch.Tensor]:
     """Index sets ``[k]`` (sorted, int64) of the diagonal blocks of a symmetric ``[n, n]`` matrix up to a
-    permutation: the connected components of its nonzero pattern (label propagation with pointer jumping).
-    An index with no nonzero entry forms its own block."""
+    permutation: the connected components of its nonzero pattern (label propagation with pointer jumping). An
+    index with no nonzero entry forms its own block. A matrix with no zero entry, or whose labels have not settled
+    after :data:`BLOCK_PASSES` passes, is one block (always a correct answer, only a slower one to decompose)."""
     n = m.shape[0]
-    linked = (m != 0) | torch.eye(n, dtype=torch.bool, device=m.device)
+    everything = [torch.arange(n, device=m.device)]
+    linked = m != 0
+    if bool(linked.all()):
+        return everything
+    linked |= torch.eye(n, dtype=torch.bool, device=m.device)
     label = torch.arange(n, device=m.device)
-    while True:
+    for _ in range(BLOCK_PASSES):
         new = torch.where(linked, label[None, :], n).amin(dim=1)  # smallest label among each index's neighbours
         new = new[new]  # jump to that label's own label
         if torch.equal(new, label):
-            break
+            return [torch.nonzero(label == root).flatten() for root in torch.unique(label).tolist()]
         label = new
-    return [torch.nonzero(label == root).flatten() for root in torch.unique(label).tolist()]
+    return everything
 
 
 def psd_sqrt(m: torch.Tensor, eps: float = 1e-10) -> torch.Tensor:

@@ -134,7 +134,12 @@ def run_bad_factor(
 # ----------------------------------------------------------------------------------------------
 
 
-def test_control_reaches_conversion(src: Path, good_text: Path, tmp_path: Path) -> None:
+def test_control_reaches_conversion(
+    src: Path, good_text: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mla_convert.convert.device as dev
+
+    monkeypatch.setattr(dev, "native_bfloat16", lambda device: True)  # no bfloat16 note on a GPU host without it
     out = tmp_path / "out"
     result = invoke(factor_args(src, out, good_text))
     assert isinstance(result.exception, ConversionStarted), (
@@ -155,7 +160,7 @@ def test_bfloat16_calibration_on_a_cpu_without_it_is_not_warned(
     import mla_convert.convert.device as dev
 
     monkeypatch.setattr(dev, "native_bfloat16", lambda device: False)
-    result = invoke(factor_args(src, tmp_path / "out", good_text))
+    result = invoke(factor_args(src, tmp_path / "out", good_text, "--device", "cpu"))  # cpu: GPU hosts too
     assert isinstance(result.exception, ConversionStarted), (result.exit_code, result.stderr)
     assert "emulated" not in result.stderr and "--calib-precision" not in result.stderr
 

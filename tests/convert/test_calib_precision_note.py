@@ -10,7 +10,9 @@ import torch
 from mla_convert.convert import device as dev
 
 
-@pytest.mark.parametrize(("avx512_bf16", "amx", "native"), [(False, False, False), (True, False, True), (False, True, True)])
+@pytest.mark.parametrize(
+    ("avx512_bf16", "amx", "native"), [(False, False, False), (True, False, True), (False, True, True)]
+)
 def test_native_bfloat16_reads_the_cpu_and_a_cpu_is_never_warned(
     monkeypatch: pytest.MonkeyPatch, avx512_bf16: bool, amx: bool, native: bool
 ) -> None:

@@ -62,3 +62,16 @@ def test_psd_sqrt_by_blocks_equals_the_whole_decomposition() -> None:
     full = (lambda a: a @ a.T)(torch.randn(7, 9, generator=g, dtype=torch.float64))
     assert len(linalg.diagonal_blocks(full)) == 1
     assert torch.allclose(linalg.psd_sqrt(full, 1e-10) @ linalg.psd_sqrt(full, 1e-10), full, atol=1e-10)
+
+
+def test_a_long_chain_is_one_block_however_it_is_found() -> None:
+    """A permuted tridiagonal matrix is connected: one block (found, or given up on after BLOCK_PASSES), and its
+    square root is the whole decomposition's."""
+    n = 400
+    off = torch.diag(torch.ones(n - 1, dtype=torch.float64), 1)
+    chain = torch.diag(torch.full((n,), 4.0, dtype=torch.float64)) + off + off.T
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(1))
+    m = chain[perm][:, perm]
+    (block,) = linalg.diagonal_blocks(m)
+    assert torch.equal(block, torch.arange(n))
+    assert torch.allclose(linalg.psd_sqrt(m), _dense_psd_sqrt(m, 1e-10), atol=1e-9, rtol=0)

@@ -3,14 +3,16 @@
 * partial RoPE at full latent rank == the source with the un-kept rotary components left unrotated;
 * low rank with every RoPE component kept == the source with its values projected on the latent;
 * both combined (the default conversion, refit included) == the source with both changes, on the real
-  model, through the naive, absorbed and Triton paths.
+  model's first layers, through the naive, absorbed and Triton paths.
+
+The real model here is SmolLM2's first 6 decoder layers with its embeddings and head (``smol_head``, conftest.py):
+its real weights on real text at a fifth of the whole model's conversion time.
 
 The oracles live in ``tests/oracle.py``; they read only the plan's *choice* (per-frequency basis and
 kept components), the source weights, transformers' own ``cos``/``sin`` and the saved latent rows.
-Float32 logits, max |Δ| <= 1e-5 of the oracle's largest logit magnitude (``REL_TOL``; on SmolLM2's logits of
-magnitude ~37 that is ~4e-4 absolute: float32 rounding through 30 layers moves the default conversion's
-logits by 6.5e-5 to 1.2e-4 depending only on the LAPACK threading of its decompositions, so an absolute 1e-4 sat on
-the noise; a fault moves them by 1e-2 or more).
+Float32 logits, max |Δ| <= 1e-5 of the oracle's largest logit magnitude (``REL_TOL``; set on the whole 30-layer
+model, whose logits of magnitude ~37 float32 rounding moved by 6.5e-5 to 1.2e-4 depending only on the LAPACK
+threading of its decompositions, so an absolute 1e-4 sat on the noise; a fault moves them by 1e-2 or more).
 """
 
 from __future__ import annotations
@@ -111,7 +113,9 @@ REAL_PARTIAL = [
 
 
 @pytest.mark.parametrize(("mode", "strategy", "pairs", "basis"), REAL_PARTIAL)
-def test_partial_rope_full_rank_equals_unrotated_source(smol_head, smol_windows, eval_ids, mode, strategy, pairs, basis):
+def test_partial_rope_full_rank_equals_unrotated_source(
+    smol_head, smol_windows, eval_ids, mode, strategy, pairs, basis
+):
     moved = _check_partial_rope(*smol_head, smol_windows, eval_ids, mode, strategy, pairs, basis)
     assert moved > 0.1  # the oracle is not the source: dropping rotations is a real change
 
@@ -126,7 +130,9 @@ def test_partial_rope_full_rank_equals_unrotated_source(smol_head, smol_windows,
         ("shared", 96, "output", "joint"),
     ],
 )
-def test_low_rank_all_rope_equals_projected_values(smol_head, smol_windows, eval_ids, mode, pairs, objective, factorization):
+def test_low_rank_all_rope_equals_projected_values(
+    smol_head, smol_windows, eval_ids, mode, pairs, objective, factorization
+):
     # 96 < the rank of E[x xᵀ] on the 256 calibration tokens in every layer (layer 0: 138), so the
     # activation-weighted projection is determined.
     opts = _opts(
@@ -137,7 +143,9 @@ def test_low_rank_all_rope_equals_projected_values(smol_head, smol_windows, eval
         factorization=factorization,
         kv_lora_rank=96,
     )
-    _, _, want, source = _check(*smol_head, smol_windows, eval_ids, opts, full_rank=False, paths=("absorbed", "naive"))
+    _, _, want, source = _check(
+        *smol_head, smol_windows, eval_ids, opts, full_rank=False, paths=("absorbed", "naive")
+    )
     assert (want - source).abs().max().item() > 0.1
 
 

@@ -14,7 +14,9 @@ from mla_convert.runtime.decode import greedy, greedy_recompute
 @pytest.fixture(scope="module")
 def lossy(smol_head, smol_windows):
     """A real lossy conversion at 31.25 % cache (120 values per token per layer) of SmolLM2's first layers."""
-    conv = convert(smol_head[0], *smol_windows, rope_mode="shared", rope_strategy="high", rope_pairs=32, cache_budget=120)
+    conv = convert(
+        smol_head[0], *smol_windows, rope_mode="shared", rope_strategy="high", rope_pairs=32, cache_budget=120
+    )
     return conv.model, conv.config, conv.layers
 
 
