@@ -55,9 +55,8 @@ def reference_block(manifest: dict[str, Any]) -> str:
         f"| top-1 agreement | | {rec['top1']:.1%} |",
         f"| mean held-out attention-output error per layer | | {rec['mean_attn_rel_error']:.3f} |",
         f"| calibration | | {cal['tokens']:,} tokens spread across the {len(cal['documents'])} documents of the calibration split |",
-        f"| time: source pass / convert + eval passes / whole command ({run['threads']} threads; the pinned run was "
-        f"made with other work on the cores, timings by stage on an idle machine are in the scale table of "
-        f"docs/results.md) | | "
+        f"| time: source pass / convert + eval passes / whole command ({run['threads']} threads, on the machine "
+        f"that made the pin; timings by stage on an idle machine are in the scale table of docs/results.md) | | "
         f"{t['source_pass_s']:.0f} s / {t['convert_pass_s']:.0f} s / {run['wall_s']:.0f} s |",
         f"| peak resident memory | | {run['peak_rss_mb'] / 1024:.1f} GB |",
     ]

@@ -78,7 +78,12 @@ class StatsAccumulator:
 
     @torch.no_grad()
     def add(self, x: torch.Tensor) -> None:
-        """Add the attention inputs ``x [..., hidden]`` (any float dtype) to the sums."""
+        """Add the attention inputs ``x [..., hidden]`` (any float dtype) to the sums (in float64 and float32 even
+        inside the calibration's bfloat16 autocast)."""
+        with torch.autocast(x.device.type, enabled=False):
+            self._add(x)
+
+    def _add(self, x: torch.Tensor) -> None:
         x32 = x.detach().reshape(-1, self.hid).float()
         x64 = x32.double()
         w = self.w

@@ -566,8 +566,8 @@ def factor_lines(
 ) -> list[str]:
     """Lines for ``inspect``: peak memory (its phase and largest items), disk, the time estimate (``candidates``
     and ``measured``: RoPE pairs on the search's ladder and the splits it is expected to convert, as
-    :func:`~mla_convert.convert.estimate_time.factor_time` takes them), and where this machine runs the default bfloat16 calibration emulated,
-    that note (its calibrate stage is about 4x the estimate).
+    :func:`~mla_convert.convert.estimate_time.factor_time` takes them), and where this machine runs the default bfloat16 calibration emulated
+    (a GPU without bfloat16), that note (its calibrate stage takes several times the estimate).
 
     Raises:
         ValueError: a ``max_shard_size`` huggingface_hub cannot read.

@@ -67,20 +67,12 @@ class Factors:
     rel_error_act: float  # same, weighted by C^{1/2} (calibration activations)
 
 
-def _psd_sqrt(m: torch.Tensor, eps: float = 1e-10) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric square root and inverse square root of a PSD matrix (ridge ``eps * mean diag``)."""
-    ridge = eps * float(torch.diagonal(m).mean().clamp_min(1e-30))
-    evals, evecs = linalg.eigh(m + ridge * torch.eye(m.shape[0], dtype=m.dtype))
-    evals = evals.clamp_min(ridge)
-    return (evecs * evals.sqrt()) @ evecs.T, (evecs * evals.rsqrt()) @ evecs.T
-
-
 def xx_sqrt(st: LayerStats) -> torch.Tensor:
     """``C^½`` of the layer's input second moment ``st.xx`` (``[hidden, hidden]`` float64), computed once per
     statistics object and kept in ``st.moments``: every RoPE plan a search tries on the layer weighs by the same
     ``C^½`` (one eigendecomposition of ``hidden x hidden`` per layer instead of one per plan)."""
     if "xx_sqrt" not in st.moments:
-        st.moments["xx_sqrt"] = _psd_sqrt(st.xx)[0]
+        st.moments["xx_sqrt"] = linalg.psd_sqrt(st.xx)
     return st.moments["xx_sqrt"]
 
 
@@ -135,7 +127,7 @@ def build_target(
         if n:
             m[:n, :n] /= float(torch.diagonal(m[:n, :n]).mean().clamp_min(1e-30))
         m[n:, n:] /= float(torch.diagonal(m[n:, n:]).mean().clamp_min(1e-30))
-        left = _psd_sqrt(m, eps=1e-6)[0]
+        left = linalg.psd_sqrt(m, eps=1e-6)  # block-diagonal: G key and G value blocks
     if balance and n:
         weighted = left @ target @ right
         ek = float(weighted[:n].square().sum())

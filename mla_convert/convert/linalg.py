@@ -65,3 +65,44 @@ def solve(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """
     with threads_for(a, b):
         return torch.linalg.solve(a, b)
+
+
+#: Label-propagation passes :func:`diagonal_blocks` runs before it treats the matrix as one block (dense blocks,
+#: the conversion's case, settle in 2-3; a long permuted chain could take up to its length).
+BLOCK_PASSES = 32
+
+
+def diagonal_blocks(m: torch.Tensor) -> list[torch.Tensor]:
+    """Index sets ``[k]`` (sorted, int64) of the diagonal blocks of a symmetric ``[n, n]`` matrix up to a
+    permutation: the connected components of its nonzero pattern (label propagation with pointer jumping). An
+    index with no nonzero entry forms its own block. A matrix with no zero entry, or whose labels have not settled
+    after :data:`BLOCK_PASSES` passes, is one block (always a correct answer, only a slower one to decompose)."""
+    n = m.shape[0]
+    everything = [torch.arange(n, device=m.device)]
+    linked = m != 0
+    if bool(linked.all()):
+        return everything
+    linked |= torch.eye(n, dtype=torch.bool, device=m.device)
+    label = torch.arange(n, device=m.device)
+    for _ in range(BLOCK_PASSES):
+        new = torch.where(linked, label[None, :], n).amin(dim=1)  # smallest label among each index's neighbours
+        new = new[new]  # jump to that label's own label
+        if torch.equal(new, label):
+            return [torch.nonzero(label == root).flatten() for root in torch.unique(label).tolist()]
+        label = new
+    return everything
+
+
+def psd_sqrt(m: torch.Tensor, eps: float = 1e-10) -> torch.Tensor:
+    """Symmetric square root of a PSD ``[n, n]`` matrix, with the ridge ``eps * mean diag`` added and eigenvalues
+    clamped at it. Block-diagonal matrices (up to a permutation: :func:`diagonal_blocks`) are decomposed block by
+    block, the square root being block-diagonal on the same blocks: the output objective's ``(n_nope + G d_v)``
+    weight of a Llama-3-8B-shaped layer is 2G blocks of ~128, one 1,900-wide ``eigh`` (1.5 s in float64 on a 2-core
+    AMD EPYC) becoming 16 small ones."""
+    ridge = eps * float(torch.diagonal(m).mean().clamp_min(1e-30))
+    out = torch.zeros_like(m)
+    for idx in diagonal_blocks(m):
+        block = m[idx[:, None], idx[None, :]]
+        evals, evecs = eigh(block + ridge * torch.eye(idx.numel(), dtype=m.dtype, device=m.device))
+        out[idx[:, None], idx[None, :]] = (evecs * evals.clamp_min(ridge).sqrt()) @ evecs.T
+    return out

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from mla_convert.convert.calibration import HeldOut, LayerStats, StatsAccumulator
-from mla_convert.convert.device import resolve_device, resolve_dtype, trim_heap
+from mla_convert.convert.device import bfloat16_autocast, resolve_device, resolve_dtype, trim_heap
 from mla_convert.convert.factorize import factor_layer, spectrum
 from mla_convert.convert.layers import (
     SourceLayers,
@@ -236,7 +236,7 @@ class StreamedConversion:
             held_x.append(x.detach().float().cpu())
             held_out.append(out.detach().float().cpu())
 
-        with torch.autocast(self.device.type, torch.bfloat16, enabled=self.options.calib_precision == "bfloat16"):
+        with bfloat16_autocast(self.device, enabled=self.options.calib_precision == "bfloat16"):
             s["src_calib"] = layers.run(layer, s["src_calib"], calib)
         s["src_held"] = layers.run(layer, s["src_held"], held)
         s["src_eval"] = layers.run(layer, s["src_eval"])

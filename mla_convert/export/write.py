@@ -150,14 +150,15 @@ def parity(ckpt: Path, staged: Path, tokenizer_dir: Path, dtype: torch.dtype = t
     """The whole-model parity: stock ``DeepseekV3ForCausalLM`` (from ``staged``) against our MLA model (from
     ``ckpt``, its weights rounded to the export's ``dtype`` so only the mapping is measured; RoPE frequencies stay
     float32), both run in float32, on :data:`PARITY_WINDOWS` x :data:`PARITY_WINDOW` tokens of the wikipedia
-    evaluation split: max |Δlogit|, greedy agreement over :data:`PARITY_GREEDY` tokens through stock
-    ``generate()``. Holds both whole models in float32 (8 x parameters bytes); larger models use
-    :func:`layer_parity`.
+    evaluation split: max |Δlogit|, greedy agreement over :data:`PARITY_GREEDY` tokens: stock ``generate()``'s
+    continuation against our model's greedy token after each of its prefixes (one forward; the count of leading
+    equal tokens is what our own greedy run would give). Holds both whole models in float32 (8 x parameters
+    bytes); larger models use :func:`layer_parity`.
 
     Raises:
         ExportError: the stock model does not load, or its class is not transformers' own.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     from mla_convert.mla.checkpoint import load_checkpoint
 
@@ -185,11 +186,23 @@ def parity(ckpt: Path, staged: Path, tokenizer_dir: Path, dtype: torch.dtype = t
             float((m - stock(input_ids=w[None]).logits).abs().max()) for w, m in zip(ids, mine, strict=True)
         )
         prompt = ids[0][None, :16]
-        # EOS may not end either continuation early (min_new_tokens): both are PARITY_GREEDY tokens long, so a
-        # divergence that reaches EOS in one is counted, not a shape error
-        kw = {"max_new_tokens": PARITY_GREEDY, "min_new_tokens": PARITY_GREEDY, "do_sample": False, "pad_token_id": 0}
-        a = stock.generate(prompt, **kw)[0, 16:]
-        b = ours.generate(prompt, **kw)[0, 16:]
+        p = prompt.shape[1]
+        # plain greedy: the checkpoint's carried generation_config (repetition penalties and the like) is not
+        # applied, EOS is never chosen (min_new_tokens: a continuation of PARITY_GREEDY tokens), no padding mask
+        eos = stock.generation_config.eos_token_id
+        stock.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=0)
+        seq = stock.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=PARITY_GREEDY,
+            min_new_tokens=PARITY_GREEDY, do_sample=False,
+        )  # fmt: skip
+        a = seq[0, p:]
+        # our greedy token after each prefix of stock's continuation, in one forward, under the same rules (EOS
+        # excluded): our own greedy run equals stock's up to the first token where these differ, up to the float
+        # rounding of a full forward against step-by-step decoding (the count a second generate() would give)
+        logits = ours(input_ids=seq[:, :-1]).logits[0, p - 1 :]
+        for t in [eos] if isinstance(eos, int) else list(eos or []):
+            logits[:, t] = -float("inf")
+        b = logits.argmax(-1)
     same = int((a == b).cumprod(0).sum())
     return {
         **_common(ids, dtype, "whole-model"),

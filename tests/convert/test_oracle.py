@@ -3,14 +3,16 @@
 * partial RoPE at full latent rank == the source with the un-kept rotary components left unrotated;
 * low rank with every RoPE component kept == the source with its values projected on the latent;
 * both combined (the default conversion, refit included) == the source with both changes, on the real
-  model, through the naive, absorbed and Triton paths.
+  model's first layers, through the naive, absorbed and Triton paths.
+
+The real model here is SmolLM2's first 6 decoder layers with its embeddings and head (``smol_head``, conftest.py):
+its real weights on real text at a fifth of the whole model's conversion time.
 
 The oracles live in ``tests/oracle.py``; they read only the plan's *choice* (per-frequency basis and
 kept components), the source weights, transformers' own ``cos``/``sin`` and the saved latent rows.
-Float32 logits, max |Δ| <= 1e-5 of the oracle's largest logit magnitude (``REL_TOL``; on SmolLM2's logits of
-magnitude ~37 that is ~4e-4 absolute: float32 rounding through 30 layers moves the default conversion's
-logits by 6.5e-5 to 1.2e-4 depending only on the LAPACK threading of its decompositions, so an absolute 1e-4 sat on
-the noise; a fault moves them by 1e-2 or more).
+Float32 logits, max |Δ| <= 1e-5 of the oracle's largest logit magnitude (``REL_TOL``; set on the whole 30-layer
+model, whose logits of magnitude ~37 float32 rounding moved by 6.5e-5 to 1.2e-4 depending only on the LAPACK
+threading of its decompositions, so an absolute 1e-4 sat on the noise; a fault moves them by 1e-2 or more).
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ def _check_model(
 
 # --- partial RoPE at full rank, the real model ---------------------------------------------------------
 
-#: The real model's cases: the default (the shared-basis fault lived here) and per-head. Every strategy x basis x
+#: The real model's cases (SmolLM2's first layers, ``smol_head``): the default (the shared-basis fault lived here) and per-head. Every strategy x basis x
 #: mode runs on the tiny sources of three families below (test_tiny_partial_rope_full_rank).
 REAL_PARTIAL = [
     ("shared", "2-norm", 24, "complex"),
@@ -112,9 +114,9 @@ REAL_PARTIAL = [
 
 @pytest.mark.parametrize(("mode", "strategy", "pairs", "basis"), REAL_PARTIAL)
 def test_partial_rope_full_rank_equals_unrotated_source(
-    smol_st, smol_model, smol_windows, eval_ids, mode, strategy, pairs, basis
+    smol_head, smol_windows, eval_ids, mode, strategy, pairs, basis
 ):
-    moved = _check_partial_rope(smol_st, smol_model, smol_windows, eval_ids, mode, strategy, pairs, basis)
+    moved = _check_partial_rope(*smol_head, smol_windows, eval_ids, mode, strategy, pairs, basis)
     assert moved > 0.1  # the oracle is not the source: dropping rotations is a real change
 
 
@@ -129,7 +131,7 @@ def test_partial_rope_full_rank_equals_unrotated_source(
     ],
 )
 def test_low_rank_all_rope_equals_projected_values(
-    smol_st, smol_model, smol_windows, eval_ids, mode, pairs, objective, factorization
+    smol_head, smol_windows, eval_ids, mode, pairs, objective, factorization
 ):
     # 96 < the rank of E[x xᵀ] on the 256 calibration tokens in every layer (layer 0: 138), so the
     # activation-weighted projection is determined.
@@ -142,7 +144,7 @@ def test_low_rank_all_rope_equals_projected_values(
         kv_lora_rank=96,
     )
     _, _, want, source = _check(
-        smol_st, smol_model, smol_windows, eval_ids, opts, full_rank=False, paths=("absorbed", "naive")
+        *smol_head, smol_windows, eval_ids, opts, full_rank=False, paths=("absorbed", "naive")
     )
     assert (want - source).abs().max().item() > 0.1
 
@@ -150,14 +152,14 @@ def test_low_rank_all_rope_equals_projected_values(
 # --- both combined: the default conversion on the real model --------------------------------------------
 
 
-def test_default_conversion_equals_oracle_on_every_path(smol_default, smol_model, eval_ids):
+def test_default_conversion_equals_oracle_on_every_path(smol_default, smol_head, eval_ids):
     """Default options (shared 2-norm r=24, output-aware joint SVD at a 120-value budget, o_proj refit):
     the oracle takes the refitted ``o_proj`` from the checkpoint; naive, absorbed and the Triton decode
     path over the paged latent cache all equal it."""
     from mla_convert.kernels import kernel_backend
     from mla_convert.runtime.decode import generate
 
-    conv = smol_default  # every default but float32 weights
+    conv, smol_model = smol_default, smol_head[1]  # every default but float32 weights
     # the refit ran; whether it is kept is a held-out loss comparison on 384 calibration tokens that float rounding
     # decides (kept on the AMD EPYC hosts, dropped on an AMX Xeon): the oracle takes o_proj from the checkpoint either way
     refit = conv.config.source["o_proj_refit"]

@@ -64,29 +64,6 @@ def sequential_oracle(plain: MLAForCausalLM, source: torch.nn.Module, ids: torch
     return model
 
 
-LAYERS = 6  # SmolLM2's first layers: real weights, a fifth of the conversion time
-
-
-@pytest.fixture(scope="module")
-def smol_head(smol, smol_model, tmp_path_factory):
-    """SmolLM2's first :data:`LAYERS` decoder layers (with its embeddings, final norm and tokenizer) as a
-    safetensors source, and the same truncated model in transformers (float32)."""
-    from transformers import AutoModelForCausalLM
-
-    from mla_convert.sources.checkpoint import open_source
-
-    cfg = smol_model.config.__class__.from_dict(smol_model.config.to_dict() | {"num_hidden_layers": LAYERS})
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    state = {k: v for k, v in smol_model.state_dict().items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < LAYERS}
-    model.load_state_dict(state)
-    model.tie_weights()
-    out = tmp_path_factory.mktemp("smol-head")
-    model.save_pretrained(str(out))
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        (out / f).write_bytes((smol.path / f).read_bytes())
-    return open_source(out), model.eval()
-
-
 @pytest.fixture(scope="module")
 def windows(smol_tokenizer, wiki_splits) -> torch.Tensor:
     """``[8, 128]`` real calibration windows: more tokens than ``o_proj``'s 576 inputs, so a refit is not an

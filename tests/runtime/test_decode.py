@@ -12,9 +12,11 @@ from mla_convert.runtime.decode import greedy, greedy_recompute
 
 
 @pytest.fixture(scope="module")
-def lossy(smol_st, smol_windows):
-    """A real lossy conversion at 31.25 % cache (120 values per token per layer)."""
-    conv = convert(smol_st, *smol_windows, rope_mode="shared", rope_strategy="high", rope_pairs=32, cache_budget=120)
+def lossy(smol_head, smol_windows):
+    """A real lossy conversion at 31.25 % cache (120 values per token per layer) of SmolLM2's first layers."""
+    conv = convert(
+        smol_head[0], *smol_windows, rope_mode="shared", rope_strategy="high", rope_pairs=32, cache_budget=120
+    )
     return conv.model, conv.config, conv.layers
 
 
@@ -39,7 +41,8 @@ def test_greedy_through_latent_cache_equals_recomputation(lossy, eval_ids):
     assert torch.equal(cached, recomputed)
 
 
-def test_measured_cache_is_latent_plus_rope(lossy, smol, smol_model, eval_ids):
+def test_measured_cache_is_latent_plus_rope(lossy, smol, smol_head, eval_ids):
+    smol_model = smol_head[1]
     model, cfg, records = lossy
     model.set_attention_path("absorbed")
     got = measure_cache(model, eval_ids[:, :64])
