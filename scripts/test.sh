@@ -27,7 +27,7 @@ if [ "${MLA_SKIP_MLX:-0}" != 1 ]; then
     MLA_MLX_PYTHON=$(bash scripts/mlx_env.sh)
     export MLA_MLX_PYTHON MLA_REQUIRE_MLX=1
 fi
-# A real llama.cpp: llama-cpp-python built from its sdist once per machine (~9 min on 2 cores) for
+# A real llama.cpp: llama-cpp-python built from its sdist once per machine (4-9 min on 2 cores) for
 # tests/export/test_llamacpp.py, which fail rather than skip here. MLA_SKIP_LLAMACPP=1 skips them.
 if [ "${MLA_SKIP_LLAMACPP:-0}" != 1 ]; then
     MLA_LLAMACPP_PYTHON=$(bash scripts/llamacpp_env.sh)

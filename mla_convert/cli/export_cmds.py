@@ -37,8 +37,8 @@ def check_target(target: str, shaping: bool = True) -> None:
     from mla_convert.convert.engine import SHAPE_TARGETS, TARGETS
 
     if not shaping and target == "llama.cpp":
-        fail("--target llama.cpp is served from a GGUF: use --format gguf (llama.cpp's own converter reads the "
-             "--target transformers DeepSeek-V3 folder)")  # fmt: skip
+        fail("--target llama.cpp is served from a GGUF: use --format gguf (llama.cpp's own converter cannot make "
+             "a loadable GGUF of a DeepSeek-V3 folder without a q_lora_rank; docs/serving.md)")  # fmt: skip
     allowed = SHAPE_TARGETS if shaping else TARGETS
     if target not in allowed:
         fail(f"--target {target!r} is not one of {', '.join(allowed)} (SGLang takes the vllm shapes: --target vllm)")
@@ -131,7 +131,7 @@ def run_gguf_export(ckpt: Path, out: Path, dtype: str, overwrite: bool, check: b
     console.print(msg, highlight=False, markup=False)
     for line in (f"  $(bash scripts/llamacpp_env.sh) -c \"from llama_cpp import Llama; Llama('{path}')\"  # the "
                  "llama.cpp venv's python (llama-cpp-python; MLA_LLAMACPP_PYTHON)",
-                 f"  llama-cli -m {path}  # a llama.cpp build of your own; also Ollama / LM Studio (deepseek2)"):
+                 f"  llama-cli -m {path}  # a llama.cpp build of your own (deepseek2 with MLA)"):
         console.print(line, highlight=False, markup=False)
 
 

@@ -85,7 +85,7 @@ def run_recipe_cmd(
         recipe_fail(exc)
     r, src = res.recipe, res.src
     assert src is not None
-    plan = make_plan(r)
+    plan = make_plan(r, res.resolution.choices if res.resolution is not None else None)
     show = dry_run or not STATE["quiet"]
     if show:
         plain(f"# recipe {path}" + (f" with {' '.join(overrides)}" if overrides else "") + ", resolved:")

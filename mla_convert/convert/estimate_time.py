@@ -110,8 +110,12 @@ def factor_time(options: ConvertOptions, src: Any, candidates: int = 1, measured
     if s.objective != "weight":
         sqrt64, sqrt_la = 4.0 * d**3, EIGH_S_PER_N3 * d**3
     if s.objective == "output":
-        plan64 += h * (2.0 * d_n * d * d + 2.0 * d_n * d_n * d + 2.0 * hd * hd * d) + 4.0 * r**3
-        plan_la += EIGH_S_PER_N3 * r**3
+        # its square root is block-diagonal (linalg.psd_sqrt): G NoPE-key blocks of about nope_width / G rows and G
+        # value blocks of head_dim rows, each its own eigendecomposition
+        nw = r - g * hd
+        blocks3 = nw**3 / g**2 + g * hd**3
+        plan64 += h * (2.0 * d_n * d * d + 2.0 * d_n * d_n * d + 2.0 * hd * hd * d) + 4.0 * blocks3
+        plan_la += EIGH_S_PER_N3 * blocks3
     weighted = 2.0 * r * r * d + 2.0 * r * d * d  # L W R
     plan64 += weighted
     m_, n_ = min(r, d), max(r, d)

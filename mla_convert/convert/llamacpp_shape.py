@@ -33,7 +33,7 @@ from typing import Any
 from mla_convert.convert.options import ConvertOptions, OptionsError, geometry, source_width
 
 #: The ``--target`` value (not an export target: ``--export gguf`` writes it, ``--export deepseek-v3`` gives the
-#: ``transformers`` widths llama.cpp's own converter reads).
+#: ``transformers`` widths).
 LLAMACPP = "llama.cpp"
 #: llama.cpp's ``q8_0`` block: its quantized K cache needs ``kv_lora_rank`` (the V view) and the row divisible by it.
 Q8_0_BLOCK = 32

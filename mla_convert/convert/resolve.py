@@ -208,21 +208,21 @@ def resolve_options(
     if len(candidates) > 1:
         listed = ", ".join(map(str, candidates))
         choices["rope_pairs"] = (
-            f"measured on this source: the lowest held-out KL in a local search over --rope-pairs {listed} from "
+            f"{SEARCHED}: the lowest held-out KL in a local search over --rope-pairs {listed} from "
             f"the prior (the prior {options.rope_pairs}: {choices['rope_pairs']})"
         )
         if "rope_strategy" not in given:
             strategies = _other_strategies(options, src, export, target)
         if strategies:
             choices["rope_strategy"] = (
-                f"measured on this source at the pairs chosen: the lower held-out KL of --rope-strategy "
+                f"{SEARCHED} at the pairs chosen: the lower held-out KL of --rope-strategy "
                 f"{', '.join((options.rope_strategy, *strategies))} (the prior {options.rope_strategy}: "
                 f"{choices['rope_strategy']})"
             )
         if "refit_o_proj" not in given and options.refit_o_proj in REFIT_MODES:
             modes = tuple(m for m in REFIT_MODES if m != options.refit_o_proj)
             choices["refit_o_proj"] = (
-                f"measured on this source at the split chosen: the lower held-out KL of --refit-o-proj "
+                f"{SEARCHED} at the split chosen: the lower held-out KL of --refit-o-proj "
                 f"{', '.join((options.refit_o_proj, *modes))} (the prior {options.refit_o_proj}: "
                 f"{choices['refit_o_proj']})"
             )
@@ -235,6 +235,10 @@ def resolve_options(
         candidates = ()
     return Resolution(options, "; ".join(whys) if whys else None, choices, candidates, strategies, modes)
 
+
+#: How a choice the conversion measures on the source begins (``Resolution.choices``; the manifest's ``choices``):
+#: the option's value in the manifest is then the search's winner, not the prior resolved before it.
+SEARCHED = "measured on this source"
 
 #: The ``o_proj`` refit modes a conversion measures against its prior (where the prior refits at all).
 REFIT_MODES = ("teacher", "sequential")

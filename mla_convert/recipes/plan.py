@@ -56,8 +56,25 @@ def _occupied(folder: Path) -> bool:
     return folder.exists() and (not folder.is_dir() or any(folder.iterdir()))
 
 
-def factor_stage(recipe: Recipe) -> tuple[Stage, str | None]:
-    """Whether ``<output>/factor`` is up to date; returns the stage and its canonical id when it is."""
+def searched_keys(manifest: dict[str, Any], choices: dict[str, str] | None) -> set[str]:
+    """The options of a factor output that its own search chose and that the recipe leaves to the same search: the
+    manifest's ``choices[k]`` is this resolution's ``choices[k]`` (same candidates, same prior) and says the value
+    was measured on the source (:data:`~mla_convert.convert.resolve.SEARCHED`). Their recorded values are the
+    search's winners, which the recipe's resolved prior need not equal."""
+    from mla_convert.convert.resolve import SEARCHED
+
+    made = manifest.get("choices")
+    if not choices or not isinstance(made, dict):
+        return set()
+    return {k for k, why in choices.items() if why.startswith(SEARCHED) and made.get(k) == why}
+
+
+def factor_stage(recipe: Recipe, choices: dict[str, str] | None = None) -> tuple[Stage, str | None]:
+    """Whether ``<output>/factor`` is up to date; returns the stage and its canonical id when it is.
+
+    ``choices``: where each resolved option of the recipe came from (``Resolution.choices``; None: compare every
+    option as recorded), so that the options a search chose (:func:`searched_keys`) do not make the output stale.
+    """
     from mla_convert.artifacts.manifest import MANIFEST, canonical_id, origin_name
 
     folder = recipe.out / "factor"
@@ -76,7 +93,10 @@ def factor_stage(recipe: Recipe) -> tuple[Stage, str | None]:
     if missing:
         return stale(f"{missing[0]} listed in the manifest is missing")
     want = _norm(recipe.factor.model_dump())
-    if m.get("options") != want:
+    got = m.get("options")
+    if isinstance(got, dict):
+        want |= {k: got.get(k) for k in searched_keys(m, choices)}
+    if got != want:
         return stale("options differ: " + _diff(m.get("options"), want))
     origin = (m.get("source") or {}).get("origin")
     if origin != origin_name(recipe.source):
@@ -137,10 +157,10 @@ def export_stage(recipe: Recipe, target: Path, target_cid: str | None) -> Stage:
     return Stage("export", "skip", folder, f"up to date (parent {target_cid[:12]})")
 
 
-def make_plan(recipe: Recipe) -> list[Stage]:
+def make_plan(recipe: Recipe, choices: dict[str, str] | None = None) -> list[Stage]:
     """The stages with run/skip/off and the reason, from what ``<output>`` holds now (export only when the recipe
-    has an ``export`` section)."""
-    fstage, cid = factor_stage(recipe)
+    has an ``export`` section; ``choices`` as :func:`factor_stage` takes them)."""
+    fstage, cid = factor_stage(recipe, choices)
     astage = adapt_stage(recipe, cid if fstage.action == "skip" else None)
     target = astage.folder if astage.action != "off" else fstage.folder
     v = recipe.validation

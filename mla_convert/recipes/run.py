@@ -100,7 +100,8 @@ def run_recipe(
     from mla_convert.validate.report import write_validation
 
     recipe = res.recipe
-    stop = blocked_problems(make_plan(recipe))
+    choices = res.resolution.choices if res.resolution is not None else None
+    stop = blocked_problems(make_plan(recipe, choices))
     if stop and not overwrite:
         raise RecipeError(res.file, stop)
     if res.src is None:
@@ -111,7 +112,7 @@ def run_recipe(
     say(f"wrote {recipe.out / RESOLVED_NAME}")
     done: dict[str, str] = {}
 
-    fstage, cid = factor_stage(recipe)
+    fstage, cid = factor_stage(recipe, choices)
     if fstage.action == "run":
         say(f"factor: running ({fstage.why})")
         with factor_progress() if factor_progress else nullcontext(None) as cb:

@@ -13,12 +13,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from mla_convert.adapt.options import AdaptOptions
 from mla_convert.convert.options import ConvertOptions
 from mla_convert.errors import UserError
 from mla_convert.validate.options import LadderSettings
+
+#: The float types an export writes itself (``deepseek-v3``: float16 is refused there, it cannot hold the latent norm).
+EXPORT_FLOATS = ("auto", "float32", "bfloat16", "float16")
+#: The quantized weight types of ``format: gguf``, through llama.cpp's own quantizer (the keys of
+#: :data:`mla_convert.export.gguf_file.GGUF_QUANTS`; a test keeps the two equal).
+GGUF_QUANT_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m",
+                    "q5_k_s", "q5_k_m", "q6_k")  # fmt: skip
+ExportDtype = Literal[
+    "auto", "float32", "bfloat16", "float16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k_s", "q3_k_m",
+    "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k",
+]
 
 #: The resolved recipe (every default filled in) that ``run`` writes under the recipe's output folder.
 RESOLVED_NAME = "recipe.resolved.yaml"
@@ -60,14 +71,29 @@ class ExportSettings(BaseModel):
         "deepseek-v3", description="target format (docs/export.md): deepseek-v3 (a folder) | gguf (export/model.gguf, "
         "llama.cpp deepseek2)"
     )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="written dtype (auto: the checkpoint's; float16 is refused: it cannot hold the latent norm)"
+    dtype: ExportDtype = Field(
+        "auto", description="written dtype (auto: the checkpoint's). deepseek-v3: auto | float32 | bfloat16 (float16 is "
+        "refused: it cannot hold the latent norm); gguf: also float16 and llama.cpp's quantized types (q8_0, q4_k_m, "
+        "q5_k_m, q6_k, ...) through llama.cpp's own quantizer"
     )
     target: Literal["transformers", "vllm", "vllm-cpu", "llama.cpp"] = Field(
         "transformers", description="engine shape: transformers | vllm (GPU, 512 + 64) | vllm-cpu (512 + 64, 128/128) | "
         "llama.cpp (the factor cache size is llama.cpp's served row: one rank and the fastest rope pairs; with format "
         "gguf)"
     )
+
+    @field_validator("dtype")
+    @classmethod
+    def _gguf_types_need_gguf(cls, dtype: str, info: ValidationInfo) -> str:
+        """A quantized weight type exists only in a GGUF (``format`` is validated first).
+
+        Raises:
+            ValueError: ``dtype`` one of :data:`GGUF_QUANT_TYPES` with ``format: deepseek-v3``.
+        """
+        if info.data.get("format", "gguf") != "gguf" and dtype in GGUF_QUANT_TYPES:
+            raise ValueError("a llama.cpp weight type: use format gguf, or dtype auto / float32 / "
+                             "bfloat16 for a DeepSeek-V3 folder")  # fmt: skip
+        return dtype
 
 
 class Recipe(BaseModel):

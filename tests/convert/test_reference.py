@@ -103,9 +103,13 @@ def test_reference_manifest_is_pinned(reference):
         keep = frozenset({"run", "canonical_id", "outputs"})
         assert _figures_differ_only(got, pinned, keep), "\n".join(_diff(got, pinned)[:12])
     # Every output file is hashed; the reports carry timings, and the weights and config (its refit losses)
-    # carry the CPU's float rounding: the rest is pinned byte for byte here, those two per CPU below.
+    # carry the CPU's float rounding: the rest is pinned byte for byte here, those two per CPU below. The model
+    # card prints the rounded figures (perplexity 25.792 on an AVX-512 EPYC against the pin's 25.791), so its bytes
+    # are pinned exactly where the canonical id is.
     assert set(got["outputs"]) == set(pinned["outputs"])
     floats = set(json.loads(BYTES.read_text())["files"])
+    if got["canonical_id"] != pinned["canonical_id"]:
+        floats.add("README.md")
     stable = {k: v for k, v in got["outputs"].items() if not k.startswith("report.") and k not in floats}
     assert stable == {
         k: v for k, v in pinned["outputs"].items() if not k.startswith("report.") and k not in floats

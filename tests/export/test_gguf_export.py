@@ -288,3 +288,46 @@ def test_cache_block_padding_is_the_same_function(tiny_ckpt):
     assert torch.equal(a["q_proj.weight"], b["q_proj.weight"]) and torch.equal(a["o_proj.weight"], b["o_proj.weight"])
     assert "refuses a quantized cache" in gguf_file.cache_block_note(plain, 1) or d % 32 == 0
     assert f"zero-padded {max(c.kv_lora_rank)} -> {width}" in gguf_file.cache_block_note(padded, d_r) or d_r % 32
+
+
+def test_factor_and_recipe_write_the_gguf(bundled_tokenizer, tmp_path, monkeypatch):
+    """``factor --export gguf`` writes OUT.gguf beside OUT, and a recipe's ``export: {format: gguf}`` writes
+    ``<output>/export/model.gguf`` with its parent's canonical id. A second run of the recipe skips every stage,
+    although its factor stage searched the RoPE pairs, strategy and refit on the source (the manifest records the
+    search's winners, the recipe resolves the prior: recipes/plan.py ``searched_keys``). No llama.cpp here (an empty
+    venv root): the file says why its parity was not measured; tests/export/test_llamacpp.py serves one."""
+    import yaml
+
+    monkeypatch.delenv("MLA_LLAMACPP_PYTHON", raising=False)
+    monkeypatch.setenv("MLA_LLAMACPP_VENV_ROOT", str(tmp_path / "no-llamacpp"))
+    src = write_tiny_llama(tmp_path / "src")
+    copy_tokenizer(src)
+    out = tmp_path / "mla"
+    res = CliRunner().invoke(app, ["factor", str(src), str(out), *SMALL, "--cache-budget", "40", "--rope-pairs", "4",
+                                   "--export", "gguf"])  # fmt: skip
+    assert res.exit_code == 0, res.output + str(res.exception)
+    assert f"wrote {tmp_path / 'mla.gguf'}: llama.cpp deepseek2 GGUF (float32)" in " ".join(res.output.split())
+    keys, tensors = _read(tmp_path / "mla.gguf")
+    ranks = json.loads((out / "config.json").read_text())["kv_lora_rank"]
+    assert keys["general.architecture"] == "deepseek2" and len(tensors) == 3 + 2 * 11
+    assert keys["deepseek2.attention.kv_lora_rank"] == -(-max(ranks) // 32) * 32  # --cache-block 32
+    assert json.loads(keys["mla_convert.parity"])["not_measured"].startswith("parity in llama.cpp not measured: no llama.cpp")
+
+    recipe = tmp_path / "job.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "name": "gguf", "source": str(src), "output": str(tmp_path / "job"),
+        "factor": {"calib_windows": 2, "window": 64, "eval_windows": 1, "cache_budget": 40},
+        "adapt": None, "validate": {"enabled": False}, "export": {"format": "gguf", "dtype": "float32"},
+    }, sort_keys=False))  # fmt: skip
+    res = CliRunner().invoke(app, ["run", str(recipe)])
+    assert res.exit_code == 0, res.output + str(res.exception)
+    job = tmp_path / "job"
+    keys, _ = _read(job / "export" / "model.gguf")
+    assert keys["general.architecture"] == "deepseek2" and keys["general.file_type"] == 0  # float32
+    parent = json.loads((job / "export" / "mla_manifest.json").read_text())["parent"]["canonical_id"]
+    assert parent == json.loads((job / "factor" / "mla_manifest.json").read_text())["canonical_id"]
+    made = json.loads((job / "factor" / "mla_manifest.json").read_text())["choices"]
+    assert made["rope_pairs"].startswith("measured on this source: the lowest held-out KL in a local search")
+    res = CliRunner().invoke(app, ["run", str(recipe)])
+    assert res.exit_code == 0, res.output + str(res.exception)
+    assert "factor: skipped, up to date" in res.output and "export: skipped" in res.output, res.output

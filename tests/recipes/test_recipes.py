@@ -547,3 +547,24 @@ def test_recipe_problems_stop_before_any_stage(tmp_path, fakes):
     assert r.exit_code == 2 and fakes.calls == []
     assert r.stderr.startswith(f"error: {p}: factor.rope_pairs: 40 is impossible")
     assert not (tmp_path / "out").exists()
+
+
+def test_export_dtype_follows_the_format(tmp_path):
+    """``export.dtype``: llama.cpp's quantized weight types with ``format: gguf`` only, refused with the fix on a
+    DeepSeek-V3 folder; the recipe's list is the exporter's (``gguf_file.GGUF_QUANTS``)."""
+    import typing
+
+    from mla_convert.export.gguf_file import GGUF_QUANTS
+    from mla_convert.recipes.schema import EXPORT_FLOATS, GGUF_QUANT_TYPES, ExportDtype
+
+    assert set(GGUF_QUANT_TYPES) == set(GGUF_QUANTS)
+    assert typing.get_args(ExportDtype) == EXPORT_FLOATS + GGUF_QUANT_TYPES
+    p = write(tmp_path, small_recipe(tmp_path, export={"format": "gguf", "dtype": "q4_k_m"}))
+    assert load_recipe(p).recipe.export.dtype == "q4_k_m"
+    p = write(tmp_path, small_recipe(tmp_path, export={"format": "deepseek-v3", "dtype": "q8_0"}))
+    with pytest.raises(RecipeError) as exc:
+        load_recipe(p)
+    assert exc.value.problems == [
+        "export.dtype: a llama.cpp weight type: use format gguf, or dtype auto / float32 / bfloat16 for a "
+        "DeepSeek-V3 folder (got 'q8_0') (line 14)"
+    ]
