@@ -14,8 +14,8 @@ key; V a view of K).
 Thresholds (float32 weights, f16 cache): measured on the SmolLM2 reference export (llama-cpp-python 0.3.36, CPU,
 2 threads) mean 0.0011 / max 0.0085 over 2 x 128 tokens before the latent was padded to blocks of 32 (9.4e-04 /
 0.011 after: README's engine table), 32/32 greedy tokens our argmax (the f16 cache's rounding; a tester saw mean
-0.001 / max 0.028 over 2 x 256); ``attn_k_b`` with its heads in reverse order (a mapping bug that loads) gives mean 0.28 / max 2.5. A bfloat16 GGUF is held to the bfloat16 thresholds every bf16 engine is held
-to (:data:`~mla_convert.export.engine_check.MEAN_MAX`, ``ABS_MAX``, ``GREEDY_MARGIN``: the reference's bf16 GGUF
+0.001 / max 0.028 over 2 x 256); ``attn_k_b`` with its heads in reverse order (a mapping bug that loads)
+gives mean 0.28 / max 2.5. A bfloat16 GGUF is held to the bfloat16 thresholds every bf16 engine is held to (:data:`~mla_convert.export.engine_check.MEAN_MAX`, ``ABS_MAX``, ``GREEDY_MARGIN``: the reference's bf16 GGUF
 measured mean 0.0152 / max 0.0802, its weights rounded once more than the float32 checkpoint's). Quantized files are measured with the same code and are not held to these
 thresholds (``quantized: true``). Raises nothing on a mismatch: the record says ``passed: false``.
 """
