@@ -76,6 +76,18 @@ def _refit_line(report: dict[str, Any]) -> str:
             f"{refit['loss_before']:.3f} -> {refit['loss_after']:.3f} nats.")
 
 
+def _bfloat16_line(report: dict[str, Any]) -> str:
+    """The bfloat16 check of the report (``model.bfloat16``, :mod:`mla_convert.precision`) as one sentence."""
+    rec = report["model"].get("bfloat16")
+    if not rec:
+        return "bfloat16 precision: not measured by this version."
+    if "skipped" in rec:
+        return f"bfloat16 precision: skipped ({rec['skipped']})."
+    from mla_convert.precision import gate_line
+
+    return f"{gate_line(rec)} ({rec['measured_on']}; passed when the converted mean is within 2 x the source's)."
+
+
 def to_markdown(report: dict[str, Any]) -> str:
     """The report as Markdown (``report.md``)."""
     m = report["model"]
@@ -110,6 +122,8 @@ def to_markdown(report: dict[str, Any]) -> str:
         f"| cache ratio | 1.000 | {c['ratio']:.4f} |",
         "",
         _refit_line(report),
+        "",
+        _bfloat16_line(report),
         "",
         "| layer | rope pairs | rank d_c | cache | energy | K/V rel err | K/V rel err (act) | attn rel err |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|",

@@ -226,6 +226,13 @@ def factor(
     for warning in report.get("warnings", []):
         if warning not in noticed:
             err_console.print(f"warning: {warning}", highlight=False, markup=False)
+    bf16 = report["model"].get("bfloat16") or {}
+    if "passed" in bf16:
+        from mla_convert.precision import gate_line
+
+        (console if bf16["passed"] else err_console).print(
+            ("" if bf16["passed"] else "warning: ") + gate_line(bf16), highlight=False, markup=False
+        )
     e = report["model"]["eval"]
     console.print(
         f"wrote {out}: perplexity {e['perplexity']:.3f} (source {e['reference_perplexity']:.3f}) on {e['tokens']} tokens, "

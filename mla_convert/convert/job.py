@@ -252,6 +252,24 @@ def _sample(folder: Path, tokenizer: Any, prompt: str | None, params: int) -> st
     return str(text)
 
 
+#: Evaluation windows the report's bfloat16 check scores as its long text (:mod:`mla_convert.precision`).
+PRECISION_WINDOWS = 2
+
+
+def _precision(folder: Path, src: SourceModel, tokenizer: Any, windows: torch.Tensor, text: str, params: int
+               ) -> dict[str, Any]:
+    """The converted model's bfloat16 deviation against its source's (:func:`~mla_convert.precision.conversion_precision`),
+    or why it was skipped (a model above the in-memory limit: ``mla-convert validate`` measures it, rung 7)."""
+    if params * 4 > SAMPLE_MAX_BYTES:
+        return {"skipped": "model larger than the in-memory limit; `mla-convert validate CKPT` measures it (rung 7)"}
+    from mla_convert.precision import conversion_precision
+
+    trim_heap()
+    record = conversion_precision(folder, src, tokenizer, windows, f"{text} evaluation split")
+    trim_heap()
+    return record
+
+
 def run_factor(
     src: SourceModel,
     out: Path,
@@ -370,6 +388,8 @@ def run_factor(
             write_carried(staged, src.path, config, model_card(src, options, res, ev))
             phases.enter("sample")
             sample = _sample(staged, tokenizer, sample_prompt, params)
+            phases.enter("bfloat16")
+            precision = _precision(staged, src, tokenizer, text.evaluation[:PRECISION_WINDOWS], text.name, params)
         except UserError:
             close_work(work)  # a damaged source or impossible step: nothing to resume
             raise
@@ -409,6 +429,7 @@ def run_factor(
                 else "model larger than the in-memory sample limit",
             },
             "dtype": res.dtype,
+            "bfloat16": precision,
         },
         "run": {
             "wall_s": t4 - t0,

@@ -72,20 +72,31 @@ def build_request(
     tokenizer: Any, window: int = WINDOW, windows: int = WINDOWS, new_tokens: int = NEW_TOKENS,
     dtype: str | None = "bfloat16",
 ) -> dict[str, Any]:
-    """The token ids an engine scores (``windows`` x ``window`` tokens of real text) and continues (:data:`PROMPTS`,
-    ``new_tokens`` greedy tokens each), in ``dtype`` (None: the export's own)."""
+    """The token ids an engine scores (``windows`` x ``window`` tokens of real text, then the short chat, code and
+    prose prompts of :data:`~mla_convert.precision.SHORT_PROMPTS`, where one bad position is not diluted) and
+    continues (:data:`PROMPTS`, ``new_tokens`` greedy tokens each), in ``dtype`` (None: the export's own)."""
+    from mla_convert.precision import probe_tokens
     from mla_convert.text.corpora import load_documents
     from mla_convert.text.windows import adds_bos, split_documents, token_windows
 
     docs = split_documents(load_documents("wikipedia"))["evaluation"]
     ids = token_windows(tokenizer, docs, window, windows, bos=adds_bos(tokenizer))
+    short = [s for s in probe_tokens(tokenizer, ids[:0])["short"] if len(s) >= 2]
     return {
-        "score": ids.tolist(),
+        "score": ids.tolist() + short,
+        "windows": int(ids.shape[0]),
         "greedy": [tokenizer(p).input_ids for p in PROMPTS],
         "new_tokens": new_tokens,
         "dtype": dtype,
         "custom_ops": False,
     }
+
+
+def scored_text(request: dict[str, Any]) -> str:
+    """What a request scores, in words (for records)."""
+    n = int(request.get("windows", len(request["score"])))
+    return (f"wikipedia evaluation split, {n} x {len(request['score'][0])} tokens, and {len(request['score']) - n} "
+            "short prompts (chat, code, prose)")
 
 
 def run_probe(
@@ -177,36 +188,73 @@ def agreement(ours: Any, request: dict[str, Any], result: dict[str, Any]) -> tup
 
 def against_ours(
     ckpt: Path, request: dict[str, Any], result: dict[str, Any]
-) -> tuple[torch.Tensor, torch.Tensor, list[list[float]]]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[list[float]]]:
     """Our model (``ckpt``, float32) against an engine's ``result`` on ``request`` (any probe's JSON).
 
     Returns:
-        ``diff [N]``: |our log p - the engine's| of every scored token (float64); ``floor [N]``: the same for our
-        own model in bfloat16 against float32 (the rounding floor of a bf16 engine); ``margins``: for each greedy
-        prompt, our max logit minus our logit of each token the engine picked (0 where it is our argmax).
+        ``diff [N]``: |our log p - the engine's| of every scored token (float64); ``ours_bf16 [N]``: the same for our
+        own model in bfloat16 against float32 (recorded); ``source_bf16 [N]``: the same for the *source* in
+        bfloat16 against float32 (:func:`source_floor`, the rounding floor a bf16 engine is allowed: a conversion that
+        is not bfloat16-safe must not widen its own), or None when the source is not available; ``margins``: for each
+        greedy prompt, our max logit minus our logit of each token the engine picked (0 where it is our argmax).
     """
-    import copy
-
     from mla_convert.mla.checkpoint import load_checkpoint
+    from mla_convert.precision import to_bfloat16
 
     ours = load_checkpoint(ckpt).float().eval()
-    ours_bf16 = copy.deepcopy(ours).to(torch.bfloat16)  # parameters only: RoPE frequencies stay float32
     diff, margins = agreement(ours, request, result)
-    floor = torch.cat([(_token_logprobs(ours, ids) - _token_logprobs(ours_bf16, ids)).abs() for ids in request["score"]])
-    return diff, floor, margins
+    f32 = [_token_logprobs(ours, ids) for ids in request["score"]]
+    to_bfloat16(ours)  # RoPE frequencies stay float32
+    ours_bf16 = torch.cat([(a - _token_logprobs(ours, ids)).abs() for a, ids in zip(f32, request["score"], strict=True)])
+    del ours
+    return diff, ours_bf16, source_floor(ckpt, request), margins
+
+
+def source_floor(ckpt: Path, request: dict[str, Any]) -> torch.Tensor | None:
+    """``[N]`` |log p| of every scored token of ``request``: the source of ``ckpt`` (its config's ``source.origin``,
+    when that is the bundled model or a path that exists) in bfloat16 against float32, SDPA attention, RoPE
+    frequencies float32; None when the source is not available."""
+    from mla_convert.mla.checkpoint import read_checkpoint_config
+    from mla_convert.precision import to_bfloat16
+    from mla_convert.sources.checkpoint import load_source_model, open_source
+    from mla_convert.sources.locate import BUILTIN_MODELS
+
+    origin = read_checkpoint_config(ckpt).get("source", {}).get("origin")
+    if not origin or (origin not in BUILTIN_MODELS and not Path(origin).exists()):
+        return None
+    model = load_source_model(open_source(origin), torch.float32)
+    model.set_attn_implementation("sdpa")
+    f32 = [_token_logprobs(model, ids) for ids in request["score"]]
+    to_bfloat16(model)
+    out = torch.cat([(a - _token_logprobs(model, ids)).abs() for a, ids in zip(f32, request["score"], strict=True)])
+    del model
+    return out
+
+
+def allowed_max(source_bf16: torch.Tensor | None) -> float:
+    """The max |d log p| a bfloat16 engine may show: :data:`ABS_MAX`, or :data:`FLOOR_FACTOR` x the source's own
+    bfloat16 max on the same tokens when larger (never our own bfloat16 copy's: a broken conversion would widen it)."""
+    return ABS_MAX if source_bf16 is None else max(ABS_MAX, FLOOR_FACTOR * float(source_bf16.max()))
+
+
+def floor_record(ours_bf16: torch.Tensor, source_bf16: torch.Tensor | None) -> dict[str, Any]:
+    """The two bfloat16 floors of a record: ours (recorded) and the source's (the one the threshold reads)."""
+    src = None if source_bf16 is None else {"mean": float(source_bf16.mean()), "max": float(source_bf16.max())}
+    return {"ours_bf16_abs_diff": {"mean": float(ours_bf16.mean()), "max": float(ours_bf16.max())},
+            "source_bf16_abs_diff": src}
 
 
 def compare(ckpt: Path, width: int, request: dict[str, Any], result: dict[str, Any], log: str) -> dict[str, Any]:
     """Our model (``ckpt``, float32) against vLLM's ``result`` on ``request``, vLLM expected to cache one latent head
     of ``width`` values per token per layer: the record of :func:`check_vllm` and :func:`check_plugin` (figures,
     thresholds, ``passed``, ``reasons``)."""
-    diff, bf16, margins = against_ours(ckpt, request, result)
+    diff, bf16, src_bf16, margins = against_ours(ckpt, request, result)
     worst = max(max(m) for m in margins)
     backends = sorted(set(re.findall(r"Using (\w+) (?:MLA prefill )?backend", log)))
     cache = result.get("kv_cache") or {}
     groups = cache.get("groups", [])
     reasons = []
-    abs_max = max(ABS_MAX, FLOOR_FACTOR * float(bf16.max()))
+    abs_max = allowed_max(src_bf16)
     if float(diff.mean()) > MEAN_MAX or float(diff.max()) > abs_max:
         reasons.append(f"prompt log-probabilities differ by mean {float(diff.mean()):.3f} / max {float(diff.max()):.3f} "
                        f"(allowed {MEAN_MAX} / {abs_max:.3f})")
@@ -223,10 +271,10 @@ def compare(ckpt: Path, width: int, request: dict[str, Any], result: dict[str, A
         "backends": backends,
         "dtype": result["model"]["dtype"],
         "custom_ops": result["custom_ops"],
-        "text": f"wikipedia evaluation split, {len(request['score'])} x {len(request['score'][0])} tokens",
+        "text": scored_text(request),
         "tokens_scored": int(diff.numel()),
         "logprob_abs_diff": {"mean": float(diff.mean()), "max": float(diff.max())},
-        "ours_bf16_abs_diff": {"mean": float(bf16.mean()), "max": float(bf16.max())},
+        **floor_record(bf16, src_bf16),
         "greedy": {
             "prompts": list(PROMPTS),
             "tokens": [g["tokens"] for g in result["greedy"]],
@@ -305,12 +353,12 @@ def compare_mlx(ckpt: Path, export: Path, request: dict[str, Any], result: dict[
     one latent head of ``kv_lora_rank`` (keys) and one rope key of ``qk_rope_head_dim`` (values) per token per layer.
     """
     record = json.loads((export / "mla_manifest.json").read_text())["export"]
-    diff, bf16, margins = against_ours(ckpt, request, result)
+    diff, bf16, src_bf16, margins = against_ours(ckpt, request, result)
     worst = max(max(m) for m in margins)
     model, rope = result["model"], 2 * record["rope"]["slots"]
     float32 = model["dtype"] == "float32"
     limits = dict(MLX_FLOAT32) if float32 else {
-        "mean": MEAN_MAX, "max": max(ABS_MAX, FLOOR_FACTOR * float(bf16.max())), "greedy_margin": GREEDY_MARGIN}
+        "mean": MEAN_MAX, "max": allowed_max(src_bf16), "greedy_margin": GREEDY_MARGIN}
     reasons = []
     if float(diff.mean()) > limits["mean"] or float(diff.max()) > limits["max"]:
         reasons.append(f"prompt log-probabilities differ by mean {float(diff.mean()):.3g} / max {float(diff.max()):.3g} "
@@ -336,10 +384,10 @@ def compare_mlx(ckpt: Path, export: Path, request: dict[str, Any], result: dict[
     return {
         "engine": f"MLX-LM {result['mlx_lm']} (MLX {result['mlx']}, {result['device']})",
         "dtype": model["dtype"],
-        "text": f"wikipedia evaluation split, {len(request['score'])} x {len(request['score'][0])} tokens",
+        "text": scored_text(request),
         "tokens_scored": int(diff.numel()),
         "logprob_abs_diff": {"mean": float(diff.mean()), "max": float(diff.max())},
-        "ours_bf16_abs_diff": {"mean": float(bf16.mean()), "max": float(bf16.max())},
+        **floor_record(bf16, src_bf16),
         "greedy": {
             "prompts": list(PROMPTS),
             "tokens": [g["tokens"] for g in result["greedy"]],
@@ -390,16 +438,22 @@ def table(record: dict[str, Any], what: str) -> str:
         ("engine", f"{record['engine']}, {' + '.join(record['backends'])}, {record['dtype']}"),
         ("text", f"{record['text']} ({record['tokens_scored']} tokens scored)"),
         ("prompt log-prob vs ours (float32): mean / max abs diff", f"{d['mean']:.3f} / {d['max']:.3f}"),
-        ("ours in bfloat16 vs ours in float32 (rounding floor)", f"{f['mean']:.3f} / {f['max']:.3f}"),
+        ("ours in bfloat16 vs ours in float32", f"{f['mean']:.3f} / {f['max']:.3f}"),
+        ("source in bfloat16 vs source in float32 (rounding floor)", _floor_text(record)),
         ("greedy tokens that are our argmax", f"{g['argmax_equal']} / {g['count']} (worst margin {g['max_margin']:.3f})"),
         ("KV cache vLLM allocated", cache),
         ("thresholds", f"mean <= {record['thresholds']['mean']}, max <= {record['thresholds']['max']} "
-                       f"(the larger of {ABS_MAX} and {FLOOR_FACTOR:g}x our bf16 max), "
+                       f"(the larger of {ABS_MAX} and {FLOOR_FACTOR:g}x the source's bf16 max), "
                        f"greedy within {record['thresholds']['greedy_margin']} logits"),
         ("result", "passed" if record["passed"] else "FAILED: " + "; ".join(record["reasons"])),
     ]
     lines = [f"Measured by `{what}`.", "", "| | |", "|---|---|"] + [f"| {a} | {b} |" for a, b in rows]
     return "\n".join(lines) + "\n"
+
+
+def _floor_text(record: dict[str, Any]) -> str:
+    f = record.get("source_bf16_abs_diff")
+    return "source not available (the max allowed is the fixed one)" if f is None else f"{f['mean']:.3f} / {f['max']:.3f}"
 
 
 def mlx_table(record: dict[str, Any], what: str) -> str:
@@ -413,7 +467,8 @@ def mlx_table(record: dict[str, Any], what: str) -> str:
         ("engine", f"{record['engine']}, {record['dtype']}"),
         ("text", f"{record['text']} ({record['tokens_scored']} tokens scored)"),
         ("prompt log-prob vs ours (float32): mean / max abs diff", f"{d['mean']:.2e} / {d['max']:.2e}"),
-        ("ours in bfloat16 vs ours in float32 (rounding floor)", f"{f['mean']:.3f} / {f['max']:.3f}"),
+        ("ours in bfloat16 vs ours in float32", f"{f['mean']:.3f} / {f['max']:.3f}"),
+        ("source in bfloat16 vs source in float32 (rounding floor)", _floor_text(record)),
         ("greedy tokens (MLX-LM's cached decode) that are our argmax",
          f"{g['argmax_equal']} / {g['count']} (worst margin {g['max_margin']:.2e})"),
         ("keys MLX-LM resolved", f"rope_theta {m['rope_theta']:.6g}, kv_a_layernorm eps {m['kv_a_layernorm_eps']:g}, "

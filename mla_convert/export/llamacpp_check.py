@@ -154,7 +154,7 @@ def check_llamacpp(
         "engine": f"llama.cpp (llama-cpp-python {result['llama_cpp']}, CPU, 1 thread, {cache_type} cache)",
         "dtype": record.get("dtype"),
         "quantized": quantized,
-        "text": f"wikipedia evaluation split, {len(request['score'])} x {len(request['score'][0])} tokens",
+        "text": engine_check.scored_text(request),
         "tokens_scored": int(diff.numel()),
         "logprob_abs_diff": {"mean": float(diff.mean()), "max": float(diff.max())},
         "greedy": {

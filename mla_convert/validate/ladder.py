@@ -1,6 +1,6 @@
 """``mla-convert validate``: the numerical ladder every converted checkpoint must pass.
 
-:func:`validate` opens the checkpoint, its source and the held-out text, then runs the six rungs of
+:func:`validate` opens the checkpoint, its source and the held-out text, then runs the seven rungs of
 :mod:`.rungs` (what each compares and its tolerances: :mod:`.spec`; why, and the faults each catches:
 docs/validation.md). Every number is measured on named real data; nothing is written here
 (:func:`~mla_convert.validate.report.write_validation` writes ``validation.json`` and ``validation.md``).
@@ -166,7 +166,8 @@ class _Ladder:
         return f"{self.options.text} evaluation split"
 
     def run(self) -> list[Rung]:
-        """Rungs 1-6 in order (rung 5 measures rung 3's cache)."""
+        """Rungs 1-7 in order (rung 5 measures rung 3's cache; rung 7 casts the model and the source to bfloat16, so
+        it runs last)."""
         self.say("rung 1: naive vs absorbed")
         probe = self.ids[:1, :PROBE_TOKENS]
         one = rungs.rung_paths(self.model, probe, f"{self.data}, window 0, first {probe.shape[1]} tokens")
@@ -180,7 +181,18 @@ class _Ladder:
         five = rungs.rung_ledger(self.model, cache, self.source_model, probe)
         self.say("rung 6: kernel matrix")
         six = self.rung_matrix()
-        return [one, two, three, four, five, six]
+        self.say("rung 7: bfloat16 vs source")
+        seven = self.rung_precision()
+        return [one, two, three, four, five, six, seven]
+
+    def rung_precision(self) -> Rung:
+        from transformers import AutoTokenizer
+
+        from mla_convert.validate.precision_rung import rung_precision
+
+        tok = AutoTokenizer.from_pretrained(str(self.ckpt))
+        source = self.source_model if self.src is not None else None
+        return rung_precision(self.model, source, tok, self.ids, self.data)
 
     def rung_matrix(self) -> Rung:
         """Layer 0 over the first ``matrix_max_history`` tokens of the evaluation split as one request."""
@@ -270,7 +282,7 @@ def validate(
     progress: Callable[[str], None] | None = None,
     **settings: Any,
 ) -> ValidationResult:
-    """Run the six rungs on a converted checkpoint.
+    """Run the seven rungs on a converted checkpoint.
 
     Args:
         ckpt: a folder written by ``mla-convert factor`` (or ``adapt``).

@@ -252,10 +252,21 @@ MATRIX = RungSpec(
     "oracle); format errors recorded",
 )
 
+PRECISION = RungSpec(
+    7,
+    "bfloat16-vs-source",
+    "the model in bfloat16 against itself in float32, and the source the same way (SDPA attention, RoPE "
+    "frequencies float32 in both), on the same tokens: mean and max |d log p| over two evaluation windows and over "
+    "short chat, code and prose prompts (each prompt's last position scored on float32's greedy token), and "
+    "whether bfloat16's first greedy token after each short prompt is float32's (without the source: recorded only)",
+    "converted mean |d log p| <= 2 x the source's + 0.005 nats on each set; no short prompt where the source keeps "
+    "float32's first token (float32 scores bfloat16's pick within 0.1 nats of its own) and the converted model does not",
+)
+
 #: The rungs in ladder order.
-RUNGS: tuple[RungSpec, ...] = (PATHS, KERNEL, DECODE, SOURCE, LEDGER, MATRIX)
+RUNGS: tuple[RungSpec, ...] = (PATHS, KERNEL, DECODE, SOURCE, LEDGER, MATRIX, PRECISION)
 
 
 def spec_of(number: int) -> RungSpec | None:
-    """The documented rung ``number`` (1-6), or None."""
+    """The documented rung ``number`` (1-7), or None."""
     return next((s for s in RUNGS if s.number == number), None)

@@ -1,0 +1,108 @@
+"""Real magnitudes for tiny sources (issue 48): attention biases and activation outliers measured on the real models
+we have, then generated into tiny random checkpoints of the same family.
+
+``python tests/magnitudes.py`` measures the real models (Qwen2.5-Coder-1.5B-Instruct for Qwen2's q/k/v biases,
+SmolLM2-135M-Instruct for a Llama's norm-weight outliers) and writes ``tests/magnitudes.json``; the tests read that
+file (no real model needed) through :func:`write_real_magnitude_source`.
+
+What is kept per profiled layer (the first two layers, where Qwen2's key biases peak, and one middle layer):
+
+* ``k_bias_pairs [G][d/2]``: each KV head's key-bias norm per RoPE pair ``k`` (dims ``k`` and ``k + d/2``, HF's
+  rotate_half layout; pair 0 rotates fastest). Qwen2.5-Coder-1.5B layer 0: up to 456 on the slowest pairs.
+* ``q_bias_pairs [H][d/2]`` and ``v_bias_rms``: the same for the queries (up to 29), the value bias's rms.
+* ``norm_peak``: max / rms of the layer's input-norm weight (the activation outliers a Llama's norm makes).
+* ``weight_rms``: rms of the q/k/v weights, to express the biases against the weights' scale.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+PROFILE = Path(__file__).with_name("magnitudes.json")
+#: Source layers profiled: the first two (Qwen2's key biases peak there) and one from the middle.
+LAYERS = (0, 1, "middle")
+
+
+def measure(name: str) -> dict[str, Any]:
+    """The profile of the bundled source ``name`` (see the module docstring)."""
+    import torch
+
+    from mla_convert.sources.checkpoint import open_source
+
+    src = open_source(name)
+    h, g, d = src.num_heads, src.num_kv_heads, src.head_dim
+    layers = []
+    for layer in LAYERS:
+        i = src.num_layers // 2 if layer == "middle" else int(layer)
+        w = src.attention_weights(i)
+        row: dict[str, Any] = {"layer": i}
+
+        def pairs(b: torch.Tensor, heads: int) -> list[list[float]]:
+            b = b.reshape(heads, d)
+            return (b[:, : d // 2].square() + b[:, d // 2 :].square()).sqrt().round(decimals=4).tolist()
+
+        if "bk" in w:
+            row["k_bias_pairs"] = pairs(w["bk"], g)
+            row["q_bias_pairs"] = pairs(w["bq"], h)
+            row["v_bias_rms"] = float(w["bv"].square().mean().sqrt())
+        norm = src.tensor(f"model.layers.{i}.input_layernorm.weight")
+        row["norm_rms"] = float(norm.square().mean().sqrt())
+        row["norm_peak"] = float(norm.abs().max() / norm.square().mean().sqrt())
+        row["weight_rms"] = {p: float(w[p].square().mean().sqrt()) for p in "qkv"}
+        layers.append(row)
+    return {"source": name, "num_heads": h, "num_kv_heads": g, "head_dim": d, "hidden_size": src.hidden_size,
+            "layers": layers}
+
+
+def profile(name: str) -> dict[str, Any]:
+    """The committed profile of ``name`` (``qwen2.5-coder-1.5b``)."""
+    return json.loads(PROFILE.read_text())[name]
+
+
+def write_real_magnitude_source(folder: Path, layers: int = 2, seed: int = 0) -> Path:
+    """A tiny random Qwen2 (hidden 256, 4 heads, 2 KV heads, head_dim 128 as Qwen2.5's, SmolLM2's vocabulary) whose
+    q/k/v biases have Qwen2.5-Coder-1.5B's magnitudes: tiny layer ``i`` takes profiled layer ``i``'s per-pair bias
+    norms (each KV head's key bias on the same RoPE pairs, query heads from the real ones, values at the real rms),
+    each pair at a random angle, scaled so the bias-to-signal ratio is the real model's: a projection's output on
+    a normed input has rms about ``weight_rms x sqrt(hidden) x norm_rms``, so the biases are multiplied by the
+    tiny model's value of it over the real one's. Saved with ``save_pretrained`` into ``folder``, the bundled tokenizer beside it."""
+    import torch
+    from tiny import TINY, copy_tokenizer
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    prof = profile("qwen2.5-coder-1.5b")
+    d = prof["head_dim"]
+    cfg = {**TINY, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": d, "num_hidden_layers": layers, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(Qwen2Config(**cfg))
+    gen = torch.Generator().manual_seed(seed)
+
+    def biased(pair_norms: list[list[float]], heads: int, scale: float) -> torch.Tensor:
+        n = torch.tensor(pair_norms, dtype=torch.float64)[:heads] * scale  # [heads, d/2]
+        angle = torch.rand(n.shape, generator=gen, dtype=torch.float64) * 2 * math.pi
+        return torch.cat([n * angle.cos(), n * angle.sin()], dim=-1).reshape(-1).float()
+
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            row = prof["layers"][min(i, len(prof["layers"]) - 1)]
+            att = layer.self_attn
+            for proj, key in ((att.q_proj, "q"), (att.k_proj, "k"), (att.v_proj, "v")):
+                tiny = float(proj.weight.square().mean().sqrt()) * math.sqrt(cfg["hidden_size"])
+                scale = tiny / (row["weight_rms"][key] * math.sqrt(prof["hidden_size"]) * row["norm_rms"])
+                if key == "v":
+                    proj.bias.normal_(0, row["v_bias_rms"] * scale, generator=gen)
+                else:
+                    heads = proj.out_features // d
+                    proj.bias.copy_(biased(row[f"{key}_bias_pairs"], heads, scale))
+    model.save_pretrained(str(folder))
+    copy_tokenizer(folder)
+    return folder
+
+
+if __name__ == "__main__":
+    PROFILE.write_text(json.dumps({"qwen2.5-coder-1.5b": measure("qwen2.5-coder-1.5b")}, indent=1) + "\n")
+    print(f"wrote {PROFILE}")
