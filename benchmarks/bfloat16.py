@@ -243,14 +243,14 @@ def measure(ckpt: Path, source: str | None, windows: int, window: int, with_wher
     t0 = time.time()
     src_model = load_source_model(open_source(origin), torch.float32)
     src_model.set_attn_implementation("sdpa")
+    src_where = where(src_model, SOURCE_TERMS, tokens) if with_where else []  # float32 first: probe casts in place
     src_probe = probe(src_model, tokens)
+    del src_model
     model = load_checkpoint(ckpt).float().eval()
+    conv_where = where(model, MLA_TERMS, tokens) if with_where else []
     conv_probe = probe(model, tokens)
     gate = precision_gate(conv_probe, src_probe)
     print(gate_line(gate), flush=True)
-    src_where = where(src_model, SOURCE_TERMS, tokens) if with_where else []
-    del src_model
-    conv_where = where(model, MLA_TERMS, tokens) if with_where else []
     rec: dict[str, Any] = {
         "ckpt": str(ckpt),
         "source": origin,

@@ -4,7 +4,10 @@ The oracle never touches the streamed conversion's layers or streams: the source
 transformers' own forward of the whole source model (a hook on every ``self_attn``), the converted model's
 ``o_proj`` inputs from the whole :class:`~mla_convert.mla.modeling.MLAForCausalLM` forward of the plain
 (``--refit-o-proj none``) conversion, refitted layer after layer in place. Each ridge fit is solved here from
-its definition (docs/math.md, "The o_proj refit"): ``W = argmin ‖Z Wᵀ - Y‖² + λ ‖W - W_0‖²``.
+its definition (docs/math.md, "The o_proj refit"): ``W = argmin ‖Z Wᵀ - Y‖² + λ ‖W - W_0‖²`` with
+``λ = 1e-4 · mean diag(ZᵀZ)``, or, where that fit's bfloat16 rounding sensitivity ``Σ_ij W_ij² E[z_j²]`` exceeds
+``1.25²`` x ``W_0``'s, the smallest larger ``λ`` that meets it (found here by a plain bisection on ``log λ`` with a
+fresh linear solve at every step).
 """
 
 from __future__ import annotations
@@ -19,6 +22,30 @@ import torch
 from mla_convert.mla.modeling import MLAForCausalLM
 
 RIDGE = 1e-4  # docs/math.md: λ = 1e-4 · mean diag(ZᵀZ)
+LIMIT = 1.25  # docs/math.md: the refit's rounding sensitivity at most 1.25 x the assembled o_proj's
+
+
+def _ridge(gram: torch.Tensor, zy: torch.Tensor, w0: torch.Tensor, lam: float) -> torch.Tensor:
+    return torch.linalg.solve(gram + lam * torch.eye(len(gram), dtype=torch.float64), zy + lam * w0)
+
+
+def oracle_fit(z: torch.Tensor, y: torch.Tensor, w0: torch.Tensor) -> torch.Tensor:
+    """The bounded ridge refit ``[in, out]`` from its definition (module docstring)."""
+    gram, zy = z.T @ z, z.T @ y
+    ms = (z * z).mean(0)[:, None]
+
+    def sens(w: torch.Tensor) -> float:
+        return float((w * w * ms).sum())
+
+    lam = RIDGE * float(torch.diagonal(gram).mean())
+    w = _ridge(gram, zy, w0, lam)
+    if sens(w) <= LIMIT**2 * sens(w0):
+        return w
+    lo, hi = torch.tensor(lam).log(), torch.tensor(lam * 1e14).log()
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sens(_ridge(gram, zy, w0, float(mid.exp()))) > LIMIT**2 * sens(w0) else (lo, mid)
+    return _ridge(gram, zy, w0, float(hi.exp()))
 
 
 @torch.no_grad()
@@ -57,10 +84,7 @@ def sequential_oracle(plain: MLAForCausalLM, source: torch.nn.Module, ids: torch
         y = targets[i].reshape(-1, o_proj.out_features).double()
         if o_proj.bias is not None:
             y = y - o_proj.bias.double()
-        gram = z.T @ z
-        lam = RIDGE * float(torch.diagonal(gram).mean())
-        w = torch.linalg.solve(gram + lam * torch.eye(len(gram), dtype=torch.float64), z.T @ y + lam * o_proj.weight.double().T)
-        o_proj.weight.copy_(w.T.float())
+        o_proj.weight.copy_(oracle_fit(z, y, o_proj.weight.double().T).T.float())
     return model
 
 
