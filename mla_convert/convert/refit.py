@@ -34,8 +34,7 @@ def rounding_sensitivity(w: torch.Tensor, feature_ms: torch.Tensor) -> float:
 
 @torch.no_grad()
 def refit_o_proj(
-    attn: MLAAttention, x: torch.Tensor, target: torch.Tensor, ridge: float = 1e-4,
-    limit: float = SENSITIVITY_LIMIT,
+    attn: MLAAttention, x: torch.Tensor, target: torch.Tensor, ridge: float = 1e-4, limit: float | None = None
 ) -> float:
     """Refit ``o_proj.weight`` by ridge least squares so the converted layer's attention output matches the
     source's on calibration tokens (teacher-forced inputs). ``o_proj`` is not part of the cache, so this
@@ -51,7 +50,8 @@ def refit_o_proj(
         x: ``[N, T, hidden]`` source attention inputs; target: ``[N, T, hidden]`` source attention outputs.
         ridge: the smallest Tikhonov weight, relative to the mean diagonal of ``ZᵀZ``; the fit is shrunk toward the
             assembled ``o_proj`` (directions the calibration tokens do not excite keep their weights).
-        limit: the largest rounding sensitivity allowed, as a multiple of the assembled ``o_proj``'s.
+        limit: the largest rounding sensitivity allowed, as a multiple of the assembled ``o_proj``'s (None:
+            :data:`SENSITIVITY_LIMIT`).
 
     Returns:
         Relative residual ``‖Z Wᵀ - Y‖ / ‖Y‖`` on the fitting tokens.
@@ -78,7 +78,7 @@ def refit_o_proj(
     lo = ridge * scale
     w = linalg.solve(gram + lo * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device), rhs + lo * w0)
     feature_ms = torch.diagonal(gram) / z.shape[0]
-    allowed = limit * rounding_sensitivity(w0, feature_ms)
+    allowed = (SENSITIVITY_LIMIT if limit is None else limit) * rounding_sensitivity(w0, feature_ms)
     if rounding_sensitivity(w, feature_ms) > allowed:
         w = _bounded_fit(gram, rhs, w0, feature_ms, allowed, lo, scale)
     attn.o_proj.weight.copy_(w.T.to(attn.o_proj.weight.dtype))
