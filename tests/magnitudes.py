@@ -2,7 +2,7 @@
 we have, then generated into tiny random checkpoints of the same family.
 
 ``python tests/magnitudes.py`` measures the real models (Qwen2.5-Coder-1.5B-Instruct for Qwen2's q/k/v biases,
-SmolLM2-135M-Instruct for a Llama's norm-weight outliers) and writes ``tests/magnitudes.json``; the tests read that
+SmolLM2-135M-Instruct, a Llama, for its input-norm outliers: up to 7.9x the rms in layer 0) and writes ``tests/magnitudes.json``; the tests read that
 file (no real model needed) through :func:`write_real_magnitude_source`.
 
 What is kept per profiled layer (the first two layers, where Qwen2's key biases peak, and one middle layer):
@@ -62,7 +62,7 @@ def profile(name: str) -> dict[str, Any]:
     return json.loads(PROFILE.read_text())[name]
 
 
-def write_real_magnitude_source(folder: Path, layers: int = 2, seed: int = 0) -> Path:
+def write_real_magnitude_source(folder: Path, layers: int = 2, seed: int = 0, **overrides: Any) -> Path:
     """A tiny random Qwen2 (hidden 256, 4 heads, 2 KV heads, head_dim 128 as Qwen2.5's, SmolLM2's vocabulary) whose
     q/k/v biases have Qwen2.5-Coder-1.5B's magnitudes: tiny layer ``i`` takes profiled layer ``i``'s per-pair bias
     norms (each KV head's key bias on the same RoPE pairs, query heads from the real ones, values at the real rms),
@@ -76,7 +76,8 @@ def write_real_magnitude_source(folder: Path, layers: int = 2, seed: int = 0) ->
     prof = profile("qwen2.5-coder-1.5b")
     d = prof["head_dim"]
     cfg = {**TINY, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
-           "head_dim": d, "num_hidden_layers": layers, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+           "head_dim": d, "num_hidden_layers": layers, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+           **overrides}
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(Qwen2Config(**cfg))
     gen = torch.Generator().manual_seed(seed)
@@ -103,6 +104,29 @@ def write_real_magnitude_source(folder: Path, layers: int = 2, seed: int = 0) ->
     return folder
 
 
+def add_norm_outliers(folder: Path, seed: int = 0) -> Path:
+    """Give the tiny checkpoint in ``folder`` the input-norm outliers of a real Llama (SmolLM2-135M's profile):
+    layer ``i``'s ``input_layernorm`` weight gets a few channels at the real ``norm_peak`` x its rms, so the
+    attention inputs carry activation outliers of the real ratio; rewritten in place."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    prof = profile("smollm2-135m")
+    (weights,) = folder.glob("*.safetensors")
+    tensors, gen = load_file(str(weights)), torch.Generator().manual_seed(seed)
+    i = 0
+    while f"model.layers.{i}.input_layernorm.weight" in tensors:
+        row = prof["layers"][min(i, len(prof["layers"]) - 1)]
+        w = tensors[f"model.layers.{i}.input_layernorm.weight"]
+        w = (1 + 0.2 * torch.randn(w.shape, generator=gen)).abs()
+        idx = torch.randperm(w.numel(), generator=gen)[: max(1, w.numel() // 64)]
+        w[idx] = row["norm_peak"] * float(w.square().mean().sqrt())
+        tensors[f"model.layers.{i}.input_layernorm.weight"] = w
+        i += 1
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    return folder
+
+
 if __name__ == "__main__":
-    PROFILE.write_text(json.dumps({"qwen2.5-coder-1.5b": measure("qwen2.5-coder-1.5b")}, indent=1) + "\n")
+    PROFILE.write_text(json.dumps({n: measure(n) for n in ("qwen2.5-coder-1.5b", "smollm2-135m")}, indent=1) + "\n")
     print(f"wrote {PROFILE}")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import copy_tokenizer, write_tiny_family
 
 from mla_convert.precision import (
     SHORT_PROMPTS,
@@ -16,7 +17,6 @@ from mla_convert.precision import (
     probe_tokens,
     to_bfloat16,
 )
-from tiny import copy_tokenizer, write_tiny_family
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +43,8 @@ def _tokens(ckpt: Path) -> dict:
 
 
 def test_probe_tokens_cover_chat_code_and_prose():
-    from transformers import AutoTokenizer
-
     from tiny import bundled_model_dir
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(bundled_model_dir()))
     tokens = probe_tokens(tok, torch.zeros(2, 16, dtype=torch.long))

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from mla_convert.precision import FACTOR, SLACK, TIE, PrecisionProbe, precision_gate, probe, probe_tokens
+from mla_convert.precision import FACTOR, SLACK, PrecisionProbe, precision_gate, probe, probe_tokens
 from mla_convert.validate.measure import timed
 from mla_convert.validate.result import Rung
 from mla_convert.validate.spec import PRECISION
@@ -49,8 +49,8 @@ def rung_precision(model: Any, source_model: Any | None, tokenizer: Any, windows
                 f"{ft['converted_equal']} / {ft['source_equal']} of {ft['prompts']}")
     rung.record("short prompts: float32 log-prob deficit of bfloat16's first token, converted max / source max "
                 "(nats)", f"{max(ft['converted_deficit']):.3g} / {max(ft['source_deficit']):.3g}")
-    rung.check(f"short prompts where the source keeps float32's first token (within {TIE:g} nats) and the converted "
-               "model does not", len(ft["lost"]), 0, "==")
+    rung.check(f"short prompts where the source keeps float32's first token (within {ft['tie']:.3g} nats) and the "
+               "converted model does not", len(ft["lost"]), 0, "==")
     return rung
 
 

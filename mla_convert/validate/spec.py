@@ -260,7 +260,8 @@ PRECISION = RungSpec(
     "short chat, code and prose prompts (each prompt's last position scored on float32's greedy token), and "
     "whether bfloat16's first greedy token after each short prompt is float32's (without the source: recorded only)",
     "converted mean |d log p| <= 2 x the source's + 0.005 nats on each set; no short prompt where the source keeps "
-    "float32's first token (float32 scores bfloat16's pick within 0.1 nats of its own) and the converted model does not",
+    "float32's first token (float32 scores bfloat16's pick within max(0.1, 2 x the source's largest short-prompt "
+    "|d log p|) nats of its own) and the converted model does not",
 )
 
 #: The rungs in ladder order.

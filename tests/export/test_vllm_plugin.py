@@ -28,7 +28,8 @@ from typing import Any
 
 import pytest
 import torch
-from tiny import copy_tokenizer, write_tiny_family, write_tiny_llama
+from magnitudes import add_norm_outliers, write_real_magnitude_source
+from tiny import copy_tokenizer, write_tiny_llama
 from typer.testing import CliRunner
 
 from mla_convert.cli.commands import app
@@ -75,8 +76,9 @@ def _factor(src: Path, out: Path) -> Path:
 @pytest.fixture(scope="module")
 def tiny_ckpts(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("plugin")
-    qwen2 = write_tiny_family(root / "qwen2", "qwen2", initializer_range=TINY_INIT)
-    llama3 = write_tiny_llama(root / "llama3", rope_parameters=LLAMA3, initializer_range=TINY_INIT, **WIDE)
+    # Qwen2.5-Coder-1.5B's bias magnitudes and SmolLM2's input-norm outliers (tests/magnitudes.py)
+    qwen2 = write_real_magnitude_source(root / "qwen2", initializer_range=TINY_INIT)
+    llama3 = add_norm_outliers(write_tiny_llama(root / "llama3", rope_parameters=LLAMA3, initializer_range=TINY_INIT, **WIDE))
     for src in (qwen2, llama3):
         copy_tokenizer(src)
     ckpts = {"qwen2": _factor(qwen2, root / "qwen2-mla"), "llama3": _factor(llama3, root / "llama3-mla")}
