@@ -217,3 +217,22 @@ def conversion_precision(ckpt: Any, source: Any, tokenizer: Any, windows: torch.
         "measured_on": f"{text}, {windows.shape[0]} x {windows.shape[1]} tokens, and {len(SHORT_PROMPTS)} short "
         "prompts (chat, code, prose); float32 against bfloat16 (RoPE frequencies float32), source in SDPA attention",
     }
+
+
+def bfloat16_refusal(ckpt: Any) -> str | None:
+    """Why ``ckpt`` (a converted folder) must not be exported in bfloat16, or None: its ``report.json`` records the
+    bfloat16 check (``model.bfloat16``) as failed. Checkpoints whose report has no such record (older versions, or
+    a model above factor's in-memory limit) are not refused here: ``mla-convert validate`` measures them (rung 7)."""
+    import json
+    from pathlib import Path
+
+    try:
+        report = json.loads((Path(ckpt) / "report.json").read_text())
+    except (OSError, ValueError):
+        return None
+    rec = (report.get("model") or {}).get("bfloat16") or {}
+    if rec.get("passed") is not False:
+        return None
+    return (f"{ckpt} is not bfloat16-safe ({gate_line(rec)}; report.json model.bfloat16): an engine serving it in "
+            "bfloat16 would not compute the checkpoint's function; export --dtype float32, or convert again with "
+            "this version of mla-convert (its o_proj refit is bounded for bfloat16)")

@@ -115,3 +115,23 @@ def test_first_token_rule_excuses_near_ties_only():
     assert not record["passed"] and record["first_token"]["lost"] == [1]
     both = PrecisionProbe(**{**base, "first_bf16": [1, 3], "first_deficit": [0.0, 2.0]})
     assert precision_gate(lost, both)["first_token"]["lost"] == []  # the source loses it too
+
+
+def test_export_refuses_bfloat16_for_a_conversion_that_failed_the_check(tiny_qwen2_mla, tmp_path):
+    import json
+    import shutil
+
+    from mla_convert.export.gguf_file import export_gguf
+    from mla_convert.export.write import ExportError
+    from mla_convert.precision import bfloat16_refusal
+
+    assert bfloat16_refusal(tiny_qwen2_mla) is None  # its own report: passed
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_qwen2_mla, bad)
+    report = json.loads((bad / "report.json").read_text())
+    report["model"]["bfloat16"]["passed"] = False
+    (bad / "report.json").write_text(json.dumps(report))
+    why = bfloat16_refusal(bad)
+    assert why is not None and "not bfloat16-safe" in why and "--dtype float32" in why
+    with pytest.raises(ExportError, match="not bfloat16-safe"):
+        export_gguf(bad, tmp_path / "bad.gguf", dtype="bfloat16")

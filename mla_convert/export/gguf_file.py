@@ -370,6 +370,7 @@ def export_gguf(
         OutputError: an existing file without ``overwrite``.
     """
     from mla_convert.mla.checkpoint import checkpoint_dtype, read_checkpoint_config
+    from mla_convert.precision import bfloat16_refusal
 
     say = note or (lambda _: None)
     if dtype not in GGUF_DTYPES:
@@ -387,6 +388,8 @@ def export_gguf(
                               "`bash scripts/llamacpp_env.sh` (or pip install llama-cpp-python==0.3.36) and set "
                               "MLA_LLAMACPP_PYTHON to that python, or export --dtype float32 / float16 / bfloat16")
     base = "float32" if quant else (checkpoint_dtype(ckpt) if dtype == "auto" else dtype)
+    if base == "bfloat16" and (why := bfloat16_refusal(ckpt)):
+        raise ExportError(why)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)

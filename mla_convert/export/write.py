@@ -392,6 +392,7 @@ def export_checkpoint(
     from mla_convert.artifacts.shards import write_shards
     from mla_convert.mla.checkpoint import checkpoint_dtype, read_checkpoint_config
     from mla_convert.mla.configuration import MLAConfig
+    from mla_convert.precision import bfloat16_refusal
 
     started = time.perf_counter()
     say = note or (lambda _: None)
@@ -407,6 +408,8 @@ def export_checkpoint(
     config = MLAConfig.from_pretrained(str(ckpt))
     if dtype == "auto":  # vLLM serves bfloat16 (AMX_MLA takes nothing else): write what it runs, rounded once
         dtype = "bfloat16" if target != "transformers" else checkpoint_dtype(ckpt)
+    if dtype == "bfloat16" and (why := bfloat16_refusal(ckpt)):
+        raise ExportError(why)
     out_dtype: torch.dtype = getattr(torch, dtype)
     plan = plan_export(config, out_dtype, target)
     tensors = _reader(ckpt)
