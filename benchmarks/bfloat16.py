@@ -15,7 +15,7 @@ For CKPT (a converted ``mla`` folder) and its source (recorded in CKPT's config,
     .venv/bin/python benchmarks/bfloat16.py --ckpt CKPT [--source SRC] [--where] [--name NAME] [--results]
 
 Rows are merged into ``benchmarks/results/bfloat16.json`` under NAME; ``--results`` writes the tables between
-``docs/results.md``'s ``<!-- bfloat16:start -->`` / ``<!-- bfloat16:end -->`` markers.
+``docs/results.md``'s ``<!-- bfloat16:start -->`` / ``<!-- bfloat16:end -->`` markers (``benchmarks/collect.py bfloat16`` too).
 """
 
 from __future__ import annotations
@@ -266,7 +266,7 @@ def measure(ckpt: Path, source: str | None, windows: int, window: int, with_wher
     return rec
 
 
-def write_results() -> None:
+def block() -> str:
     """The tables between docs/results.md's bfloat16 markers, from results/bfloat16.json."""
     data = json.loads(RESULTS.read_text())
     lines = [
@@ -299,13 +299,14 @@ def write_results() -> None:
                     f"| {side} | {row['term']} | {row['short']:.4f} | {row['long']:.4f} | "
                     f"{row['max_abs']:.3g} ({row['max_abs_layer']}) | {row['peak_to_rms']:.3g} |"
                 )
-    text = DOC.read_text()
-    start, end = "<!-- bfloat16:start -->", "<!-- bfloat16:end -->"
-    if start not in text:
-        text += f"\n## bfloat16\n\n{start}\n{end}\n"
-    head, rest = text.split(start, 1)
-    tail = rest.split(end, 1)[1]
-    DOC.write_text(head + start + "\n" + "\n".join(lines) + "\n" + end + tail)
+    return "\n".join(lines) + "\n"
+
+
+def write_results() -> None:
+    """Write :func:`block` into docs/results.md."""
+    from blocks import replace_block
+
+    print(f"bfloat16: {replace_block('bfloat16', block(), ROOT)}")
 
 
 if __name__ == "__main__":

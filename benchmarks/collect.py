@@ -70,6 +70,7 @@ COLLECTORS: dict[str, Callable[[], str]] = {
     "export-transformers": lambda: _mod("export").transformers_block(_json("export.json")),  # type: ignore[arg-type]
     "engine-shape": lambda: _mod("engine_shape").collect_block(),
     "llamacpp-bench": lambda: _mod("llamacpp").block(_json("llamacpp.json")),  # type: ignore[arg-type]
+    "bfloat16": lambda: _mod("bfloat16").block(),
 }
 
 
