@@ -210,9 +210,11 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--where", action="store_true")
     ap.add_argument("--results", action="store_true")
+    ap.add_argument("--source-o-proj", action="store_true",
+                    help="put the source's o_proj weights back into the converted model (the refit's share)")
     args = ap.parse_args()
     if args.ckpt is not None:
-        record = measure(args.ckpt, args.source, args.windows, args.window, args.where)
+        record = measure(args.ckpt, args.source, args.windows, args.window, args.where, args.source_o_proj)
         data = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
         data[args.name or args.ckpt.name] = record
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
@@ -225,8 +227,12 @@ def main() -> None:
         write_results()
 
 
-def measure(ckpt: Path, source: str | None, windows: int, window: int, with_where: bool) -> dict[str, Any]:
-    """The record of one conversion: the gate, and with ``with_where`` the term tables."""
+def measure(
+    ckpt: Path, source: str | None, windows: int, window: int, with_where: bool, source_o_proj: bool = False
+) -> dict[str, Any]:
+    """The record of one conversion: the gate, and with ``with_where`` the term tables; ``source_o_proj``: the
+    converted model with every layer's ``o_proj.weight`` replaced by the source's (no longer the same function in
+    float32: it measures how much of the deviation the refitted ``o_proj`` carries)."""
     from transformers import AutoTokenizer
 
     from mla_convert.mla.checkpoint import load_checkpoint, read_checkpoint_config
@@ -247,6 +253,12 @@ def measure(ckpt: Path, source: str | None, windows: int, window: int, with_wher
     src_probe = probe(src_model, tokens)
     del src_model
     model = load_checkpoint(ckpt).float().eval()
+    if source_o_proj:
+        src = open_source(origin)
+        with torch.no_grad():
+            for i, layer in enumerate(model.model.layers):
+                w = src.tensor(src.family.attn("o_proj", i), torch.float32)
+                layer.self_attn.o_proj.weight.copy_(w)
     conv_where = where(model, MLA_TERMS, tokens) if with_where else []
     conv_probe = probe(model, tokens)
     gate = precision_gate(conv_probe, src_probe)

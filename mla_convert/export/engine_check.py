@@ -443,7 +443,7 @@ def table(record: dict[str, Any], what: str) -> str:
         ("greedy tokens that are our argmax", f"{g['argmax_equal']} / {g['count']} (worst margin {g['max_margin']:.3f})"),
         ("KV cache vLLM allocated", cache),
         ("thresholds", f"mean <= {record['thresholds']['mean']}, max <= {record['thresholds']['max']} "
-                       f"(the larger of {ABS_MAX} and {FLOOR_FACTOR:g}x the source's bf16 max), "
+                       f"(the larger of {ABS_MAX} and {FLOOR_FACTOR:g}x {_floor_owner(record)} bf16 max), "
                        f"greedy within {record['thresholds']['greedy_margin']} logits"),
         ("result", "passed" if record["passed"] else "FAILED: " + "; ".join(record["reasons"])),
     ]
@@ -452,8 +452,15 @@ def table(record: dict[str, Any], what: str) -> str:
 
 
 def _floor_text(record: dict[str, Any]) -> str:
-    f = record.get("source_bf16_abs_diff")
+    if "source_bf16_abs_diff" not in record:
+        return "not measured (a record from before the source's floor)"
+    f = record["source_bf16_abs_diff"]
     return "source not available (the max allowed is the fixed one)" if f is None else f"{f['mean']:.3f} / {f['max']:.3f}"
+
+
+def _floor_owner(record: dict[str, Any]) -> str:
+    """Whose bfloat16 max the record's threshold was taken from: the source's, or (records from before issue 48) ours."""
+    return "the source's" if "source_bf16_abs_diff" in record else "our own"
 
 
 def mlx_table(record: dict[str, Any], what: str) -> str:

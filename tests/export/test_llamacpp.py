@@ -30,6 +30,17 @@ def reference_gguf(llamacpp_python, reference_ckpt, tmp_path_factory) -> tuple[P
     return out, res.output
 
 
+def _scored(ckpt) -> int:
+    """Tokens an engine check scores: 2 x 127 of text, then every short prompt's (engine_check.build_request)."""
+    from transformers import AutoTokenizer
+
+    from mla_convert.export.engine_check import build_request
+
+    request = build_request(AutoTokenizer.from_pretrained(str(ckpt)))
+    assert sum(len(ids) - 1 for ids in request["score"][:2]) == 254
+    return sum(len(ids) - 1 for ids in request["score"])
+
+
 def test_reference_gguf_is_exact_in_llamacpp(llamacpp_python, reference_gguf, reference_ckpt):
     from mla_convert.export.llamacpp_check import ABS_MAX, GREEDY_MARGIN, MEAN_MAX, check_llamacpp
     from mla_convert.sources.assets import bundled_gguf_path
@@ -38,7 +49,7 @@ def test_reference_gguf_is_exact_in_llamacpp(llamacpp_python, reference_gguf, re
     record = check_llamacpp(reference_ckpt, out, llamacpp_python, source_gguf=bundled_gguf_path())
     assert record["passed"], record["reasons"]
     d, g = record["logprob_abs_diff"], record["greedy"]
-    assert d["mean"] <= MEAN_MAX and d["max"] <= ABS_MAX and record["tokens_scored"] == 254
+    assert d["mean"] <= MEAN_MAX and d["max"] <= ABS_MAX and record["tokens_scored"] == _scored(reference_ckpt)
     assert g["count"] == 32 and g["max_margin"] <= GREEDY_MARGIN and g["argmax_equal"] >= 30
     ranks = json.loads((reference_ckpt / "config.json").read_text())["kv_lora_rank"]
     cache, source = record["kv_cache"], record["source_kv_cache"]
@@ -93,7 +104,7 @@ def test_export_check_runs_llamacpp(llamacpp_python, tmp_path, monkeypatch):
     reader = GGUFReader(str(out))
     parity = json.loads(reader.fields["mla_convert.parity"].contents())  # measured on this file, kept through the quantizer
     assert parity["passed"] is True and parity["thresholds"] is None and parity["engine"].endswith("f16 cache)")
-    assert parity["tokens_scored"] == 254 and 0 < parity["logprob_abs_diff"]["mean"] < 1
+    assert parity["tokens_scored"] == _scored(ckpt) and 0 < parity["logprob_abs_diff"]["mean"] < 1
     tensors = {t.name: t for t in reader.tensors}
     assert tensors["blk.0.attn_q.weight"].tensor_type == T.Q8_0
     assert tensors["blk.0.attn_kv_a_mqa.weight"].tensor_type == T.F32  # its latent rows need float32's range
