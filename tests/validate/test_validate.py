@@ -103,6 +103,7 @@ def test_validate_passes_on_reference(reference_ckpt):
         "converted-vs-source",
         "cache-ledger",
         "kernel-matrix",
+        "bfloat16-vs-source",
     ]
     assert all(r["passed"] and r["skipped"] is None for r in report["rungs"])
     checks = {c["name"]: c for r in report["rungs"] for c in r["checks"]}
