@@ -62,28 +62,26 @@ def profile(name: str) -> dict[str, Any]:
     return json.loads(PROFILE.read_text())[name]
 
 
-def write_real_magnitude_source(folder: Path, layers: int = 2, seed: int = 0, **overrides: Any) -> Path:
-    """A tiny random Qwen2 (hidden 256, 4 heads, 2 KV heads, head_dim 128 as Qwen2.5's, SmolLM2's vocabulary) whose
-    q/k/v biases have Qwen2.5-Coder-1.5B's magnitudes: tiny layer ``i`` takes profiled layer ``i``'s per-pair bias
-    norms (each KV head's key bias on the same RoPE pairs, query heads from the real ones, values at the real rms),
-    each pair at a random angle, scaled so the bias-to-signal ratio is the real model's: a projection's output on
-    a normed input has rms about ``weight_rms x sqrt(hidden) x norm_rms``, so the biases are multiplied by the
-    tiny model's value of it over the real one's. Saved with ``save_pretrained`` into ``folder``, the bundled tokenizer beside it."""
+def add_real_biases(model: Any, seed: int = 0) -> Any:
+    """Give the Qwen2 ``model`` (transformers, any size) q/k/v biases with Qwen2.5-Coder-1.5B's magnitudes, in place:
+    layer ``i`` takes profiled layer ``i``'s per-pair bias norms (each KV head's key bias on the same RoPE pairs,
+    cycling the real heads where the model has more; a head_dim other than 128 takes the slower pair of each group,
+    so the slowest pairs keep the largest biases), each pair at a random angle, values at the real rms. They are
+    scaled so the bias-to-signal ratio is the real model's: a projection's output on a normed input has rms about
+    ``weight_rms x sqrt(hidden) x norm_rms``, so each bias is multiplied by the model's value of it over the real
+    one's. Returns ``model``."""
     import torch
-    from tiny import TINY, copy_tokenizer
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     prof = profile("qwen2.5-coder-1.5b")
-    d = prof["head_dim"]
-    cfg = {**TINY, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
-           "head_dim": d, "num_hidden_layers": layers, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
-           **overrides}
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(Qwen2Config(**cfg))
+    cfg = model.config
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     gen = torch.Generator().manual_seed(seed)
 
     def biased(pair_norms: list[list[float]], heads: int, scale: float) -> torch.Tensor:
-        n = torch.tensor(pair_norms, dtype=torch.float64)[:heads] * scale  # [heads, d/2]
+        real = torch.tensor(pair_norms, dtype=torch.float64)
+        pairs, real_pairs = d // 2, real.shape[1]
+        cols = [(k + 1) * real_pairs // pairs - 1 for k in range(pairs)]
+        n = real[[h % len(real) for h in range(heads)]][:, cols] * scale  # [heads, d/2]
         angle = torch.rand(n.shape, generator=gen, dtype=torch.float64) * 2 * math.pi
         return torch.cat([n * angle.cos(), n * angle.sin()], dim=-1).reshape(-1).float()
 
@@ -91,14 +89,30 @@ def write_real_magnitude_source(folder: Path, layers: int = 2, seed: int = 0, **
         for i, layer in enumerate(model.model.layers):
             row = prof["layers"][min(i, len(prof["layers"]) - 1)]
             att = layer.self_attn
+            norm_rms = float(layer.input_layernorm.weight.square().mean().sqrt())
             for proj, key in ((att.q_proj, "q"), (att.k_proj, "k"), (att.v_proj, "v")):
-                tiny = float(proj.weight.square().mean().sqrt()) * math.sqrt(cfg["hidden_size"])
-                scale = tiny / (row["weight_rms"][key] * math.sqrt(prof["hidden_size"]) * row["norm_rms"])
+                ours = float(proj.weight.square().mean().sqrt()) * math.sqrt(cfg.hidden_size) * norm_rms
+                scale = ours / (row["weight_rms"][key] * math.sqrt(prof["hidden_size"]) * row["norm_rms"])
                 if key == "v":
                     proj.bias.normal_(0, row["v_bias_rms"] * scale, generator=gen)
                 else:
-                    heads = proj.out_features // d
-                    proj.bias.copy_(biased(row[f"{key}_bias_pairs"], heads, scale))
+                    proj.bias.copy_(biased(row[f"{key}_bias_pairs"], proj.out_features // d, scale))
+    return model
+
+
+def write_real_magnitude_source(folder: Path, layers: int = 2, seed: int = 0, **overrides: Any) -> Path:
+    """A tiny random Qwen2 (hidden 256, 4 heads, 2 KV heads, head_dim 128 as Qwen2.5's, SmolLM2's vocabulary) with
+    Qwen2.5-Coder-1.5B's bias magnitudes (:func:`add_real_biases`). Saved with ``save_pretrained`` into ``folder``,
+    the bundled tokenizer beside it."""
+    import torch
+    from tiny import TINY, copy_tokenizer
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = {**TINY, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": profile("qwen2.5-coder-1.5b")["head_dim"], "num_hidden_layers": layers,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, **overrides}
+    torch.manual_seed(seed)
+    model = add_real_biases(Qwen2ForCausalLM(Qwen2Config(**cfg)), seed)
     model.save_pretrained(str(folder))
     copy_tokenizer(folder)
     return folder
