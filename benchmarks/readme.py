@@ -85,7 +85,7 @@ def rungs_block() -> str:
 
 
 def validate_block(result: dict[str, Any], ckpt: str) -> str:
-    """The validation ladder's README block from ``validation.json`` (one row per rung)."""
+    """The validation ladder's block (docs/validation.md) from ``validation.json`` (one row per rung)."""
     env = result["environment"]
     lines = [
         f"Measured by `mla-convert validate {ckpt}` on the reference conversion; this block by "
