@@ -40,8 +40,8 @@ REQUIRED_UNDER_CI = (
     "tests/export/test_llamacpp_target.py::test_target_gguf_in_llamacpp",
     "tests/export/test_gguf_export.py::test_hf_tokenizer_keys_equal_the_published_ggufs",
     # The searched default conversion under the oracle (issue 49, "One pass order": the oracle tests run the default
-    # path users run, the search included). Add its node id here when that test lands, e.g.
-    # "tests/convert/test_oracle.py::test_searched_default_equals_oracle",
+    # path users run, the search included: smol_default resolves its options as factor does).
+    "tests/convert/test_oracle.py::test_default_conversion_equals_oracle_on_every_path",
 )
 #: Fixtures that hand a test an engine (tests/export/conftest.py, test_mlx.py): a test using one is required under CI.
 ENGINE_FIXTURES = ("vllm_python", "llamacpp_python", "mlx_python")

@@ -158,9 +158,11 @@ def _next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> float:
 
 
 def test_default_conversion_equals_oracle_on_every_path(smol_default, smol_head, smol_windows, eval_ids):
-    """Default options (shared 2-norm r=24, output-aware joint SVD at a 120-value budget, o_proj refit):
-    the oracle takes the refitted ``o_proj`` from the checkpoint; naive, absorbed and the Triton decode
-    path over the paged latent cache all equal it.
+    """The default conversion users run, the search included (the options resolved as ``factor`` resolves them:
+    a 120-value budget, the RoPE split, rope strategy and ``o_proj`` refit mode measured on the held-out window
+    among the candidates around the prior; output-aware joint SVD): the oracle, built from the source weights and
+    the plans the search chose, takes the refitted ``o_proj`` from the checkpoint; naive, absorbed and the Triton
+    decode path over the paged latent cache all equal it.
 
     The refit record is checked against losses computed here, not against the product's own keep rule alone:
     ``loss_before`` must be the held-out loss of the *oracle* with the source's ``o_proj`` (the plain conversion,
@@ -177,6 +179,8 @@ def test_default_conversion_equals_oracle_on_every_path(smol_default, smol_head,
     from mla_convert.runtime.decode import generate
 
     conv, smol_model = smol_default, smol_head[1]  # every default but float32 weights
+    assert conv.split is not None and len(conv.split["kl"]) >= 2, conv.split  # the searched default
+    print(f"searched: {conv.split['kl']} -> {conv.split['chosen']} pairs, options {conv.options}")
     refit = conv.config.source["o_proj_refit"]
     mla, plans, stats = conv.model, conv.plans, conv.stats
     held = smol_windows[1]  # the held-out window the keep decision is scored on
