@@ -233,3 +233,68 @@ def run_attention(attn: nn.Module, x: torch.Tensor, num_heads: int) -> torch.Ten
         pos = torch.arange(t, device=h.device)[None].expand(b, t)
         out[sl] = attn(h, pos, causal_mask(b, t, 0, None, h.dtype, h.device), None)
     return out
+
+
+def embed_windows(src: SourceModel, texts: Any, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """Embedding rows ``[N, T, hidden]`` (float32 on ``device``) of every window of ``texts``
+    (:class:`~mla_convert.convert.records.Texts`: ``calib``, ``held``, ``eval``, ``probe``), the table read once in
+    its stored dtype.
+
+    Raises:
+        SourceError: an embedding table the output ``dtype`` cannot hold.
+    """
+    name = "model.embed_tokens.weight"
+    table = read_checked(src, name, src.storage_dtype(name), torch.device("cpu"))
+    check_fits(name, table, dtype)
+    roles = (("calib", texts.calib), ("held", texts.held), ("eval", texts.eval), ("probe", texts.probe))
+    out = {role: table[ids].to(torch.float32).to(device) for role, ids in roles}
+    del table
+    src.release()
+    return out
+
+
+def check_head_range(src: SourceModel, dtype: torch.dtype) -> None:
+    """Refuse, before any layer runs, a final norm or untied LM head the output ``dtype`` cannot hold.
+
+    Raises:
+        SourceError: one line naming the tensor.
+    """
+    names = ["model.norm.weight"]
+    if not getattr(src.config, "tie_word_embeddings", False):
+        names.append("lm_head.weight")
+    for name in names:
+        check_fits(name, read_checked(src, name, src.storage_dtype(name), torch.device("cpu")), dtype)
+    src.release()
+
+
+def lm_head(
+    src: SourceModel, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
+    """The LM head ``[vocab, hidden]`` (stored dtype, on ``device``) and the final RMS norms of the source
+    (float32) and of the converted model (its weight rounded to the output ``dtype``, as written)."""
+    head_name = "model.embed_tokens.weight" if getattr(src.config, "tie_word_embeddings", False) else "lm_head.weight"
+    head = read_checked(src, head_name, src.storage_dtype(head_name), device)
+    norm_w = read_checked(src, "model.norm.weight", torch.float32, device)
+    eps = float(src.config.rms_norm_eps)
+
+    def rms(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        def fn(x: torch.Tensor) -> torch.Tensor:
+            var = x.pow(2).mean(-1, keepdim=True)
+            return weight * (x * torch.rsqrt(var + eps))
+
+        return fn
+
+    return head, rms(norm_w), rms(norm_w.to(dtype).to(torch.float32))
+
+
+def attention_weights(src: SourceModel, i: int, source: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """float64 ``q, k, v, o`` weights ``[out, in]`` and biases (``bq``, ``bk``, ``bv``, ``bo`` where the family has
+    them) of layer ``i`` from its source tensors ``source`` (float32, names inside the layer)."""
+    prefix = layer_prefix(i)
+    out: dict[str, torch.Tensor] = {}
+    for p in "qkvo":
+        out[p] = source[src.family.attn(f"{p}_proj", i)[len(prefix) :]].double()
+        if src.family.has_bias(p, src.config):
+            out[f"b{p}"] = source[src.family.attn(f"{p}_proj", i, "bias")[len(prefix) :]].double()
+    return out
+

@@ -49,6 +49,46 @@ class Streamed:
 def cache_record(measured: list[tuple[int, int]], tokens: int, dtype: torch.dtype) -> dict[str, Any]:
     """Per token and layer: values and bytes of the measured ``(bytes, values)`` of each layer's cache."""
     per = tokens * len(measured)
-    return {"values_per_token_per_layer": sum(v for _, v in measured) / per,
-            "bytes_per_token_per_layer": sum(b for b, _ in measured) / per,
-            "dtype": str(dtype).replace("torch.", ""), "tokens": tokens, "layers": len(measured)}  # fmt: skip
+    return {
+        "values_per_token_per_layer": sum(v for _, v in measured) / per,
+        "bytes_per_token_per_layer": sum(b for b, _ in measured) / per,
+        "dtype": str(dtype).replace("torch.", ""),
+        "tokens": tokens,
+        "layers": len(measured),
+    }
+
+
+def streamed_record(
+    state: dict[str, Any], config: MLAConfig, ev: EvalResult | None, probe_tokens: int, dtype: torch.dtype,
+    device: torch.device,
+) -> Streamed:
+    """The :class:`Streamed` record of a finished conversion from its ``state``: per-layer records with the kept
+    ``o_proj`` variant's attention errors (``config.source["o_proj_refit"]`` set to the refit decision), the caches
+    measured on ``probe_tokens`` tokens, and the timings summed over layers."""
+    refit = state.get("refit")
+    errs = state["attn_err"]["fit" if state.get("variant") else "plain"]
+    records: list[LayerRecord] = state["records"]
+    for rec, err, plain in zip(records, errs, state["attn_err"]["plain"], strict=False):
+        rec.attn_rel_error, rec.attn_rel_error_no_refit = err, plain
+    if refit is not None:
+        config.source["o_proj_refit"] = refit
+    per_layer = state["timings"]
+    totals: dict[str, float] = {}
+    for row in per_layer:
+        for k, v in row.items():
+            totals[k] = totals.get(k, 0.0) + v
+    return Streamed(
+        config,
+        records,
+        ev,
+        refit,
+        cache_record(state["cache_source"], probe_tokens, torch.float32),
+        cache_record(state["cache_converted"], probe_tokens, torch.float32),
+        int(state["calib_tokens"]),
+        totals,
+        per_layer,
+        str(dtype).replace("torch.", ""),
+        str(device),
+        {k: list(v) for k, v in state["attn_err"].items() if v},
+    )
+

@@ -16,9 +16,8 @@ rows and travel through the layers as hidden-state streams ``[N, T, hidden]`` (f
 * **Finish**: the final norm and LM head score every stream (vocabulary in chunks), the refit is kept or dropped on
   the held-out loss, the checkpoint is written shard by shard (MLP, norms, embeddings copied in the output dtype).
 
-Peak memory is about one layer in float32 (plus its factorization's float64 matrices), the streams, the
-embedding/LM-head matrix while it is used, and one output shard (README §Memory). Every step is recorded in the
-work folder, so ``--resume`` continues after the last finished layer with the same result.
+Peak memory: one layer in float32 (and its factorization's float64 matrices), the streams, the embedding/LM-head
+matrix while used, one output shard (docs/factor.md §Memory). ``--resume`` continues after the last finished step.
 """
 
 from __future__ import annotations
@@ -41,18 +40,21 @@ from mla_convert.convert.converter import (
 )
 from mla_convert.convert.device import bfloat16_autocast, resolve_device, resolve_dtype, trim_heap
 from mla_convert.convert.factorize import spectrum
+from mla_convert.convert.layer_files import LayerFiles
 from mla_convert.convert.layers import (
     SourceLayers,
+    attention_weights,
     check_fits,
+    check_head_range,
+    embed_windows,
     layer_prefix,
-    read_checked,
+    lm_head,
     run_attention,
     run_mla,
 )
 from mla_convert.convert.options import ConvertOptions, geometry, refit_stride
-from mla_convert.convert.records import ProgressFn, Streamed, Texts, cache_record
+from mla_convert.convert.records import ProgressFn, Streamed, Texts, streamed_record
 from mla_convert.convert.steps import (
-    LayerRecord,
     layer_ranks,
     layer_record,
     mla_config,
@@ -117,6 +119,7 @@ class StreamedConversion:
         self.progress = progress or (lambda stage, n, total: None)
         self.device = resolve_device(options.device)
         self.dtype = resolve_dtype(options.dtype, src)
+        self.files = LayerFiles(work, src, self.dtype)
         modes = {options.refit_o_proj, *self.refit_modes}
         #: pass 1 keeps the source's attention inputs on the refit windows (a teacher-forced refit fits on them)
         self.keep_teacher_inputs = "teacher" in modes
@@ -139,27 +142,6 @@ class StreamedConversion:
         return self.options.refit_o_proj == "sequential"
 
     # ------------------------------------------------------------------ helpers
-    def _embed(self) -> dict[str, torch.Tensor]:
-        """Embedding rows of every window (float32 on the device), the table read once in its stored dtype."""
-        name = "model.embed_tokens.weight"
-        table = read_checked(self.src, name, self.src.storage_dtype(name), torch.device("cpu"))
-        check_fits(name, table, self.dtype)
-        t = self.texts
-        roles = (("calib", t.calib), ("held", t.held), ("eval", t.eval), ("probe", t.probe))
-        out = {role: table[ids].to(torch.float32).to(self.device) for role, ids in roles}
-        del table
-        self.src.release()
-        return out
-
-    def _check_head_range(self) -> None:
-        """Refuse, before any layer runs, a final norm or untied LM head the output dtype cannot hold."""
-        names = ["model.norm.weight"]
-        if not getattr(self.src.config, "tie_word_embeddings", False):
-            names.append("lm_head.weight")
-        for name in names:
-            check_fits(name, read_checked(self.src, name, self.src.storage_dtype(name), torch.device("cpu")), self.dtype)
-        self.src.release()
-
     def _trim(self) -> None:
         if self.trim:
             trim_heap()
@@ -175,7 +157,8 @@ class StreamedConversion:
         mark_done(self.work, step)
 
     def layer_file(self, i: int, suffix: str) -> Path:
-        return self.work / f"layer-{i:03d}.{suffix}"
+        """Layer ``i``'s file in the work folder (:meth:`LayerFiles.path`)."""
+        return self.files.path(i, suffix)
 
     # ------------------------------------------------------------------ pass 1: source
     def pass_one(self, start: int) -> None:
@@ -183,8 +166,8 @@ class StreamedConversion:
         src, st = self.src, self.state
         layers = SourceLayers(src, self.device)
         if start == 0:
-            self._check_head_range()
-            emb = self._embed()
+            check_head_range(src, self.dtype)
+            emb = embed_windows(src, self.texts, self.dtype, self.device)
             st.update(
                 streams={f"src_{k}": v for k, v in emb.items()}
                 | {f"mla_{k}": self.as_written(v) for k, v in emb.items() if k != "calib"},
@@ -247,7 +230,9 @@ class StreamedConversion:
             s["src_calib"] = layers.run(layer, s["src_calib"], calib)
         s["src_held"] = layers.run(layer, s["src_held"], held)
         s["src_eval"] = layers.run(layer, s["src_eval"])
-        cache = self._source_cache()
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.src.config)
         s["src_probe"] = layers.run(layer, s["src_probe"], cache=cache)
         st["cache_source"].append(latent_cache_bytes(cache))
         del layer, cache
@@ -287,11 +272,6 @@ class StreamedConversion:
             if r != self.options.rope_pairs:
                 planned = plan_step(self.src, self.options.with_split(r), weights, stats)
                 split["spectra"].setdefault(r, []).append(spectrum(planned.target))
-
-    def _source_cache(self) -> Any:
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.src.config)
 
     # ------------------------------------------------------------------ between passes
     def calibration_record(self, i: int) -> dict[str, Any]:
@@ -413,11 +393,13 @@ class StreamedConversion:
             with torch.no_grad():
                 layer.self_attn.o_proj.weight.copy_(plain_w)
         st["lossy_seen"] = st["lossy_seen"] or lossy
-        cache = self._mla_cache(config)
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=config)
         s["mla_probe"] = run_mla(layer, s["mla_probe"], src.num_heads, self.intermediate, cache)
         st["cache_converted"].append(latent_cache_bytes(cache))
         t3 = time.perf_counter()
-        self._write_layer(i, attn, fit_w)
+        self.files.write_attention(i, attn, fit_w)
         st["refit_layers"].append(fit_w is not None)
         st["records"].append(layer_record(i, plan, factors))
         st["timings"][i].update(
@@ -425,29 +407,13 @@ class StreamedConversion:
         )
 
     def source_tensors(self, i: int) -> dict[str, torch.Tensor]:
-        """Layer ``i``'s source tensors (float32, names inside the layer): from the work folder's float32 copy
-        when pass 1 left one (quantized GGUF sources: dequantized once), else read from the source."""
-        from safetensors.torch import load_file
-
-        cached = self.layer_file(i, "src.safetensors")
-        if cached.is_file():
-            return load_file(str(cached))
-        prefix = layer_prefix(i)
-        return {
-            n[len(prefix) :]: read_checked(self.src, n, torch.float32, torch.device("cpu"))
-            for n in self.src.weight_map
-            if n.startswith(prefix)
-        }
+        """Layer ``i``'s source tensors (float32, names inside the layer; :meth:`LayerFiles.source_tensors`)."""
+        return self.files.source_tensors(i)
 
     def attention_weights(self, i: int, source: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """float64 ``q, k, v, o`` weights and biases (``bq``...) of layer ``i`` from its source tensors."""
-        prefix = layer_prefix(i)
-        out: dict[str, torch.Tensor] = {}
-        for p in "qkvo":
-            out[p] = source[self.src.family.attn(f"{p}_proj", i)[len(prefix) :]].double()
-            if self.src.family.has_bias(p, self.src.config):
-                out[f"b{p}"] = source[self.src.family.attn(f"{p}_proj", i, "bias")[len(prefix) :]].double()
-        return out
+        """float64 ``q, k, v, o`` weights and biases of layer ``i`` (:func:`~mla_convert.convert.layers.
+        attention_weights`)."""
+        return attention_weights(self.src, i, source)
 
     def layer_source(self, i: int) -> LayerSource:
         """Layer ``i`` as the per-layer converter reads it (:class:`~mla_convert.convert.converter.LayerSource`)."""
@@ -461,21 +427,9 @@ class StreamedConversion:
 
     # ------------------------------------------------------------------ refit decision, pass 3
     def head(self) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
-        """The LM head (stored dtype) and the final norms of the source and the converted model."""
-        src = self.src
-        head_name = "model.embed_tokens.weight" if getattr(src.config, "tie_word_embeddings", False) else "lm_head.weight"
-        head = read_checked(src, head_name, src.storage_dtype(head_name), self.device)
-        norm_w = read_checked(src, "model.norm.weight", torch.float32, self.device)
-        eps = float(src.config.rms_norm_eps)
-
-        def rms(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-            def fn(x: torch.Tensor) -> torch.Tensor:
-                var = x.pow(2).mean(-1, keepdim=True)
-                return weight * (x * torch.rsqrt(var + eps))
-
-            return fn
-
-        return head, rms(norm_w), rms(self.as_written(norm_w))
+        """The LM head (stored dtype) and the final norms of the source and of the converted model, as written
+        (:func:`~mla_convert.convert.layers.lm_head`)."""
+        return lm_head(self.src, self.device, self.dtype)
 
     def decide_refit(self) -> None:
         """Keep the ``o_proj`` refit only if it lowers the converted model's mean next-token loss on the held-out
@@ -499,17 +453,10 @@ class StreamedConversion:
 
     def pass_three(self, config: MLAConfig, start: int) -> None:
         """Run the evaluation stream through the converted layers ``start..L-1`` as written (the kept variant)."""
-        from safetensors import safe_open
-
         s = self.state["streams"]
-        fit = self.state.get("variant") == "fit"
         for i in range(start, self.n_layers):
             t0 = time.perf_counter()
-            prefix = f"{layer_prefix(i)}self_attn."
-            with safe_open(str(self.layer_file(i, "safetensors")), framework="pt") as f:
-                attn = {k[len(prefix) :]: f.get_tensor(k).float() for k in f.keys() if not k.endswith("@fit")}
-                if fit and f"{prefix}o_proj.weight@fit" in f.keys():
-                    attn["o_proj.weight"] = f.get_tensor(f"{prefix}o_proj.weight@fit").float()
+            attn = self.files.read_attention(i, self.kept_fit)
             layer = self.written_layer(config, i, attn)
             s["mla_eval"] = run_mla(layer, s["mla_eval"], self.src.num_heads, self.intermediate)
             del layer
@@ -520,27 +467,9 @@ class StreamedConversion:
             self.layer_file(i, "src.safetensors").unlink(missing_ok=True)
             self.progress("evaluate", 1, self.n_layers)
 
-    def _mla_cache(self, config: MLAConfig) -> Any:
-        from transformers import DynamicCache
-
-        return DynamicCache(config=config)
-
     def as_written(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` as the written checkpoint holds it (rounded to the output dtype), back in float32."""
         return t.to(self.dtype).to(torch.float32)
-
-    def _write_layer(self, i: int, attn: dict[str, torch.Tensor], fit_w: torch.Tensor | None) -> None:
-        from safetensors.torch import save_file
-
-        prefix = f"{layer_prefix(i)}self_attn."
-        tensors = {
-            prefix + k: (v if k == "rope_inv_freq" else v.to(self.dtype)).contiguous() for k, v in attn.items()
-        }
-        if fit_w is not None:
-            tensors[prefix + "o_proj.weight@fit"] = fit_w.to(self.dtype).cpu().contiguous()
-        tmp = self.layer_file(i, "safetensors.tmp")
-        save_file(tensors, str(tmp))
-        tmp.replace(self.layer_file(i, "safetensors"))
 
     # ------------------------------------------------------------------ finish
     def score(self) -> EvalResult:
@@ -553,82 +482,19 @@ class StreamedConversion:
         return ev
 
     def result(self, config: MLAConfig, ev: EvalResult | None) -> Streamed:
-        """Records with the kept variant's attention errors, caches and timings."""
-        st = self.state
-        refit = st.get("refit")
-        errs = st["attn_err"]["fit" if st.get("variant") else "plain"]
-        records: list[LayerRecord] = st["records"]
-        for rec, err, plain in zip(records, errs, st["attn_err"]["plain"], strict=False):
-            rec.attn_rel_error, rec.attn_rel_error_no_refit = err, plain
-        if refit is not None:
-            config.source["o_proj_refit"] = refit
-        probe_tokens = int(self.texts.probe.numel())
-        tokens = st["calib_tokens"]
-        per_layer = st["timings"]
-        totals: dict[str, float] = {}
-        for row in per_layer:
-            for k, v in row.items():
-                totals[k] = totals.get(k, 0.0) + v
-        return Streamed(
-            config,
-            records,
-            ev,
-            refit,
-            cache_record(st["cache_source"], probe_tokens, torch.float32),
-            cache_record(st["cache_converted"], probe_tokens, torch.float32),
-            int(tokens),
-            totals,
-            per_layer,
-            str(self.dtype).replace("torch.", ""),
-            str(self.device),
-            {k: list(v) for k, v in st["attn_err"].items() if v},
-        )
+        """Records with the kept variant's attention errors, caches and timings (:func:`~mla_convert.convert.records.
+        streamed_record`)."""
+        return streamed_record(self.state, config, ev, int(self.texts.probe.numel()), self.dtype, self.device)
+
+    @property
+    def kept_fit(self) -> bool:
+        """Whether the refit ``o_proj`` was kept (:meth:`decide_refit`): the output holds it."""
+        return self.state.get("variant") == "fit"
 
     def layout(self, config: MLAConfig) -> dict[str, torch.Tensor]:
-        """Every tensor of the output checkpoint as a meta tensor (name, shape, dtype), in model order."""
-        from safetensors import safe_open
-
-        src = self.src
-        out: dict[str, torch.Tensor] = {}
-
-        def meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-            return torch.empty(shape, dtype=dtype, device="meta")
-
-        out["model.embed_tokens.weight"] = meta(src.shape("model.embed_tokens.weight"), self.dtype)
-        for i in range(self.n_layers):
-            with safe_open(str(self.layer_file(i, "safetensors")), framework="pt") as f:
-                for name in f.keys():
-                    if name.endswith("@fit"):
-                        continue
-                    sl = f.get_slice(name)
-                    dt = torch.float32 if name.endswith("rope_inv_freq") else self.dtype
-                    out[name] = meta(tuple(sl.get_shape()), dt)
-            prefix = layer_prefix(i)
-            for name in src.weight_map:
-                if name.startswith(prefix) and ".self_attn." not in name:
-                    out[name] = meta(src.shape(name), self.dtype)
-        out["model.norm.weight"] = meta(src.shape("model.norm.weight"), self.dtype)
-        if not config.tie_word_embeddings:
-            out["lm_head.weight"] = meta(src.shape("lm_head.weight"), self.dtype)
-        return out
+        """Every tensor of the output checkpoint as a meta tensor (:meth:`LayerFiles.layout`)."""
+        return self.files.layout(config)
 
     def loader(self) -> Callable[[str], torch.Tensor]:
-        """Returns each output tensor: converted attention from the layer files (the kept ``o_proj``
-        variant), everything else from the source in the output dtype."""
-        from safetensors import safe_open
-
-        fit = self.state.get("variant") == "fit"
-
-        def load(name: str) -> torch.Tensor:
-            if ".self_attn." in name:
-                i = int(name.split(".")[2])
-                with safe_open(str(self.layer_file(i, "safetensors")), framework="pt") as f:
-                    if fit and name.endswith("o_proj.weight") and f"{name}@fit" in f.keys():
-                        return f.get_tensor(f"{name}@fit")
-                    return f.get_tensor(name)
-            tensor = read_checked(self.src, name, self.src.storage_dtype(name), torch.device("cpu")).to(self.dtype)
-            self.src.release()  # the shard's source pages leave the resident set tensor by tensor
-            return tensor
-
-        return load
-
+        """``name -> tensor`` of the output checkpoint, the kept ``o_proj`` variant (:meth:`LayerFiles.loader`)."""
+        return self.files.loader(self.kept_fit)
