@@ -89,7 +89,7 @@ def inspect(
         res = shape_options(options, src, target)
         options, why = res.options, res.why
         check_options(options, src)
-    from mla_convert.convert.estimate import factor_lines
+    from mla_convert.convert.estimate_time import factor_lines
     from mla_convert.convert.suggest import MEASURED_SPLITS, suggestions
 
     console.print(source_table(source, src.describe()))
