@@ -26,9 +26,8 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mla_convert.artifacts.hashing import sha256_file, sha256_text
-from mla_convert.artifacts.output import atomic_write_bytes, atomic_write_text
 from mla_convert.errors import UserError
+from mla_convert.files import atomic_write_bytes, atomic_write_text, sha256_file, sha256_text
 
 if TYPE_CHECKING:
     from mla_convert.adapt.options import AdaptOptions

@@ -388,8 +388,9 @@ def export_checkpoint(
     from transformers import DeepseekV3Config
 
     from mla_convert.artifacts.manifest import write_manifest
-    from mla_convert.artifacts.output import atomic_folder, check_output, write_carried
+    from mla_convert.artifacts.output import check_output, write_carried
     from mla_convert.artifacts.shards import write_shards
+    from mla_convert.files import atomic_folder
     from mla_convert.mla.checkpoint import checkpoint_dtype, read_checkpoint_config
     from mla_convert.mla.configuration import MLAConfig
     from mla_convert.precision import bfloat16_refusal

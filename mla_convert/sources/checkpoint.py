@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
-from mla_convert.artifacts.hashing import sha256_bytes, sha256_file
+from mla_convert.files import sha256_bytes, sha256_file
 from mla_convert.mla.algebra import head_dim_of, source_softmax_scale
 from mla_convert.sources import gguf as gguf_source
 from mla_convert.sources import integrity

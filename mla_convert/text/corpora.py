@@ -21,8 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mla_convert.artifacts.hashing import sha256_file
-from mla_convert.artifacts.output import atomic_write_text
+from mla_convert.files import atomic_write_text, sha256_file
 from mla_convert.sources.assets import (
     NEWS_MEMBER,
     WIKI_MEMBER,

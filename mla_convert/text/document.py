@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mla_convert.artifacts.hashing import sha256_text
 from mla_convert.errors import UserError
+from mla_convert.files import sha256_text
 
 __all__ = ["Document", "TextError"]
 

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mla_convert.artifacts.hashing import sha256_bytes, sha256_file, sha256_text
 from mla_convert.artifacts.manifest import (
     ADDENDA,
     MANIFEST,
@@ -24,8 +23,8 @@ from mla_convert.artifacts.manifest import (
     write_addendum,
     write_manifest,
 )
-from mla_convert.artifacts.output import atomic_write_bytes, atomic_write_text
 from mla_convert.cli.commands import app
+from mla_convert.files import atomic_write_bytes, atomic_write_text, sha256_bytes, sha256_file, sha256_text
 
 PINNED = Path(__file__).resolve().parents[2] / "manifests" / "smollm2-135m-reference.json"
 VALIDATION = {"validation.json": '{"passed": true}\n', "validation.md": "# Validation: PASSED\n"}
