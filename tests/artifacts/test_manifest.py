@@ -82,8 +82,8 @@ def test_pinned_reference_manifest_matches_the_packaged_schema() -> None:
 
 def test_adaptation_manifest_of_the_reference_verifies(tmp_path: Path) -> None:
     """The adapt builder on the pinned reference as parent: schema-valid, its own id, the parent's named."""
+    from mla_convert.adapt.manifest import adaptation_manifest
     from mla_convert.adapt.options import AdaptOptions
-    from mla_convert.artifacts.manifest import adaptation_manifest
 
     ckpt = tmp_path / "smollm2-mla"
     ckpt.mkdir()
