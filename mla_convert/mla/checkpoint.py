@@ -115,7 +115,7 @@ def load_checkpoint(ckpt: Path | str, require_mla: bool = True, dtype: Any = Non
     import torch
     from transformers import AutoModelForCausalLM
 
-    from mla_convert import register
+    from mla_convert.mla.registry import register
 
     ckpt = Path(ckpt)
     config = read_checkpoint_config(ckpt, require_mla)
