@@ -22,13 +22,13 @@ PACKAGES = {"mla_convert": ROOT / "mla_convert", "mla_convert.kernels": ROOT / "
 #: The layers, lowest first: a module may import modules of its own layer and of the layers before it.
 LAYERS: list[tuple[str, list[str]]] = [
     ("base: user errors, files", ["mla_convert.errors", "mla_convert.files"]),
+    ("inputs: source checkpoints, text", ["mla_convert.sources", "mla_convert.text"]),
     (
         "model: the MLA model, its kernels, cache and decode",
         ["mla_convert.mla", "mla_convert.kernels", "mla_convert.runtime"],
     ),
     ("package: version, register()", ["mla_convert"]),
     ("metrics", ["mla_convert.metrics"]),
-    ("inputs: source checkpoints, text", ["mla_convert.sources", "mla_convert.text"]),
     ("precision", ["mla_convert.precision"]),
     ("artifacts: manifests, checkpoints, reports", ["mla_convert.artifacts"]),
     ("convert", ["mla_convert.convert"]),

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mla_convert.convert.accepts import cache_block_rank
 from mla_convert.export.deepseek_v3 import DS_NORM_EPS, ExportError, ExportPlan, plan_export
 from mla_convert.export.gguf_vocab import tokenizer_fields
 from mla_convert.export.llamacpp_env import GGUF_QUANTS, KEEP_F32, find_llamacpp, quantize
@@ -121,18 +122,6 @@ def check_gguf_output(path: Path, overwrite: bool, ckpt: Path | None = None) -> 
 
 
 # ------------------------------------------------------------------------------------------------ plan
-def cache_block_rank(kv_lora_rank: int, rope: int, block: int) -> int | None:
-    """The smallest latent width ``>= kv_lora_rank`` that is a multiple of ``block`` with the K row
-    ``width + rope`` one too (llama.cpp's quantized caches store whole blocks of ``block`` values and view the
-    latent as V, so both must be); None when ``rope`` is not a multiple of ``block`` (no width makes both).
-    ``block`` <= 1: ``kv_lora_rank`` itself."""
-    if block <= 1:
-        return kv_lora_rank
-    if rope % block:
-        return None
-    return -(-kv_lora_rank // block) * block
-
-
 def gguf_plan(config: Any, dtype: str, cache_block: int = CACHE_BLOCK) -> ExportPlan:
     """The DeepSeek-V3 plan (``--target transformers``) the GGUF of ``dtype`` is written from: bfloat16 for a
     bfloat16 file, float32 for every other (float16 and the quantized types are rounded from float32), with the

@@ -70,9 +70,10 @@ def export_folder(out: Path, fmt: str) -> Path:
 
 
 def _reader(ckpt: Path) -> Any:
-    from mla_convert.sources.checkpoint import SafetensorsTensors, _weight_map
+    from mla_convert.sources.checkpoint import SafetensorsTensors
+    from mla_convert.sources.weights import weight_map
 
-    return SafetensorsTensors(ckpt, _weight_map(ckpt))
+    return SafetensorsTensors(ckpt, weight_map(ckpt))
 
 
 def _attention_loader(
