@@ -6,7 +6,7 @@
     python benchmarks/adapt.py --only c72-mix-all    # one setting (comma-separated for several; lr / data variants too)
     python benchmarks/adapt.py --until 100000        # the 100k screen: stop each run (resumably) there
     python benchmarks/adapt.py --collect             # only tabulate what benchmarks/runs/ holds (also partial runs)
-    python benchmarks/adapt.py --collect --readme    # ... and write the table into README.md
+    python benchmarks/adapt.py --collect --readme    # ... and write the table into docs/results.md
 
 Each setting is an ``mla-convert adapt`` job on a SmolLM2-135M conversion (120 values/token/layer = the
 default conversion, 24 rope pairs; or 72 with 16 pairs = the best measured training-free setting at that
@@ -32,7 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "benchmarks" / "runs"
 RESULTS = ROOT / "benchmarks" / "results" / "adapt.md"
-#: cache values/token/layer -> factor flags (README's training-free table chose the rope pairs)
+#: cache values/token/layer -> factor flags (docs/results.md's training-free table chose the rope pairs)
 FACTOR = {
     120: ["--cache-budget", "120", "--rope-pairs", "24"],
     72: ["--cache-budget", "72", "--rope-pairs", "16"],
@@ -261,7 +261,7 @@ def main() -> None:
         "--until", type=int, help="stop each run (resumably) once it has trained this many tokens"
     )
     ap.add_argument("--collect", action="store_true", help="only tabulate existing runs")
-    ap.add_argument("--readme", action="store_true", help="write the table into README.md")
+    ap.add_argument("--readme", action="store_true", help="write the table into docs/results.md")
     args = ap.parse_args()
     if args.list:
         for name, setting in SETTINGS.items():

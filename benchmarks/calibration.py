@@ -59,7 +59,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--eval", type=int, default=16, help="evaluation windows per text")
     ap.add_argument("--sizes", default="120:24,72:16")
-    ap.add_argument("--readme", action="store_true", help="also replace README.md's calibration block")
+    ap.add_argument("--readme", action="store_true", help="also replace the calibration block (docs/results.md)")
     ap.add_argument("--collect", action="store_true", help="measure nothing: table the rows already logged")
     a = ap.parse_args()
     if a.collect:

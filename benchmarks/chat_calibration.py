@@ -10,7 +10,7 @@ and top-1 agreement on its greedy 32-token answers to 8 news-evaluation prompts 
 greedy continuation of "The capital of France is" (plain, 8 tokens) and the chat answer to "What is the capital of
 France?" (through the chat template, 12 tokens).
 
-    .venv/bin/python benchmarks/chat_calibration.py [--readme]   # --readme: results/chat_calibration.md + README block
+    .venv/bin/python benchmarks/chat_calibration.py [--readme]   # --readme: results/chat_calibration.md + its block (docs/results.md)
 
 Conversions are written to ``benchmarks/runs/chat-calib/`` and reused when present (delete them to re-run).
 """
@@ -92,7 +92,7 @@ def collect_block() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--readme", action="store_true", help="also write results/chat_calibration.md and README's block")
+    ap.add_argument("--readme", action="store_true", help="also write results/chat_calibration.md and its block (docs/results.md)")
     ap.add_argument("--collect", action="store_true", help="measure nothing: the block again from results/chat_calibration.md")
     args = ap.parse_args()
     if args.collect:

@@ -554,7 +554,7 @@ def main() -> None:
         "nothing without one",
     )
     ap.add_argument(
-        "--readme", action="store_true", help="also replace the block between the README's markers"
+        "--readme", action="store_true", help="also replace the block between its markers (README.md or docs/)"
     )
     ap.add_argument(
         "--gpu-reps", type=int, default=30, help="CUDA-graph replays per cold (L2-flushed) GPU timing"

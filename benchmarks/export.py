@@ -14,8 +14,8 @@ the engine allocates), the rope table, and max |Δlogit| / greedy tokens equal m
     .venv/bin/python benchmarks/export.py [--readme] [--keep DIR]
     .venv/bin/python benchmarks/export.py --collect --readme     # the block again from results/export.json
 
-Results go to ``benchmarks/results/export.json`` and ``export.md``; ``--readme`` writes the table between
-README.md's ``<!-- export:start -->`` / ``<!-- export:end -->`` markers.
+Results go to ``benchmarks/results/export.json`` and ``export.md``; ``--readme`` writes the table between docs/results.md's
+``<!-- export:start -->`` / ``<!-- export:end -->`` markers.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def _tiny_sources(root: Path) -> dict[str, tuple[str, list[str]]]:
 
 
 def transformers_block(rows: list[dict]) -> str:
-    """The README's line on the reference conversion served by stock transformers, from ``export.json``'s rows of
+    """The line (docs/results.md) on the reference conversion served by stock transformers, from ``export.json``'s rows of
     the default SmolLM2 conversion with ``--target transformers``."""
     ref = [r for r in rows if r["conversion"].startswith("SmolLM2-135M, default") and r["target"] == "transformers"]
     parts = [f"{r['export dtype']} export max |Δlogit| {r['max abs Δlogit']:.2e}, {r['greedy equal']} greedy tokens equal"

@@ -3,7 +3,7 @@
 Each row converts SmolLM2-135M with the default options except one change, and scores perplexity on
 8 dev windows: 512-token windows spread across the Wikipedia *adaptation* split, which no conversion reads
 (``benchmarks/protocol.py``). Evaluation windows are never looked at here, so these rows can choose defaults
-without tuning on what the README reports.
+without tuning on what docs/results.md reports.
 
     .venv/bin/python benchmarks/levers.py [--sizes 72:20,120:24] [--only a,b] [--readme]
 
@@ -25,7 +25,7 @@ Rows:
   calib-fp32      the source's forward over the calibration windows in float32 instead of bfloat16 autocast
 
 A row that beats the default on the dev windows is also scored on the held-out Wikipedia evaluation windows
-(``wiki@512``, 40 x 512 tokens, the README's figure) next to the default, and is kept only if it wins there too.
+(``wiki@512``, 40 x 512 tokens, the figure docs/results.md reports) next to the default, and is kept only if it wins there too.
 """
 
 from __future__ import annotations
@@ -188,11 +188,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="72:16", help="cache budget:rope pairs, comma separated")
     ap.add_argument("--only", default="", help="comma-separated row names")
-    ap.add_argument("--readme", action="store_true", help="also replace the README block")
+    ap.add_argument("--readme", action="store_true", help="also replace its block (docs/results.md)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "levers.md")
     ap.add_argument("--publish", nargs="*", type=Path, metavar="TABLE",
                     help="measure nothing: merge these tables' rows (runs written elsewhere with --out) into --out, "
-                    "then write the README block (with --readme) and the levers into measured_splits.json")  # fmt: skip
+                    "then write its block (docs/results.md) (with --readme) and the levers into measured_splits.json")  # fmt: skip
     args = ap.parse_args()
     if args.publish is not None:
         lines = args.out.read_text().splitlines()
@@ -290,7 +290,7 @@ def block(lines: list[str]) -> str:
 
 
 def publish(lines: list[str], out: Path, readme: bool) -> None:
-    """Print the table; with ``readme``, write its README block and the levers ``factor`` takes per cache size."""
+    """Print the table; with ``readme``, write its block (docs/results.md) and the levers ``factor`` takes per cache size."""
     print("\n".join(lines))
     for size, (pairs, levers, why) in sorted(choose_levers(lines).items()):
         print(f"{size} values, r={pairs}: {levers} ({why})")

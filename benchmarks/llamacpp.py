@@ -11,7 +11,7 @@ reference conversion (default ``--cache-block 32``), each at ``f16``, ``q8_0`` a
 llama.cpp's own quantizer (the MLA file keeps ``attn_kv_a_mqa`` float32, as the export does). KV cache ``f16``
 (flash attention off) and ``q8_0`` (K and V, flash attention on, which llama.cpp requires for it).
 
-* ``ppl``: perplexity on :data:`PPL_WINDOWS` x 512 tokens of the Wikipedia evaluation split (the README's reference
+* ``ppl``: perplexity on :data:`PPL_WINDOWS` x 512 tokens of the Wikipedia evaluation split (the reference conversion's
   windows), each window scored alone, through the checkpoint's tokenizer (the source's);
 * ``kv``: the KV cache llama.cpp allocates at 512 / 2048 / 8192 tokens of context (its log line);
 * ``speed``: prefill and decode milliseconds per token at 512 / 2048 / 8192 tokens of context (real Wikipedia

@@ -191,7 +191,7 @@ def merge_rows(lines: list[str], sources: list[Path]) -> list[str]:
 
 
 def publish(lines: list[str], readme: bool) -> None:
-    """Print the summary; with ``readme``, write the README block (table + summary) and the measured splits."""
+    """Print the summary; with ``readme``, write its block (docs/results.md: table + summary) and the measured splits."""
     summary, splits = summarize(lines)
     print("\n".join(summary))
     if not readme:
@@ -236,7 +236,7 @@ def main() -> None:
     ap.add_argument("--pairs", default="", help="only these splits of ours, e.g. 120:24,72:16 (default: the sweep)")
     ap.add_argument("--anchors", default="", help="only the anchor rows whose name contains one of these (comma-separated)")
     ap.add_argument(
-        "--readme", action="store_true", help="also replace the table between the README's markers"
+        "--readme", action="store_true", help="also replace the table between its markers (docs/results.md)"
     )
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "perplexity.md")
     ap.add_argument(

@@ -44,7 +44,7 @@ def reference_block(manifest: dict[str, Any]) -> str:
         f"written by `mla-convert factor smollm2-135m out/smollm2-mla --device cpu` (default options; the device "
         f"is a recorded option, so a GPU host converts as a CPU does with `cpu`; CPUs of other instruction sets round the last digits differently and get another id, their figures within 0.5 % of these: tests/convert/test_reference.py); this table by "
         f"`python benchmarks/readme.py reference`. Perplexity on {opts['eval_windows']} x {opts['window']} tokens "
-        f"of the Wikipedia evaluation split (one article; see below for 40 windows).",
+        f"of the Wikipedia evaluation split (one article; 40 windows: docs/results.md).",
         "",
         "| | source | MLA |",
         "|---|---:|---:|",
@@ -85,7 +85,7 @@ def rungs_block() -> str:
 
 
 def validate_block(result: dict[str, Any], ckpt: str) -> str:
-    """The validation ladder's README block from ``validation.json`` (one row per rung)."""
+    """The validation ladder's block (docs/validation.md) from ``validation.json`` (one row per rung)."""
     env = result["environment"]
     lines = [
         f"Measured by `mla-convert validate {ckpt}` on the reference conversion; this block by "

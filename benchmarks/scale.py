@@ -18,7 +18,7 @@ anonymous), so the table also gives the largest anonymous and file-mapped parts,
 
 Per-model options are :data:`MODELS` (``--flags NAME=ARGS`` replaces them for one run). Results are merged
 by model into ``benchmarks/results/scale.json`` and tabled in ``benchmarks/results/scale.md``; ``--readme``
-writes the table between README.md's ``<!-- scale:start -->`` / ``<!-- scale:end -->`` markers. OUT folders
+writes the table between the ``<!-- scale:start -->`` / ``<!-- scale:end -->`` markers (docs/results.md). OUT folders
 go to a temporary folder (or ``--out-root``) and are deleted after measuring unless ``--keep``.
 """
 
@@ -352,7 +352,7 @@ def generation_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def block(rows: list[dict[str, Any]], command: str) -> str:
-    """README block: caption with the machine and the command, the table, per-model options, generation."""
+    """The block of docs/results.md: caption with the machine and the command, the table, per-model options, generation."""
     m = rows[0]["machine"] if rows else machine()
     where = f"{m['cpus']} CPU cores, {m.get('memory_gb', '?')} GB RAM" + (
         f", {m['gpu']}" if m.get("gpu") else ""
@@ -420,7 +420,7 @@ def main() -> None:
         "--out-root", type=Path, help="where OUT folders and logs go (default: a new temp folder)"
     )
     ap.add_argument("--keep", action="store_true", help="keep the OUT folders")
-    ap.add_argument("--readme", action="store_true", help="write the table between README's scale markers")
+    ap.add_argument("--readme", action="store_true", help="write the table into docs/results.md")
     ap.add_argument(
         "--flags", action="append", default=[], metavar="NAME=ARGS", help="replace a model's factor options"
     )

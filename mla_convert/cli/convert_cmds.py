@@ -97,7 +97,7 @@ def inspect(
     if why:
         console.print(f"\nfactor with these options takes {why}", highlight=False, markup=False)
     given = [k for k in ConvertOptions.model_fields if given_on_command_line(k)]
-    from mla_convert.convert.rope_split import expected_measurements
+    from mla_convert.convert.resolve import expected_measurements
 
     lines = factor_lines(
         options, src, max_shard_size, max(1, len(res.rope_candidates)), expected_measurements(res), res.refit_modes
@@ -220,7 +220,7 @@ def factor(
                 markup=False,
             )
     if report["run"].get("rope_split"):
-        from mla_convert.convert.rope_split import outcome
+        from mla_convert.convert.split_report import outcome
 
         console.print(f"rope split: {outcome(report['run']['rope_split'])}", highlight=False, markup=False)
     for warning in report.get("warnings", []):

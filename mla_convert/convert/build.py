@@ -12,12 +12,15 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from mla_convert.convert.calibration import LayerStats
 from mla_convert.convert.options import ConvertOptions, check_options
+from mla_convert.convert.pipeline import run_passes
 from mla_convert.convert.records import Streamed, Texts
+from mla_convert.convert.resolve import Resolution, resolve_options
 from mla_convert.convert.rope import RopePlan
 from mla_convert.convert.steps import LayerRecord
 from mla_convert.convert.stream import StreamedConversion
@@ -45,6 +48,8 @@ class Conversion:
         plans: every layer's partial-RoPE plan.
         stats: every layer's calibration statistics (``keep_stats``), else empty.
         streamed: the streamed conversion's full record (caches, timings, evaluation).
+        options: the options converted (resolved; the search's choice where one was made).
+        split: the search's measurements, None where nothing was searched.
     """
 
     model: MLAForCausalLM
@@ -53,6 +58,8 @@ class Conversion:
     plans: list[RopePlan]
     stats: list[LayerStats]
     streamed: Streamed
+    options: ConvertOptions | None = None
+    split: dict[str, Any] | None = None
 
     @property
     def eval(self) -> EvalResult | None:
@@ -68,24 +75,34 @@ def convert_windows(
     evaluation: torch.Tensor | None = None,
     keep_stats: bool = False,
     progress: ProgressFn | None = None,
+    resolution: Resolution | None = None,
 ) -> Conversion:
-    """Convert ``src`` with calibration windows ``[N, T]`` exactly as ``factor`` does, without writing OUT.
+    """Convert ``src`` with calibration windows ``[N, T]`` exactly as ``factor`` does, without writing OUT: the
+    options resolved as ``factor`` resolves them (the search included, where ``options`` leave the RoPE split
+    open) and the same passes (:func:`~mla_convert.convert.pipeline.run_passes`).
 
     Args:
+        options: the options as a Python caller gives them; the fields set are taken as given
+            (:func:`~mla_convert.convert.resolve.resolve_options`).
         calibration: ``[N, T]`` token ids of the statistics (and of the teacher-forced ``o_proj`` refit).
-        held_out: ``[M, T]`` held-out calibration windows: per-layer attention errors and the refit's keep
-            decision (kept only if it lowers the mean loss on them). None: no attention errors, and a refit is
-            never kept (nothing shows it helps), as in ``factor``.
+        held_out: ``[M, T]`` held-out calibration windows: per-layer attention errors, the search's measurements
+            and the refit's keep decision (kept only if it lowers the mean loss on them). None: no attention errors,
+            no search (nothing to measure on) and a refit is never kept (nothing shows it helps), as in ``factor``.
         evaluation: ``[E, T']`` windows scored against the source (:attr:`Conversion.eval`).
         keep_stats: also return every layer's :class:`LayerStats` (the oracles' metric ``E[x xᵀ]``).
+        resolution: ``options`` already resolved (:func:`~mla_convert.convert.resolve.resolve_options`); None:
+            resolved here.
 
     Returns:
-        The :class:`Conversion`.
+        The :class:`Conversion` (``options`` as converted, the search's choice included: ``.options``).
 
     Raises:
         OptionsError: impossible options (before any tensor is built).
         RopeError, FactorError, SourceError: as ``factor``.
     """
+    if resolution is None:
+        resolution = resolve_options(options, src)
+    options = resolution.options
     check_options(options, src)
     empty = calibration[:0]
     held = held_out if held_out is not None else empty
@@ -94,19 +111,24 @@ def convert_windows(
     with tempfile.TemporaryDirectory(prefix="mla-convert-") as tmp:
         work = Path(tmp)
         texts = Texts(calibration, held, ev_ids, probe)
-        conv = StreamedConversion(src, options, texts, work, progress, keep_stats, trim=False, resumable=False)
-        conv.pass_one(0)
-        config = conv.ranks_and_config()
-        conv.pass_two(config, 0)
-        conv.decide_refit()
-        ev = None
-        if ev_ids.numel():
-            conv.pass_three(config, 0)
-            ev = conv.score()
-        res = conv.result(config, ev)
-        plans = [load_torch(work / f"layer-{i:03d}.plan.pt") for i in range(src.num_layers)]
-        model = _load(config, conv)
-    return Conversion(model, config, res.layers, plans, conv.stats, res)
+        conv = StreamedConversion(
+            src,
+            options,
+            texts,
+            work,
+            progress,
+            keep_stats,
+            trim=False,
+            resumable=False,
+            rope_candidates=resolution.rope_candidates,
+            rope_strategies=resolution.rope_strategies,
+            refit_modes=resolution.refit_modes,
+        )
+        passes = run_passes(conv)
+        plans = [load_torch(conv.layer_file(i, "plan.pt")) for i in range(src.num_layers)]
+        model = _load(passes.config, conv)
+    res = passes.result
+    return Conversion(model, passes.config, res.layers, plans, conv.stats, res, conv.options, passes.split)
 
 
 def _load(config: MLAConfig, conv: StreamedConversion) -> MLAForCausalLM:

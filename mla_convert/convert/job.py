@@ -23,11 +23,12 @@ from mla_convert.artifacts.report import write_report
 from mla_convert.artifacts.shards import DEFAULT_MAX_SHARD_SIZE, write_shards
 from mla_convert.convert.device import calib_precision_note, frozen_heap, resolve_device, trim_heap
 from mla_convert.convert.options import ConvertOptions, check_options
+from mla_convert.convert.pipeline import run_passes
 from mla_convert.convert.records import ProgressFn, Streamed, Texts
 from mla_convert.convert.resolve import Resolution, resolve_options
-from mla_convert.convert.rope_split import choose_rope_pairs, split_record, split_sentence
+from mla_convert.convert.split_report import split_record, split_sentence
 from mla_convert.convert.stream import StreamedConversion
-from mla_convert.convert.workdir import check_start, close_work, load_torch, open_work, publish
+from mla_convert.convert.workdir import check_start, close_work, open_work, publish
 from mla_convert.errors import UserError
 from mla_convert.export.engines import engine_table
 from mla_convert.metrics import EvalResult
@@ -340,32 +341,13 @@ def run_factor(
                 rope_strategies=resolution.rope_strategies, refit_modes=resolution.refit_modes,
             )
             if done is not None:
-                conv.state = load_torch(work / "state.pt")
-            step = (done["pass"], done["layer"]) if done is not None else (1, -1)
-            n = src.num_layers
-
-            def first(p: int) -> int:
-                """First layer pass ``p`` still has to run."""
-                return n if step[0] > p else (step[1] + 1 if step[0] == p else 0)
-
-            phases.enter("calibrate")
-            conv.pass_one(first(1))
-            split = choose_rope_pairs(conv)  # a resumed conversion: the split measured before it stopped
-            options = conv.options  # the measured RoPE split, where one was measured
-            if split is not None and step[0] <= 1:
-                conv.save_state({"pass": 1, "layer": n - 1})
-            t1 = time.perf_counter()
-            config = conv.ranks_and_config()
-            phases.enter("convert")
-            conv.pass_two(config, first(2))
-            if step[0] < 3:
-                conv.decide_refit()
-            phases.enter("evaluate")
-            conv.pass_three(config, first(3))
-            t2 = time.perf_counter()
-            phases.enter("score")
-            ev = conv.score()
-            res = conv.result(config, ev)
+                conv.load_state()
+            tp = time.perf_counter()
+            passes = run_passes(conv, done, phases.enter)
+            options, split, config, res, ev = conv.options, passes.split, passes.config, passes.result, passes.eval
+            assert ev is not None  # factor always has evaluation windows
+            t1 = tp + passes.seconds["source"]
+            t2 = t1 + passes.seconds["convert"]
             t3 = time.perf_counter()
             staged = work / "out"
             staged.mkdir()

@@ -142,6 +142,16 @@ class ConvertOptions(BaseModel):
             return self.calib_windows
         return max(1, -(-self.calib_tokens // max(1, self.window)))
 
+    def with_split(self, pairs: int, strategy: str | None = None, refit: str | None = None) -> ConvertOptions:
+        """These options with the RoPE split ``pairs`` (and the rope strategy and ``o_proj`` refit mode, where
+        given): one candidate of the search (:mod:`mla_convert.convert.rope_split`)."""
+        update: dict[str, Any] = {"rope_pairs": pairs}
+        if strategy is not None:
+            update["rope_strategy"] = strategy
+        if refit is not None:
+            update["refit_o_proj"] = refit
+        return self.model_copy(update=update)
+
     @model_validator(mode="after")
     def _rank_replaces_budget(self) -> ConvertOptions:
         """A fixed ``kv_lora_rank`` makes the cache size moot (fraction and budget recorded as ``None``); an

@@ -13,7 +13,7 @@ them in one order, so ``ConvertOptions(cache_budget=72)`` converts as ``factor -
 3. the RoPE split and levers measured best for the budget where not given
    (:func:`~mla_convert.convert.suggest.follow_budget`: measured on another model, a prior, and said so); the
    split's pairs are then measured on the source itself among candidates around that prior
-   (:func:`~mla_convert.convert.rope_split.rope_candidates`), and the rope strategy and ``o_proj`` refit mode
+   (:func:`~mla_convert.convert.candidates.rope_candidates`), and the rope strategy and ``o_proj`` refit mode
    too where not given (the conversion chooses, before converting);
 4. with an export asked for, a scaled-RoPE source's selection steered to the pairs one plain RoPE table holds
    (:func:`~mla_convert.export.precheck.steer_for_export`).
@@ -67,6 +67,17 @@ class Resolution:
     rope_candidates: tuple[int, ...] = ()
     rope_strategies: tuple[str, ...] = ()
     refit_modes: tuple[str, ...] = ()
+
+
+def expected_measurements(res: Resolution) -> int:
+    """The splits a conversion with ``res`` is expected to convert on the held-out windows: the prior and its
+    neighbours on the ladder, each other strategy and each other refit mode (a local search that walks on
+    measures more)."""
+    ladder = res.rope_candidates
+    if len(ladder) < 2:
+        return 1
+    at = ladder.index(res.options.rope_pairs)
+    return len(ladder[max(0, at - 1) : at + 2]) + len(res.rope_strategies) + len(res.refit_modes)
 
 
 def check_sizes_given(options: ConvertOptions, given: Collection[str]) -> None:
@@ -138,9 +149,9 @@ def resolve_options(
         OptionsError: options that contradict each other (``--cache-budget`` with ``--kv-lora-rank``), or an
             engine target's shape (``--rope-mode per-head`` for vLLM, ...).
     """
+    from mla_convert.convert.candidates import rope_candidates
     from mla_convert.convert.engine import ENGINE_ROWS, shape_for_engine
     from mla_convert.convert.llamacpp_shape import LLAMACPP, shape_for_llamacpp
-    from mla_convert.convert.rope_split import rope_candidates
     from mla_convert.convert.suggest import follow_budget, measured_rope_pairs
 
     if given is None:  # a Python caller: the fields it passed, None meaning "not set"

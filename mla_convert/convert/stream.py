@@ -31,27 +31,30 @@ from typing import Any
 import torch
 
 from mla_convert.convert.calibration import HeldOut, LayerStats, StatsAccumulator
+from mla_convert.convert.converter import (
+    LayerConverter,
+    LayerSource,
+    Planned,
+    RefitInputs,
+    plan_step,
+    rounded_layer,
+)
 from mla_convert.convert.device import bfloat16_autocast, resolve_device, resolve_dtype, trim_heap
-from mla_convert.convert.factorize import factor_layer, spectrum
+from mla_convert.convert.factorize import spectrum
 from mla_convert.convert.layers import (
     SourceLayers,
     check_fits,
     layer_prefix,
-    mla_layer,
     read_checked,
     run_attention,
     run_mla,
 )
 from mla_convert.convert.options import ConvertOptions, geometry, refit_stride
 from mla_convert.convert.records import ProgressFn, Streamed, Texts, cache_record
-from mla_convert.convert.refit import refit_o_proj
-from mla_convert.convert.rope_split import candidate_spectra
 from mla_convert.convert.steps import (
     LayerRecord,
-    is_lossless,
     layer_ranks,
     layer_record,
-    layer_state,
     mla_config,
     plan_and_target,
 )
@@ -161,13 +164,17 @@ class StreamedConversion:
         if self.trim:
             trim_heap()
 
+    def load_state(self) -> None:
+        """The state a stopped conversion saved in the work folder (``--resume``)."""
+        self.state = load_torch(self.work / "state.pt")
+
     def save_state(self, step: dict[str, Any]) -> None:
         if not self.resumable:  # an in-memory conversion: nothing resumes it
             return
         save_torch(self.work / "state.pt", self.state)
         mark_done(self.work, step)
 
-    def _layer_file(self, i: int, suffix: str) -> Path:
+    def layer_file(self, i: int, suffix: str) -> Path:
         return self.work / f"layer-{i:03d}.{suffix}"
 
     # ------------------------------------------------------------------ pass 1: source
@@ -180,7 +187,7 @@ class StreamedConversion:
             emb = self._embed()
             st.update(
                 streams={f"src_{k}": v for k, v in emb.items()}
-                | {f"mla_{k}": self._round(v) for k, v in emb.items() if k != "calib"},
+                | {f"mla_{k}": self.as_written(v) for k, v in emb.items() if k != "calib"},
                 spectra=[],
                 d_nope=[],
                 cache_source=[],
@@ -188,7 +195,7 @@ class StreamedConversion:
             )
             if self.keep_refit_windows:  # the refit windows, to travel through the converted layers in pass 2
                 stride = refit_stride(*emb["calib"].shape[:2])
-                st["streams"]["mla_refit"] = self._round(emb["calib"][::stride])
+                st["streams"]["mla_refit"] = self.as_written(emb["calib"][::stride])
         for i in range(start, self.n_layers):
             self._source_layer(layers, i)
             src.release()
@@ -200,7 +207,7 @@ class StreamedConversion:
         src, st = self.src, self.state
         s = st["streams"]
         t0 = time.perf_counter()
-        source = self._source_tensors(i)
+        source = self.source_tensors(i)
         prefix = layer_prefix(i)
         for name, tensor in source.items():
             if not name.startswith("self_attn."):  # copied as they are: the MLP and the norms
@@ -208,9 +215,9 @@ class StreamedConversion:
         if src.gguf_file is not None:  # dequantize once: pass 2 and 3 read the float32 copy
             from safetensors.torch import save_file
 
-            save_file(source, str(self._layer_file(i, "src.safetensors")))
+            save_file(source, str(self.layer_file(i, "src.safetensors")))
         layer = layers.layer(i, source)
-        weights = self._attention(i, source)
+        weights = self.attention_weights(i, source)
         del source
         acc = StatsAccumulator(weights, src.num_heads, src.num_kv_heads, src.head_dim, self.device)
         kept_x: list[torch.Tensor] = []
@@ -255,12 +262,12 @@ class StreamedConversion:
             st["spectra"].append(spectrum(target))
         st["d_nope"].append(int(plan.q_nope.shape[1]))
         if self.rope_candidates:
-            candidate_spectra(self, weights, stats)
+            self._candidate_spectra(weights, stats)
         st["calib_tokens"] = int(stats.tokens)
         t2 = time.perf_counter()
-        save_torch(self._layer_file(i, "plan.pt"), plan)
+        save_torch(self.layer_file(i, "plan.pt"), plan)
         save_torch(
-            self._layer_file(i, "p1.pt"),
+            self.layer_file(i, "p1.pt"),
             {
                 "target": target,
                 "tokens": stats.tokens,
@@ -272,17 +279,73 @@ class StreamedConversion:
         )
         st["timings"][i].update(source_forward_s=t1 - t0, plan_s=t2 - t1, save_s=time.perf_counter() - t2)
 
+    def _candidate_spectra(self, weights: dict[str, torch.Tensor], stats: LayerStats) -> None:
+        """Pass 1, one layer: the singular values of each other RoPE candidate's weighted K/V matrix (the prior's are
+        the layer's own, ``state["spectra"]``), for the search (:mod:`mla_convert.convert.rope_split`)."""
+        split = self.state.setdefault("rope_split", {"spectra": {}})
+        for r in self.rope_candidates:
+            if r != self.options.rope_pairs:
+                planned = plan_step(self.src, self.options.with_split(r), weights, stats)
+                split["spectra"].setdefault(r, []).append(spectrum(planned.target))
+
     def _source_cache(self) -> Any:
         from transformers import DynamicCache
 
         return DynamicCache(config=self.src.config)
 
     # ------------------------------------------------------------------ between passes
+    def calibration_record(self, i: int) -> dict[str, Any]:
+        """What pass 1 kept of layer ``i`` (``p1.pt``): its weighted K/V matrix ``target``, calibration ``tokens``,
+        input mean ``x_mean``, RoPE ``pair_norms``, the refit's ``(x, out)`` and the ``held`` attention pairs."""
+        return load_torch(self.layer_file(i, "p1.pt"))
+
+    def stream(self, name: str) -> torch.Tensor:
+        """A hidden-state stream ``[N, T, hidden]`` where the passes left it (``src_held``: the held-out windows
+        after the source's layers; ``mla_held``, ``mla_refit``: the held-out and refit windows entering pass 2)."""
+        return self.state["streams"][name]
+
+    def prior_spectra(self) -> list[torch.Tensor]:
+        """Every layer's singular values under the options pass 1 ran (the prior's)."""
+        return self.state["spectra"]
+
+    def candidate_spectra(self) -> dict[int, list[torch.Tensor]] | None:
+        """The other RoPE candidates' per-layer singular values (pass 1), None where no search was asked."""
+        split = self.state.get("rope_split")
+        return None if split is None else split["spectra"]
+
+    def recorded_split(self) -> dict[str, Any] | None:
+        """The search's result this conversion adopted before it stopped (a resumed run), else None."""
+        return (self.state.get("rope_split") or {}).get("result")
+
+    def adopt(
+        self,
+        options: ConvertOptions,
+        result: dict[str, Any],
+        planned: Callable[[int], Planned] | None = None,
+        spectra: list[torch.Tensor] | None = None,
+    ) -> None:
+        """Convert with the search's choice from pass 2 on (between the passes, once): ``options`` (the chosen
+        split and levers) and, where its plan is not pass 1's, every layer's plan and weighted K/V matrix
+        (``planned(i)``, written into the work folder with their ``spectra``), recorded in the state so a resumed
+        conversion does not measure again (:func:`~mla_convert.convert.rope_split.choose_rope_pairs`)."""
+        if planned is not None and spectra is not None:
+            d_nope = []
+            for i in range(self.n_layers):
+                p1, layer = self.calibration_record(i), planned(i)
+                layer.target.singular_values = spectra[i]
+                p1["target"] = layer.target
+                save_torch(self.layer_file(i, "plan.pt"), layer.plan)
+                save_torch(self.layer_file(i, "p1.pt"), p1)
+                d_nope.append(int(layer.plan.q_nope.shape[1]))
+            self.state["spectra"], self.state["d_nope"] = spectra, d_nope
+        self.state.setdefault("rope_split", {"spectra": {}})["result"] = result
+        self.options = options
+
     def ranks_and_config(self) -> MLAConfig:
         """Per-layer ranks (fixed or allocated over every layer's spectrum) and the MLA config."""
         geo = geometry(self.options, self.src)
         ranks = layer_ranks(self.options, self.state["spectra"], geo)
-        plans = [load_torch(self._layer_file(i, "plan.pt")) for i in range(self.n_layers)]
+        plans = [load_torch(self.layer_file(i, "plan.pt")) for i in range(self.n_layers)]
         config = mla_config(self.src, self.options, ranks, plans, max(self.state["d_nope"]))
         config.dtype = str(self.dtype).replace("torch.", "")
         return config
@@ -307,7 +370,7 @@ class StreamedConversion:
             self.src.release()
             self._trim()
             self.save_state({"pass": 2, "layer": i})
-            self._layer_file(i, "p1.pt").unlink(missing_ok=True)  # spent: the work folder stays ~ one output big
+            self.layer_file(i, "p1.pt").unlink(missing_ok=True)  # spent: the work folder stays ~ one output big
             self.progress("convert", 1, self.n_layers)
         s.pop("mla_refit", None)  # spent: the refit windows are not scored
 
@@ -315,34 +378,19 @@ class StreamedConversion:
         src, st = self.src, self.state
         s = st["streams"]
         t0 = time.perf_counter()
-        p1 = load_torch(self._layer_file(i, "p1.pt"))
-        plan = load_torch(self._layer_file(i, "plan.pt"))
-        factors = factor_layer(p1["target"], config.kv_lora_rank[i], self.options.factorization)
-        source = self._source_tensors(i)
-        width, moments = self.options.qk_nope_head_dim, (p1["target"].xx, p1["x_mean"])
-        attn = layer_state(src, self._attention(i, source), plan, factors, config.qk_nope_head_dim, width, moments)
-        for name, tensor in attn.items():
-            if name != "rope_inv_freq":
-                check_fits(f"{layer_prefix(i)}self_attn.{name}", tensor, self.dtype)
-        t1 = time.perf_counter()
-        layer = self._mla(config, i, source, attn)  # its parameters are the tensors of ``attn`` and ``source``
-        del source
-        plain_w = layer.self_attn.o_proj.weight.detach().clone()
-        fit_w = None
-        lossy = not is_lossless([plan], [factors])
-        # An exact layer keeps the source's o_proj, unless a sequential refit sees inputs that earlier lossy
-        # layers moved (then it fits like any other layer).
-        if self.refit and (lossy or (self.sequential and st["lossy_seen"])):
+        p1 = load_torch(self.layer_file(i, "p1.pt"))
+        planned = Planned(load_torch(self.layer_file(i, "plan.pt")), p1["target"])
+        layer_src = self.layer_source(i)
+        refit = None
+        if self.refit:
             x, out = p1["refit"]
-            if self.sequential:  # the converted model's own attention inputs on the refit windows
-                with torch.no_grad():
-                    x = layer.input_layernorm(s["mla_refit"])
-            refit_o_proj(layer.self_attn, x.to(self.device), out.to(self.device))
-            fit = layer.self_attn.o_proj.weight.detach().clone()
-            check_fits(f"{layer_prefix(i)}self_attn.o_proj.weight (refit)", fit, self.dtype)
-            fit_w = self._round(fit)
-            with torch.no_grad():
-                layer.self_attn.o_proj.weight.copy_(plain_w)
+            refit = RefitInputs(x, out, s["mla_refit"] if self.sequential else None, self.sequential and st["lossy_seen"])
+        converted = LayerConverter(self.src, self.options, config, self.device, self.dtype).convert(
+            layer_src, planned, refit, p1["x_mean"]
+        )
+        del layer_src
+        layer, attn, fit_w, lossy = converted.layer, converted.attn, converted.fit_w, converted.lossy
+        plan, factors, plain_w = converted.plan, converted.factors, layer.self_attn.o_proj.weight.detach().clone()
         t2 = time.perf_counter()
         ho: HeldOut | None = p1["held"]
         variants = {"plain": None, "fit": fit_w} if self.refit else {"plain": None}
@@ -373,15 +421,15 @@ class StreamedConversion:
         st["refit_layers"].append(fit_w is not None)
         st["records"].append(layer_record(i, plan, factors))
         st["timings"][i].update(
-            factor_s=t1 - t0, assemble_refit_s=t2 - t1, held_forward_s=t3 - t2, write_s=time.perf_counter() - t3
+            convert_s=t2 - t0, held_forward_s=t3 - t2, write_s=time.perf_counter() - t3
         )
 
-    def _source_tensors(self, i: int) -> dict[str, torch.Tensor]:
+    def source_tensors(self, i: int) -> dict[str, torch.Tensor]:
         """Layer ``i``'s source tensors (float32, names inside the layer): from the work folder's float32 copy
         when pass 1 left one (quantized GGUF sources: dequantized once), else read from the source."""
         from safetensors.torch import load_file
 
-        cached = self._layer_file(i, "src.safetensors")
+        cached = self.layer_file(i, "src.safetensors")
         if cached.is_file():
             return load_file(str(cached))
         prefix = layer_prefix(i)
@@ -391,7 +439,7 @@ class StreamedConversion:
             if n.startswith(prefix)
         }
 
-    def _attention(self, i: int, source: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def attention_weights(self, i: int, source: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """float64 ``q, k, v, o`` weights and biases (``bq``...) of layer ``i`` from its source tensors."""
         prefix = layer_prefix(i)
         out: dict[str, torch.Tensor] = {}
@@ -401,18 +449,18 @@ class StreamedConversion:
                 out[f"b{p}"] = source[self.src.family.attn(f"{p}_proj", i, "bias")[len(prefix) :]].double()
         return out
 
-    def _mla(
-        self, config: MLAConfig, i: int, source: dict[str, torch.Tensor], attn: dict[str, torch.Tensor]
-    ) -> Any:
-        """The converted layer ``i`` on the device, every weight rounded to the output dtype (as written)."""
-        tensors = {k: v for k, v in source.items() if not k.startswith("self_attn.")}
-        tensors.update({f"self_attn.{k}": v for k, v in attn.items()})
-        layer = mla_layer(config, i, tensors, self.device)
-        self._round_layer(layer)
-        return layer
+    def layer_source(self, i: int) -> LayerSource:
+        """Layer ``i`` as the per-layer converter reads it (:class:`~mla_convert.convert.converter.LayerSource`)."""
+        tensors = self.source_tensors(i)
+        return LayerSource(i, tensors, self.attention_weights(i, tensors))
+
+    def written_layer(self, config: MLAConfig, i: int, attn: dict[str, torch.Tensor]) -> Any:
+        """The converted layer ``i`` on the device with the attention tensors ``attn`` as written (every weight
+        rounded to the output dtype)."""
+        return rounded_layer(config, LayerSource(i, self.source_tensors(i), {}), attn, self.device, self.dtype)
 
     # ------------------------------------------------------------------ refit decision, pass 3
-    def _head(self) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
+    def head(self) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
         """The LM head (stored dtype) and the final norms of the source and the converted model."""
         src = self.src
         head_name = "model.embed_tokens.weight" if getattr(src.config, "tie_word_embeddings", False) else "lm_head.weight"
@@ -427,7 +475,7 @@ class StreamedConversion:
 
             return fn
 
-        return head, rms(norm_w), rms(self._round(norm_w))
+        return head, rms(norm_w), rms(self.as_written(norm_w))
 
     def decide_refit(self) -> None:
         """Keep the ``o_proj`` refit only if it lowers the converted model's mean next-token loss on the held-out
@@ -436,7 +484,7 @@ class StreamedConversion:
         st["variant"], st["refit"] = "", None
         if not any(st["refit_layers"]) or not t.held.numel():
             return
-        head, _, mla_norm = self._head()
+        head, _, mla_norm = self.head()
         _, before = head_scores(s["mla_held"], t.held, mla_norm, head, head_dtype=self.dtype)
         _, after = head_scores(s["mla_held_fit"], t.held, mla_norm, head, head_dtype=self.dtype)
         mb, ma = sum(before) / len(before), sum(after) / len(after)
@@ -458,18 +506,18 @@ class StreamedConversion:
         for i in range(start, self.n_layers):
             t0 = time.perf_counter()
             prefix = f"{layer_prefix(i)}self_attn."
-            with safe_open(str(self._layer_file(i, "safetensors")), framework="pt") as f:
+            with safe_open(str(self.layer_file(i, "safetensors")), framework="pt") as f:
                 attn = {k[len(prefix) :]: f.get_tensor(k).float() for k in f.keys() if not k.endswith("@fit")}
                 if fit and f"{prefix}o_proj.weight@fit" in f.keys():
                     attn["o_proj.weight"] = f.get_tensor(f"{prefix}o_proj.weight@fit").float()
-            layer = self._mla(config, i, self._source_tensors(i), attn)
+            layer = self.written_layer(config, i, attn)
             s["mla_eval"] = run_mla(layer, s["mla_eval"], self.src.num_heads, self.intermediate)
             del layer
             self.src.release()
             self._trim()
             self.state["timings"][i]["eval_forward_s"] = time.perf_counter() - t0
             self.save_state({"pass": 3, "layer": i})
-            self._layer_file(i, "src.safetensors").unlink(missing_ok=True)
+            self.layer_file(i, "src.safetensors").unlink(missing_ok=True)
             self.progress("evaluate", 1, self.n_layers)
 
     def _mla_cache(self, config: MLAConfig) -> Any:
@@ -477,14 +525,9 @@ class StreamedConversion:
 
         return DynamicCache(config=config)
 
-    def _round(self, t: torch.Tensor) -> torch.Tensor:
+    def as_written(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` as the written checkpoint holds it (rounded to the output dtype), back in float32."""
         return t.to(self.dtype).to(torch.float32)
-
-    @torch.no_grad()
-    def _round_layer(self, layer: torch.nn.Module) -> None:
-        for p in layer.parameters():
-            p.copy_(self._round(p))
 
     def _write_layer(self, i: int, attn: dict[str, torch.Tensor], fit_w: torch.Tensor | None) -> None:
         from safetensors.torch import save_file
@@ -495,15 +538,15 @@ class StreamedConversion:
         }
         if fit_w is not None:
             tensors[prefix + "o_proj.weight@fit"] = fit_w.to(self.dtype).cpu().contiguous()
-        tmp = self._layer_file(i, "safetensors.tmp")
+        tmp = self.layer_file(i, "safetensors.tmp")
         save_file(tensors, str(tmp))
-        tmp.replace(self._layer_file(i, "safetensors"))
+        tmp.replace(self.layer_file(i, "safetensors"))
 
     # ------------------------------------------------------------------ finish
     def score(self) -> EvalResult:
         """Perplexity, KL and top-1 of the converted model against the source on the evaluation windows."""
         s = self.state["streams"]
-        head, src_norm, mla_norm = self._head()
+        head, src_norm, mla_norm = self.head()
         ev, _ = head_scores(
             s["mla_eval"], self.texts.eval, mla_norm, head, (s["src_eval"], src_norm, head), head_dtype=self.dtype
         )
@@ -553,7 +596,7 @@ class StreamedConversion:
 
         out["model.embed_tokens.weight"] = meta(src.shape("model.embed_tokens.weight"), self.dtype)
         for i in range(self.n_layers):
-            with safe_open(str(self._layer_file(i, "safetensors")), framework="pt") as f:
+            with safe_open(str(self.layer_file(i, "safetensors")), framework="pt") as f:
                 for name in f.keys():
                     if name.endswith("@fit"):
                         continue
@@ -579,7 +622,7 @@ class StreamedConversion:
         def load(name: str) -> torch.Tensor:
             if ".self_attn." in name:
                 i = int(name.split(".")[2])
-                with safe_open(str(self._layer_file(i, "safetensors")), framework="pt") as f:
+                with safe_open(str(self.layer_file(i, "safetensors")), framework="pt") as f:
                     if fit and name.endswith("o_proj.weight") and f"{name}@fit" in f.keys():
                         return f.get_tensor(f"{name}@fit")
                     return f.get_tensor(name)

@@ -9,7 +9,9 @@ from tiny import convert
 import mla_convert  # noqa: F401
 from mla_convert.sources.checkpoint import load_source_model, open_source
 
-EXACT_TOL = 2e-4  # float32 logits, 30 layers (the GQA test; the others run SmolLM2's first 6): the accumulated rounding of two float32 computations (1.1e-4 on an AMX Xeon)
+#: float32 logits, 30 layers (the GQA test; the others run SmolLM2's first 6): the accumulated rounding of two float32
+#: computations (1.1e-4 on an AMX Xeon). README.md, docs/math.md and docs/validation.md state this bound.
+EXACT_TOL = 2e-4
 
 
 def _logits(model, ids, path=None):

@@ -18,7 +18,8 @@ from test_stream import _convert  # run_factor with the options split from the r
 from mla_convert.convert.job import prepare_text
 from mla_convert.convert.options import ConvertOptions
 from mla_convert.convert.resolve import resolve_options
-from mla_convert.convert.rope_split import expected_measurements, outcome
+from mla_convert.convert.resolve import expected_measurements
+from mla_convert.convert.split_report import outcome
 from mla_convert.convert.workdir import work_dir
 from mla_convert.metrics import evaluate
 from mla_convert.mla.checkpoint import load_checkpoint

@@ -25,7 +25,7 @@ FOUND = [(p, name) for p in FILES for name in blocks.block_names(p.read_text())]
 
 
 def test_blocks_are_found():
-    """The README's headline blocks are there, and each marker pair occurs once in all the files together."""
+    """The headline blocks are there (README.md or docs/); each marker pair occurs once in all the files."""
     names = [n for _, n in FOUND]
     assert {"reference", "validate", "second-model", "engine-parity", "vllm-parity", "recipe"} <= set(names)
     assert len(names) == len(set(names)), f"a block's markers occur more than once: {sorted(names)}"

@@ -314,6 +314,41 @@ def test_export_refuses_bad_inputs(exported, reference_ckpt, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ factor / recipes
+#: A bfloat16 export may move the logits by at most this fraction of what rounding the checkpoint's own weights to
+#: bfloat16 moves them (:func:`_bf16_export_parity`; measured x0.10-0.14 on the tiny Llama).
+BF16_EXPORT_SHARE = 0.5
+
+
+def _bf16_export_parity(ckpt: Path, export: Path, ids: torch.Tensor) -> tuple[float, float]:
+    """``(export, own)``, measured here from the files on disk on ``ids`` (not the export's parity text): max
+    |Δlogit| of stock transformers' ``DeepseekV3ForCausalLM`` loading ``export`` (float32 compute) against our model
+    loading ``ckpt`` with its weights rounded to bfloat16, and ``own``: that rounding's own max |Δlogit| against the
+    float32 weights.
+
+    The expectation, from the mapping (``export/deepseek_v3.py``): the export holds the checkpoint's weights rounded
+    to bfloat16 once; embeddings, MLP, norms and ``lm_head`` map by powers of two (the same bfloat16 values), and only
+    the attention tensors the layout rescales by other factors (the query rows' softmax-scale ratio, the latent's
+    ``1 / sqrt(eps)`` in ``kv_a_layernorm`` and ``kv_b_proj``) round differently. Re-rounding that part of the weights
+    moves the logits by a fraction of what rounding all of them does: ``export <= BF16_EXPORT_SHARE * own``. The
+    export's own gate (``PARITY_FAIL['bfloat16']`` = 0.25, sized for SmolLM2's 30 layers and logits ~30) is
+    nearly vacuous on a tiny model whose logits are ~1.5: the exported ``rms_norm_eps`` 100x off moves them by
+    0.13 and passes it, 10x off by 0.015, and one layer's ``o_proj`` 1 % off by 0.0037 (measured on 2 x 96 random
+    tokens, where the own rounding is 0.0040), all over this bound."""
+    from transformers import AutoModelForCausalLM
+
+    from mla_convert.mla.checkpoint import load_checkpoint
+
+    ours = load_checkpoint(ckpt).eval()
+    stock = AutoModelForCausalLM.from_pretrained(str(export), dtype=torch.float32).eval()
+    with torch.no_grad():
+        exact = ours(input_ids=ids).logits
+        for p in ours.parameters():  # buffers (rope_inv_freq) stay float32, as the export keeps them
+            p.copy_(p.to(torch.bfloat16).float())
+        rounded = ours(input_ids=ids).logits
+        exported = stock(input_ids=ids).logits
+    return (exported - rounded).abs().max().item(), (rounded - exact).abs().max().item()
+
+
 SMALL_FLAGS = ["--calib-windows", "2", "--window", "64", "--eval-windows", "1", "--cache-budget", "24",
                "--rope-pairs", "4"]
 
@@ -327,7 +362,10 @@ def tiny_llama(tmp_path_factory):
     return folder
 
 
-def test_factor_ends_with_an_export(tiny_llama, tmp_path):
+def test_factor_ends_with_an_export(tiny_llama, tmp_path, eval_ids):
+    """``factor --export`` writes a bfloat16 vLLM-CPU export beside the checkpoint that computes the checkpoint's
+    function to within bfloat16's rounding of its weights (:func:`_bf16_export_parity`, measured here, not the
+    export's own gate); the export folder is checked before any work."""
     out = tmp_path / "mla"
     runner = CliRunner()
     res = runner.invoke(app, ["--quiet", "factor", str(tiny_llama), str(out), *SMALL_FLAGS, "--export", "deepseek-v3",
@@ -337,8 +375,12 @@ def test_factor_ends_with_an_export(tiny_llama, tmp_path):
     manifest = json.loads((dest / "mla_manifest.json").read_text())
     parent = json.loads((out / "mla_manifest.json").read_text())
     assert manifest["parent"]["canonical_id"] == parent["canonical_id"]
-    assert manifest["export"]["parity"]["max_abs_logit_diff"] < 0.25  # bf16 (the vLLM targets' default): eps 1e-6 / s^2
-    assert manifest["export"]["dtype"] == "bfloat16"
+    assert manifest["export"]["dtype"] == "bfloat16"  # the vLLM targets' default
+    exported, own = _bf16_export_parity(out, dest, eval_ids[:, :96])
+    print(f"bfloat16 export: max |dlogit| {exported:.2e}, own rounding {own:.2e} (x{exported / own:.2f})")
+    assert exported <= BF16_EXPORT_SHARE * own, (exported, own)  # measured 2.9e-4 against 3.0e-3 (x0.10)
+    parity = manifest["export"]["parity"]  # the export's record: the same relation on its own text
+    assert parity["max_abs_logit_diff"] <= BF16_EXPORT_SHARE * parity["own_rounding_max_abs_logit_diff"], parity
     assert manifest["export"]["target"] == "vllm-cpu" and manifest["export"]["kv_lora_rank"] == 512
     assert f"wrote {dest}" in res.output and "vllm serve" in res.output and "custom_ops" in res.output
     card = (dest / "README.md").read_text()
@@ -358,10 +400,11 @@ def test_factor_ends_with_an_export(tiny_llama, tmp_path):
     assert res.exit_code == 2 and "pass --overwrite" in res.output and not (tmp_path / "fourth").exists()
 
 
-def test_factor_target_shapes_the_conversion_for_the_engine(tiny_llama, tmp_path):
+def test_factor_target_shapes_the_conversion_for_the_engine(tiny_llama, tmp_path, eval_ids):
     """``--target vllm-cpu`` with no budget: one shared rope head keeping every frequency (head_dim 16: 8 <= 32, so
     ``high`` keeps all), one kv_lora_rank in every layer, the widest useful (2 x 16 - 16 NoPE + 2 x 16 values = 48),
-    recorded with the reason; the export fills the engine's row and is exact. An explicit budget keeps its shape."""
+    recorded with the reason; the export fills the engine's row and computes the checkpoint's function to within
+    bfloat16's rounding of its weights (:func:`_bf16_export_parity`). An explicit budget keeps its shape."""
     out = tmp_path / "mla"
     flags = ["--calib-windows", "2", "--window", "64", "--eval-windows", "1"]
     res = CliRunner().invoke(app, ["factor", str(tiny_llama), str(out), *flags, "--target", "vllm-cpu",
@@ -373,7 +416,10 @@ def test_factor_target_shapes_the_conversion_for_the_engine(tiny_llama, tmp_path
     assert report["run"]["rope_pairs_chosen_by"].startswith("--target vllm-cpu: one shared rope head of 8")
     assert report["options"]["rope_strategy"] == "high" and report["options"]["cache_budget"] is None
     export = json.loads((tmp_path / "mla-deepseek-v3" / "mla_manifest.json").read_text())["export"]
-    assert export["kv_lora_rank"] == 512 and export["parity"]["max_abs_logit_diff"] < 0.25
+    assert export["kv_lora_rank"] == 512
+    exported, own = _bf16_export_parity(out, tmp_path / "mla-deepseek-v3", eval_ids[:, :96])
+    print(f"bfloat16 export: max |dlogit| {exported:.2e}, own rounding {own:.2e} (x{exported / own:.2f})")
+    assert exported <= BF16_EXPORT_SHARE * own, (exported, own)  # measured 3.8e-4 against 2.6e-3 (x0.14)
     with pytest.raises(OptionsError, match="the rope head holds 8"):
         shape_for_engine(ConvertOptions(rope_pairs=9), open_source(tiny_llama), "vllm", ["rope_pairs"])
     kept, why = shape_for_engine(ConvertOptions(cache_budget=24), open_source(tiny_llama), "vllm", ["cache_budget"])

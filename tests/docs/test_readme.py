@@ -1,0 +1,35 @@
+"""The README stays what a newcomer reads in five minutes (issue 49): under 1,500 words, one results table.
+
+The lab tables and long results live in ``docs/results.md`` and the other pages of ``docs/``; their generated
+blocks are checked there by ``tests/docs/test_generated_blocks.py``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+blocks = importlib.import_module("blocks")
+
+README = ROOT / "README.md"
+MAX_WORDS = 1500
+
+
+def test_readme_is_short():
+    """Under 1,500 words, counted as ``wc -w`` counts them."""
+    words = len(README.read_text().split())
+    assert words < MAX_WORDS, (
+        f"README.md has {words} words (limit {MAX_WORDS}): move detail to the docs/ page it belongs to "
+        "(measurements to docs/results.md; a generated block moves with its markers, its writer follows)"
+    )
+
+
+def test_readme_holds_one_results_table():
+    """One generated results block (the reference conversion's); every other one lives in docs/."""
+    names = blocks.block_names(README.read_text())
+    assert names == ["reference"], (
+        f"README.md's generated blocks are {names}; keep only 'reference', move the rest to docs/"
+    )
