@@ -306,7 +306,8 @@ def kv_rows(log: str, model: str, cache: str, contexts: tuple[int, ...]) -> list
 
 def prepare(ckpt: Path, work: Path, python: str, weights: tuple[str, ...]) -> dict[str, Path]:
     """The GGUF files (``source-W``, ``mla-W`` for each weight type), written into ``work`` when missing."""
-    from mla_convert.export.gguf_file import export_gguf, quantize
+    from mla_convert.export.gguf_file import export_gguf
+    from mla_convert.export.llamacpp_env import quantize
     from mla_convert.sources.assets import bundled_gguf_path
 
     work = work.resolve()  # the runner runs in a temporary folder
@@ -348,7 +349,7 @@ def texts(ckpt: Path) -> tuple[list[list[int]], list[int], str, str]:
 
 def measure(a: argparse.Namespace, results: dict[str, Any]) -> None:
     """Measure the missing rows of the chosen parts, storing each as it finishes."""
-    from mla_convert.export.gguf_file import find_llamacpp
+    from mla_convert.export.llamacpp_env import find_llamacpp
 
     python = a.llamacpp_python or find_llamacpp()
     if not python:

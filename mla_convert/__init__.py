@@ -21,32 +21,12 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _dist_version
 from typing import Any
 
+from mla_convert.mla.registry import register
+
 try:  # the installed distribution's version (pyproject.toml)
     __version__ = _dist_version("mla-convert")
 except PackageNotFoundError:  # a source tree that was never installed
     __version__ = "0+unknown"
-
-_REGISTERED = False
-
-
-def register() -> None:
-    """Register ``model_type: mla`` with transformers' Auto classes (idempotent); imports torch and transformers."""
-    global _REGISTERED
-    if _REGISTERED:
-        return
-    import torch
-
-    if "triton" not in sys.modules and not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from mla_convert.mla.configuration import MLAConfig
-    from mla_convert.mla.modeling import MLAForCausalLM
-
-    AutoConfig.register("mla", MLAConfig, exist_ok=True)
-    AutoModelForCausalLM.register(MLAConfig, MLAForCausalLM, exist_ok=True)
-    _REGISTERED = True
-
 
 def _started_as_cli() -> bool:
     """True while the ``mla-convert`` console script or ``python -m mla_convert`` is starting."""

@@ -12,3 +12,7 @@ from __future__ import annotations
 
 class UserError(ValueError):
     """Bad input or an environment the user must change; ``str(exc)`` is the one-line message."""
+
+
+class ExportError(UserError):
+    """(:mod:`mla_convert.export`, here so that the model layer can read an export back) A checkpoint the DeepSeek-V3 format cannot express exactly, or a folder that is not an MLA checkpoint."""

@@ -14,6 +14,7 @@ import torch
 
 from mla_convert.errors import UserError
 
+from .backend import kernel_backend
 from .reference import check_decode_inputs, latent_decode_reference
 
 __all__ = [
@@ -52,9 +53,3 @@ def load_kernel() -> ModuleType:
             "export TRITON_INTERPRET=1 (or import mla_convert before triton)"
         )
     return latent_decode
-
-
-def kernel_backend() -> str:
-    """``"triton-cuda"`` or ``"triton-interpreter"``: how :func:`load_kernel`'s kernel runs here."""
-    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    return "triton-interpreter" if interpret or not torch.cuda.is_available() else "triton-cuda"

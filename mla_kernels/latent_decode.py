@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .backend import kernel_backend
 from .fp8 import Fp8Layout
 from .reference import check_decode_inputs, check_decode_values
 
@@ -394,8 +395,6 @@ def latent_decode(
             (the strides each input needs: :func:`plan_launch`), ``block_n < 16``, CPU tensors on a host where
             Triton runs natively, or bfloat16 in the Triton interpreter.
     """
-    from . import kernel_backend
-
     check_decode_inputs(q_abs, q_rope, kv_cache, block_table, seq_lens, head_to_rope, softmax_scale, fp8)
     device = q_abs.device
     backend = kernel_backend()

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from mla_convert.artifacts.hashing import sha256_bytes
+from mla_convert.files import sha256_bytes
 from mla_convert.text.corpora import Document, TextError, load_documents
 from mla_convert.text.specs import DataSpec, parse_data_spec, spec_documents
 from mla_convert.text.windows import adds_bos, documents_record, split_documents, token_windows

@@ -134,7 +134,8 @@ def write_adapted(
         OSError: OUT's folder cannot be written (nothing is left behind).
     """
     from mla_convert.artifacts.manifest import write_manifest
-    from mla_convert.artifacts.output import atomic_folder, save_checkpoint
+    from mla_convert.artifacts.output import save_checkpoint
+    from mla_convert.files import atomic_folder
 
     with atomic_folder(out) as tmp:
         extra = [p for p in ckpt.iterdir() if p.name.startswith("tokenizer") or p.suffix == ".jinja"]

@@ -421,7 +421,7 @@ def _finish(
     Returns:
         the report (empty on other processes).
     """
-    from mla_convert.artifacts.manifest import adaptation_manifest
+    from mla_convert.adapt.manifest import adaptation_manifest
 
     report: dict[str, Any] = {}
     world = job.accelerator.num_processes

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mla_convert.adapt.options import AdaptError, AdaptOptions
-from mla_convert.artifacts.output import OutputError, atomic_write_text, check_output
+from mla_convert.artifacts.output import OutputError, check_output
+from mla_convert.files import atomic_write_text
 
 if TYPE_CHECKING:
     from accelerate import Accelerator

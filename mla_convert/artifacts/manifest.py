@@ -5,8 +5,8 @@ every option, RoPE pairs and ranks per layer, calibration documents), what came 
 sha256, reconstruction summary) and the cache schema; an adapted checkpoint's manifest adds its parent's
 canonical id and the adaptation. The canonical id is the sha256 of the sorted, compact JSON of the
 *semantic* fields (everything except timings, host facts and file paths), so two runs of the same
-conversion get the same id. Both manifests are built here (:func:`conversion_manifest`,
-:func:`adaptation_manifest`) and written by :func:`write_manifest`.
+conversion get the same id. A conversion's manifest is built here (:func:`conversion_manifest`), an
+adaptation's in :mod:`mla_convert.adapt.manifest`; both are written by :func:`write_manifest`.
 
 Files a later stage adds to a finished folder (``validate``: ``validation.json``/``.md``) are written
 by :func:`write_addendum` and recorded in ``mla_manifest.addenda.json``: one entry per stage run with
@@ -19,22 +19,19 @@ Schemas (shipped in this package): ``mla_manifest.schema.json``, ``mla_manifest.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from mla_convert.artifacts.hashing import sha256_file, sha256_text
-from mla_convert.artifacts.output import atomic_write_bytes, atomic_write_text
 from mla_convert.errors import UserError
+from mla_convert.files import atomic_write_bytes, atomic_write_text, sha256_file, sha256_text
 
 if TYPE_CHECKING:
-    from mla_convert.adapt.options import AdaptOptions
-    from mla_convert.convert.options import ConvertOptions
-    from mla_convert.convert.records import Streamed
     from mla_convert.metrics import EvalResult
+    from mla_convert.mla.configuration import MLAConfig
     from mla_convert.sources.checkpoint import SourceModel
 
 __all__ = [
@@ -42,7 +39,6 @@ __all__ = [
     "MANIFEST",
     "ManifestError",
     "ManifestMismatch",
-    "adaptation_manifest",
     "canonical_id",
     "conversion_manifest",
     "origin_name",
@@ -71,6 +67,38 @@ class ManifestMismatch(ManifestError):
 
 
 # ---------------------------------------------------------------------------------------------- build
+
+
+class ConversionOptions(Protocol):
+    """What a conversion's manifest reads of its options (a :class:`~mla_convert.convert.options.ConvertOptions`)."""
+
+    @property
+    def rope_mode(self) -> str:
+        """How RoPE is kept (recorded under ``rope``)."""
+        ...
+
+    def model_dump(self) -> dict[str, Any]:
+        """Every option, recorded in full."""
+        ...
+
+
+class ConversionRecord(Protocol):
+    """What a conversion's manifest reads of the conversion (a :class:`~mla_convert.convert.records.Streamed`)."""
+
+    @property
+    def config(self) -> MLAConfig:
+        """The converted model's config."""
+        ...
+
+    @property
+    def layers(self) -> Sequence[Any]:
+        """Per-layer records (``rope_pairs``, ``attn_rel_error``)."""
+        ...
+
+    @property
+    def calib_tokens(self) -> int:
+        """Calibration tokens."""
+        ...
 def tool_record() -> dict[str, str]:
     """``{"name": "mla-convert", "version": <installed version>}``."""
     from mla_convert import __version__
@@ -85,8 +113,8 @@ def origin_name(origin: str) -> str:
 
 def conversion_manifest(
     src: SourceModel,
-    options: ConvertOptions,
-    conv: Streamed,
+    options: ConversionOptions,
+    conv: ConversionRecord,
     ev: EvalResult,
     text_name: str,
     documents: Mapping[str, list[dict[str, Any]]],
@@ -171,87 +199,6 @@ def _refit_record(refit: dict[str, Any] | None) -> dict[str, Any]:
             "delta_max": round(max(deltas), 5),
         }
     }
-
-
-def adaptation_manifest(
-    ckpt: Path,
-    options: AdaptOptions,
-    report: Mapping[str, Any],
-    teacher: str,
-    data_record: dict[str, Any],
-    trainable: dict[str, Any],
-    checkpoints_in: str,
-    run: dict[str, Any],
-) -> dict[str, Any]:
-    """The manifest of an ``adapt`` output: the parent checkpoint's semantic fields (read from
-    ``ckpt/mla_manifest.json`` when it has one), the parent's canonical id and the adaptation.
-
-    Args:
-        ckpt: the adapted (parent) checkpoint folder.
-        options: the adaptation options.
-        report: the adaptation report (``steps``, ``tokens_trained``, ``processes``, ``before`` and
-            ``after`` evaluations with ``perplexity``, ``kl``, ``source_perplexity``).
-        teacher: the teacher/reference model's origin (recorded by :func:`origin_name`).
-        data_record: the data manifest (documents per role, token counts, tensor hashes).
-        trainable: the trainable-parameter inventory.
-        checkpoints_in: name of the folder that held the training checkpoints.
-        run: timings and host facts (not part of the canonical id).
-    """
-    parent: dict[str, Any] = {}
-    if (ckpt / MANIFEST).is_file():
-        parent = json.loads((ckpt / MANIFEST).read_text())
-    o = options
-    before, after = report["before"], report["after"]
-    manifest = {k: v for k, v in parent.items() if k not in ("outputs", "canonical_id", "run", "parent")}
-    manifest["tool"] = tool_record()
-    manifest["parent"] = {"canonical_id": parent.get("canonical_id"), "checkpoint": ckpt.name}
-    manifest["adaptation"] = {
-        "data": data_record,
-        "objective": {
-            "name": o.objective,
-            "temperature": o.temperature if o.objective in ("distill", "mix") else None,
-            "mix_weight": o.mix_weight if o.objective == "mix" else None,
-            "hidden_weight": o.hidden_weight,
-            "teacher": origin_name(teacher),
-        },
-        "optimizer": {
-            "name": "AdamW",
-            "lr": o.lr,
-            "betas": [o.beta1, o.beta2],
-            "weight_decay": o.weight_decay,
-            "clip": o.clip,
-        },
-        "schedule": {
-            "name": o.schedule,
-            "warmup": o.warmup,
-            "min_lr_ratio": o.min_lr_ratio,
-            "decay_fraction": o.decay_fraction,
-            "steps": report["steps"],
-        },
-        "token_budget": o.tokens,
-        "tokens_trained": report["tokens_trained"],
-        "batch": {
-            "seq_len": o.seq_len,
-            "batch_size": o.batch_size,
-            "grad_accum": o.grad_accum,
-            "processes": report["processes"],
-        },
-        "trainable": trainable,
-        "checkpoints": {"every": o.checkpoint_every, "kept_in": checkpoints_in},
-        "seed": o.seed,
-        "precision": {
-            "mixed_precision": o.mixed_precision,
-            "gradient_checkpointing": o.gradient_checkpointing,
-        },
-        "result": {
-            "perplexity_before": round(before["perplexity"], 4),
-            "perplexity_after": round(after["perplexity"], 4),
-            "kl_after": round(after["kl"] or 0.0, 5),
-            "perplexity_source": round(after["source_perplexity"] or 0.0, 4),
-        },
-    }
-    manifest["run"] = run
-    return manifest
 
 
 # ---------------------------------------------------------------------------------------------- write

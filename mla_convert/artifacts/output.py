@@ -1,11 +1,9 @@
 """Atomic output folders and files, and checkpoint writing.
 
-Outputs are built in a temporary sibling folder (``.OUT.tmp-XXXX``) and renamed into place only when
-complete, so an error or Ctrl-C never leaves a half-written OUT. A non-empty OUT is refused without
-``overwrite``; OUT inside the source folder is refused. Single files (caches, recipes, later artifacts
-such as ``validation.json``) go through :func:`atomic_write_bytes` / :func:`atomic_write_text`: a
-temporary file in the same folder, then ``os.replace``, so a reader sees the old or the new file, never
-a torn one. Importing this module does not import torch or transformers.
+Outputs are built in a temporary sibling folder (``.OUT.tmp-XXXX``, :func:`~mla_convert.files.atomic_folder`) and
+renamed into place only when complete, so an error or Ctrl-C never leaves a half-written OUT. A non-empty OUT is
+refused without ``overwrite``; OUT inside the source folder is refused. Single files (caches, recipes, later
+artifacts such as ``validation.json``) go through :mod:`mla_convert.files`' atomic writes. Importing this module does not import torch or transformers.
 """
 
 from __future__ import annotations
@@ -13,12 +11,17 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mla_convert.errors import UserError
+from mla_convert.files import atomic_write_text, usual_permissions
+
+#: TODO(convert rewrite): ``convert/workdir.py`` imports these two from here; it should import
+#: ``atomic_write_text`` and ``usual_permissions`` from :mod:`mla_convert.files`, then they leave this module.
+_usual_permissions = usual_permissions
+__all__ = ["OutputError", "atomic_write_text", "check_output", "check_writable", "save_checkpoint", "write_carried"]
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -63,7 +66,6 @@ def check_writable(path: Path) -> None:
     Raises:
         OutputError: a parent is a file, or the nearest existing folder does not take new entries.
     """
-    import tempfile
 
     parent = path.parent
     while not parent.exists():
@@ -75,75 +77,6 @@ def check_writable(path: Path) -> None:
     except OSError as exc:
         raise OutputError(f"{path} cannot be created: {parent} does not take new files ({exc.strerror}); "
                           "choose a folder you can write in") from None
-
-
-def current_umask() -> int:
-    """The process umask (read by setting and restoring it; ``os.umask`` has no read-only form)."""
-    umask = os.umask(0o022)
-    os.umask(umask)
-    return umask
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same folder and ``os.replace``.
-
-    Creates missing parent folders. The file gets the mode a plain ``open`` would give, ``0o666`` less the
-    umask (``mkstemp`` creates 0600). No fsync: the rename is atomic against other readers and crashes of
-    this process, not against power loss.
-
-    Raises:
-        OSError: The folder cannot be created or written.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.chmod(tmp, 0o666 & ~current_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_text(path: Path, text: str, encoding: str = "utf-8") -> None:
-    """:func:`atomic_write_bytes` of ``text`` encoded with ``encoding`` (no newline translation).
-
-    Raises:
-        OSError: The folder cannot be created or written.
-    """
-    atomic_write_bytes(path, text.encode(encoding))
-
-
-def _usual_permissions(folder: Path) -> None:
-    """Give ``folder`` and everything in it the permissions a plain ``mkdir``/``open`` would (``0o777``/``0o666``
-    less the umask): ``mkdtemp`` and some writers create owner-only ones, which would hide a checkpoint from
-    the other users of a shared machine. Symbolic links are left alone (``chmod`` would follow them)."""
-    umask = current_umask()
-    folder.chmod(0o777 & ~umask)
-    for path in folder.rglob("*"):
-        if not path.is_symlink():
-            path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
-
-
-@contextmanager
-def atomic_folder(out: Path) -> Iterator[Path]:
-    """Yield a temporary sibling folder; on success replace ``out`` with it, on any error remove it."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        yield tmp
-        _usual_permissions(tmp)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, old / "x")
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def save_checkpoint(

@@ -89,7 +89,7 @@ def inspect(
         res = shape_options(options, src, target)
         options, why = res.options, res.why
         check_options(options, src)
-    from mla_convert.convert.estimate import factor_lines
+    from mla_convert.convert.estimate_time import factor_lines
     from mla_convert.convert.suggest import MEASURED_SPLITS, suggestions
 
     console.print(source_table(source, src.describe()))
@@ -103,7 +103,7 @@ def inspect(
         options, src, max_shard_size, max(1, len(res.rope_candidates)), expected_measurements(res), res.refit_modes
     )
     estimate_lines(options, max_shard_size, lines, given)
-    from mla_convert.export.precheck import export_lines
+    from mla_convert.convert.precheck import export_lines
 
     console.print("\nwhere a conversion with these options serves (each engine: exact or why not, and the cache it "
                   "allocates; checked before any work):", highlight=False)
@@ -164,7 +164,7 @@ def factor(
         if why:
             say(f"{'engine shape' if target in (*ENGINE_ROWS, 'llama.cpp') else 'choices'}: {why}")
         if export:
-            from mla_convert.export.precheck import export_problems
+            from mla_convert.convert.precheck import export_problems
 
             problems = export_problems(src, options, export_target(target), export)
             if export == "gguf" and not any(f.suffix == ".gguf" for f in src.origin_files):

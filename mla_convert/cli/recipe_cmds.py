@@ -158,7 +158,7 @@ def init_recipe_cmd(
 
     Example: mla-convert init-recipe smollm2-135m-quickstart && mla-convert run smollm2-135m-quickstart.yaml --dry-run
     """
-    from mla_convert.artifacts.output import atomic_write_text
+    from mla_convert.files import atomic_write_text
     from mla_convert.recipes.catalog import (
         accelerate_configs,
         bundled_description,

@@ -214,7 +214,7 @@ def cache_table(src: Any, suggestions: list[Any]) -> Table:
 
 def estimate_lines(options: Any, max_shard_size: str, lines: list[str], given: Collection[str] = ()) -> None:
     """``inspect``'s last lines: what ``factor`` with ``options`` would need
-    (:func:`~mla_convert.convert.estimate.factor_lines`: peak memory, disk, time), named by the flags that differ
+    (:func:`~mla_convert.convert.estimate_time.factor_lines`: peak memory, disk, time), named by the flags that differ
     from the defaults and those ``given`` (a value given equal to its default still overrides a budget's measured
     choice, so the printed command line converts what was asked)."""
     from mla_convert.convert.options import flag

@@ -9,10 +9,12 @@ tensor headers and the options (no weight is read): the time half of :mod:`mla_c
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from mla_convert.convert.estimate import factor_disk, factor_shape
+from mla_convert.convert.estimate import GB, factor_shape, peak
+from mla_convert.convert.estimate_memory import factor_disk, factor_phases
 from mla_convert.convert.options import ConvertOptions, refit_stride
 
 # ---- throughput of the reference machine (the 2-core CPU the README's timings come from) ----
@@ -179,3 +181,38 @@ def fmt_seconds(seconds: float) -> str:
     if seconds < 2 * 3600:
         return f"{seconds / 60:.0f} min"
     return f"{seconds / 3600:.1f} h"
+
+
+def factor_lines(
+    options: ConvertOptions, src: Any, max_shard_size: str | int | None = None, candidates: int = 1,
+    measured: int | None = None, refit_modes: Collection[str] = (),
+) -> list[str]:
+    """Lines for ``inspect``: peak memory (its phase and largest items), disk, the time estimate (``candidates``
+    and ``measured``: RoPE pairs on the search's ladder and the splits it is expected to convert, as
+    :func:`factor_time` takes them), and where this machine runs the default bfloat16 calibration emulated
+    (a GPU without bfloat16), that note (its calibrate stage takes several times the estimate).
+
+    Raises:
+        ValueError: a ``max_shard_size`` huggingface_hub cannot read.
+    """
+    from mla_convert.convert.device import calib_precision_note
+    from mla_convert.convert.stream import resolve_device
+
+    top = peak(factor_phases(options, src, max_shard_size, refit_modes))
+    items = ", ".join(f"{k} {b / GB:.2f}" for k, b in top.largest(4))
+    disk = factor_disk(options, src, refit_modes)
+    parts = ", ".join(f"{k} {b / GB:.2f}" for k, b in sorted(disk.items, key=lambda kv: -kv[1])[:3])
+    tim = factor_time(options, src, candidates, measured)
+    slow = ", ".join(f"{k} {fmt_seconds(v)}" for k, v in sorted(tim.stages.items(), key=lambda kv: -kv[1])[:3])
+    device = resolve_device(options.device)
+    gpu = device.type != "cpu"
+    emulated = calib_precision_note(options.calib_precision, device)
+    where = " (a CPU run; on a GPU the streams and layers move to its memory)" if gpu else ""
+    return [
+        f"peak memory: ~{top.total / GB:.1f} GB resident, in {top.name}{where} (GB: {items})",
+        f"disk: output ~{disk.output / GB:.2f} GB; the work folder .OUT.factor next to OUT grows to "
+        f"~{disk.work_peak / GB:.1f} GB with the output staged in it, removed at the end (GB: {parts})",
+        f"time: ~{fmt_seconds(tim.total)}, an estimate for the reference CPU (2 cores, {FP32_GFLOPS:.0f} GFLOP/s float32 "
+        f"matmul per core, where the bundled model converts in about 128 s without the RoPE split search){'; the GPU runs the forward passes faster' if gpu else ''}"
+        f" ({slow})",
+    ] + ([f"this machine: {emulated}"] if emulated else [])

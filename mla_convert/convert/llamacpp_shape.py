@@ -19,7 +19,7 @@ width). The rank is moved to a multiple of 32 when the row allows it (the rest t
 
 Refused before any work, with the reason and the fix: what llama.cpp cannot run exactly (attention or MLP biases, an
 MLP activation other than SiLU, a RoPE scaling that leaves no pair at its plain frequency, a rope head per KV head).
-A llama3/YaRN source keeps only the pairs its scaling leaves plain (:func:`~mla_convert.export.precheck.plain_pairs`),
+A llama3/YaRN source keeps only the pairs its scaling leaves plain (:func:`~mla_convert.convert.precheck.plain_pairs`),
 and the rank takes the rest of the row.
 """
 
@@ -99,7 +99,7 @@ def shape_for_llamacpp(
     Raises:
         OptionsError: what llama.cpp cannot run exactly, or options that contradict one row; the fix in the message.
     """
-    from mla_convert.export.precheck import export_problems, plain_pairs, rope_type
+    from mla_convert.convert.precheck import export_problems, plain_pairs, rope_type
 
     if options.rope_mode != "shared":
         raise OptionsError(

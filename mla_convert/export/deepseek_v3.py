@@ -31,7 +31,7 @@ rewritten to their own DeepSeek scalings), ``rms_norm_eps`` for every norm (tran
 
 Refused: several rope heads, attention or MLP biases (Qwen2: vLLM and SGLang drop them), float16 (the scaled
 latent is subnormal there), kept frequencies of a scaled source RoPE that no plain table gives (the pairs llama3
-and YaRN leave unscaled, the fastest ones, are a plain table and export: ``export/precheck.py``).
+and YaRN leave unscaled, the fastest ones, are a plain table and export: ``convert/precheck.py``).
 Everything is computed in float64 from the stored tensors and rounded once to the checkpoint's dtype.
 """
 
@@ -44,13 +44,18 @@ from typing import Any
 
 import torch
 
-from mla_convert.convert.engine import ENGINE_HEAD_DIMS, ENGINE_ROWS, TARGETS, engine_nope_width
-from mla_convert.errors import UserError
-from mla_convert.serve.vllm_plugin import PLUGIN_ROUTE
+from mla_convert.convert.accepts import (
+    PLUGIN_ROUTE,
+    VLLM_CPU_HEAD_DIMS,
+    VLLM_GPU_HEAD_DIMS,
+    VLLM_KV_LORA_RANK,
+    ExportError,
+    RopeSlots,
+    rope_slots,
+)
+from mla_convert.convert.engine import TARGETS, engine_nope_width
+from mla_convert.mla.export_reader import DS_NORM_EPS
 
-#: The epsilon every exported norm uses (``rms_norm_eps``): transformers' ``DeepseekV3RMSNorm`` default, which
-#: its ``kv_a_layernorm`` always applies; vLLM and SGLang apply ``rms_norm_eps`` to every norm.
-DS_NORM_EPS = 1e-6
 #: The expert keys of a dense export (``config.json``): every count 0. transformers' ``DeepseekV3Config`` takes ints
 #: only (no null) and would default absent keys to DeepSeek-V3's 256 experts; vLLM, SGLang and MLX-LM build MoE only
 #: for layers at or above ``first_k_dense_replace`` (``num_hidden_layers`` here); llama.cpp's ``convert_hf_to_gguf.py``
@@ -62,44 +67,8 @@ DENSE_EXPERT_KEYS = {"n_shared_experts": 0, "n_routed_experts": 0, "n_group": 0,
 MLX_KV_A_NORM_EPS = 1e-6
 #: ``mean((beta c)^2) <= LINEAR_MARGIN * 2 * eps``: the latent norm's deviation from linear, relative, for any input.
 LINEAR_MARGIN = 2.0**-25
-#: Largest relative difference between a kept frequency and the ``default`` rope's float32 table.
-GEOMETRIC_RTOL = 1e-6
-#: Shapes ``export --target`` writes.
-#: (qk_nope_head_dim, qk_rope_head_dim, v_head_dim) vLLM's GPU MLA prefill accepts on Hopper (smallest first).
-VLLM_GPU_HEAD_DIMS = ENGINE_HEAD_DIMS["vllm"]
-#: (qk_nope_head_dim, qk_rope_head_dim, v_head_dim) of vLLM's CPU MLA backends (AMX_MLA, CPU_SDPA_MLA).
-VLLM_CPU_HEAD_DIMS = ENGINE_HEAD_DIMS["vllm-cpu"]
-#: The latent width vLLM's FlashMLA (GPU) and AMX_MLA (CPU) decode take.
-VLLM_KV_LORA_RANK = ENGINE_ROWS["vllm"][0]  # the latent width of the engine row (convert/engine.py)
 #: The decode backend each target expects.
 BACKENDS = {"transformers": "eager/SDPA (transformers)", "vllm": "FLASHMLA", "vllm-cpu": "AMX_MLA"}
-
-
-class ExportError(UserError):
-    """A checkpoint the DeepSeek-V3 format cannot express exactly, or a folder that is not an MLA checkpoint."""
-
-
-@dataclass(frozen=True)
-class RopeSlots:
-    """Where each layer's kept RoPE pairs go in DeepSeek's one rope head.
-
-    Attributes:
-        inv_freq: ``[P']`` the slots' inverse frequencies (radians per token), ``theta^(-j/P')``, decreasing.
-        slots: ``[L][P]`` the slot of each kept pair of each layer.
-        parameters: the ``rope_parameters`` of the DeepSeek-V3 config (``rope_type: default``).
-        max_rel_error: largest relative difference between a kept frequency and the table engines compute (float32)
-            from ``parameters``.
-    """
-
-    inv_freq: list[float]
-    slots: list[list[int]]
-    parameters: dict[str, Any]
-    max_rel_error: float
-
-    @property
-    def used(self) -> int:
-        """Slots some layer uses."""
-        return len({s for layer in self.slots for s in layer})
 
 
 @dataclass
@@ -175,88 +144,6 @@ def top_level_keys(plan: ExportPlan) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------ rope
-def _f32(x: float) -> float:
-    return float(torch.tensor(x, dtype=torch.float32))
-
-
-def _lattice(logs: list[float]) -> float | None:
-    """The largest ``lam`` with every ``l`` in ``logs`` an integer multiple of it (to ``1e-4`` of a step)."""
-    positive = sorted(x for x in logs if x > 1e-9)
-    if not positive:
-        return None
-    for k in range(1, 257):
-        lam = positive[0] / k
-        steps = [round(x / lam) for x in positive]
-        if all(abs(x / lam - j) < 1e-4 for x, j in zip(positive, steps, strict=True)):
-            # least squares over every kept frequency: the float32 rounding of one does not set the ratio
-            return sum(j * x for j, x in zip(steps, positive, strict=True)) / sum(j * j for j in steps)
-    return None
-
-
-def rope_slots(inv_freq: list[list[list[float]]], n_slots: int | None = None) -> RopeSlots:
-    """The slots of one plain-theta table ``theta^(-j/n)`` holding every layer's kept pairs (module docstring).
-
-    Args:
-        inv_freq: ``[L][1][P]`` the checkpoint's ``rope_inv_freq`` (one rope head per layer).
-        n_slots: the table length (``qk_rope_head_dim / 2``) an engine fixes; None: the fewest that hold the pairs.
-
-    Raises:
-        ExportError: a layer keeps one frequency twice, the kept frequencies are not powers of one ratio (a
-            scaled source RoPE), or they need more than ``n_slots`` slots; the message says what to convert with.
-    """
-    per_layer = [[_f32(f) for f in layer[0]] for layer in inv_freq]
-    for i, freqs in enumerate(per_layer):
-        if len(set(freqs)) != len(freqs):
-            raise ExportError(
-                f"layer {i} keeps the same RoPE frequency for several KV heads (--rope-strategy rotation with more "
-                "pairs than head_dim / 2); DeepSeek's one rope head holds each frequency once: convert with "
-                "--rope-pairs at most head_dim / 2, or another --rope-strategy"
-            )
-    union = sorted({f for freqs in per_layer for f in freqs}, reverse=True)
-    if any(f > 1.0 or f <= 0 for f in union):
-        raise ExportError("a kept RoPE frequency is above 1 rad/token or not positive: no rope_theta gives it")
-    logs = [-math.log(f) for f in union]
-    lam = _lattice(logs)
-    if lam is None and any(x > 1e-9 for x in logs):
-        raise ExportError(
-            "the kept RoPE frequencies are not powers of one ratio (a scaled source RoPE: llama3, YaRN, longrope); "
-            "serving engines apply only a plain rope_theta to DeepSeek models, so no export is exact: convert with "
-            "--rope-strategy high and no more --rope-pairs than the pairs the scaling leaves unscaled (factor --export "
-            f"steers to them; inspect says how many); or, with no export, {PLUGIN_ROUTE}"
-        )
-    steps = {f: round(x / lam) if lam else 0 for f, x in zip(union, logs, strict=True)}
-    need = max(steps.values()) + 1
-    n = n_slots or need
-    if need > n:
-        raise ExportError(
-            f"the kept RoPE frequencies span {need} steps of one geometric table; this target's rope head holds "
-            f"{n} (qk_rope_head_dim {2 * n}): convert with --rope-strategy high --rope-pairs {n} or fewer pairs"
-        )
-    theta = math.exp((lam or 1.0) * n)
-    params = {"rope_type": "default", "rope_theta": theta}
-    table = _transformers_inv_freq(params, n)
-    err = 0.0
-    for f in union:
-        err = max(err, abs(float(table[steps[f]]) - f) / f)
-    if err > GEOMETRIC_RTOL:
-        raise ExportError(
-            f"the kept RoPE frequencies are a geometric table only to {err:.1e} relative (over {GEOMETRIC_RTOL:g}); "
-            "no plain rope_theta reproduces them"
-        )
-    return RopeSlots(table.tolist(), [[steps[f] for f in freqs] for freqs in per_layer], params, err)
-
-
-def _transformers_inv_freq(params: Mapping[str, Any], n: int) -> torch.Tensor:
-    """The ``[n]`` inverse frequencies transformers and vLLM compute from ``params`` (``default``, float32)."""
-    if not n:
-        return torch.zeros(0)
-    shape = torch.arange(0, 2 * n, 2, dtype=torch.int64).float() / (2 * n)
-    base = torch.tensor(params["rope_theta"], dtype=torch.float32)
-    if params["rope_type"] == "default":
-        return 1.0 / (base**shape)
-    return 1.0 / (torch.tensor(params["short_factor"], dtype=torch.float32) * base**shape)
-
-
 # ------------------------------------------------------------------------------------------------ plan
 def _head_dims(target: str, d_n: int, d_v: int, head_dim: int, d_r: int, dtype: torch.dtype) -> tuple[int, int]:
     """(qk_nope_head_dim, v_head_dim) of the export: the checkpoint's, or the smallest engine shape holding them."""

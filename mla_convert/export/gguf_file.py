@@ -37,22 +37,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from mla_convert.convert.accepts import cache_block_rank
 from mla_convert.export.deepseek_v3 import DS_NORM_EPS, ExportError, ExportPlan, plan_export
 from mla_convert.export.gguf_vocab import tokenizer_fields
+from mla_convert.export.llamacpp_env import GGUF_QUANTS, KEEP_F32, find_llamacpp, quantize
 
 #: Float types a GGUF export writes directly, and their ggml type ids (F32 0, F16 1, BF16 30).
 GGUF_FLOATS = {"float32": 0, "float16": 1, "bfloat16": 30}
-#: Quantized types (``--dtype``) -> ``llama_ftype`` of llama.cpp's quantizer (include/llama.h).
-GGUF_QUANTS = {
-    "q8_0": 7, "q4_0": 2, "q4_1": 3, "q5_0": 8, "q5_1": 9, "q2_k": 10, "q3_k_s": 11, "q3_k_m": 12, "q3_k_l": 13,
-    "q4_k_s": 14, "q4_k_m": 15, "q5_k_s": 16, "q5_k_m": 17, "q6_k": 18,
-}
 #: ``--dtype`` values of ``--format gguf``.
 GGUF_DTYPES = ("auto", *GGUF_FLOATS, *GGUF_QUANTS)
 #: ``llama_ftype`` of the float files (``general.file_type``).
 _FILE_TYPES = {"float32": 0, "float16": 1, "bfloat16": 32}
-#: The attention tensor kept float32 in float16 and quantized files (the scaled latent rows of the linear norm).
-KEEP_F32 = "attn_kv_a_mqa"
 #: Default ``cache_block``: the block of every quantized KV cache type llama.cpp takes (q8_0, q4_0, q4_1, q5_0,
 #: q5_1, iq4_nl hold 32 values a block); f16 / bf16 / f32 caches take any width.
 CACHE_BLOCK = 32
@@ -127,18 +122,6 @@ def check_gguf_output(path: Path, overwrite: bool, ckpt: Path | None = None) -> 
 
 
 # ------------------------------------------------------------------------------------------------ plan
-def cache_block_rank(kv_lora_rank: int, rope: int, block: int) -> int | None:
-    """The smallest latent width ``>= kv_lora_rank`` that is a multiple of ``block`` with the K row
-    ``width + rope`` one too (llama.cpp's quantized caches store whole blocks of ``block`` values and view the
-    latent as V, so both must be); None when ``rope`` is not a multiple of ``block`` (no width makes both).
-    ``block`` <= 1: ``kv_lora_rank`` itself."""
-    if block <= 1:
-        return kv_lora_rank
-    if rope % block:
-        return None
-    return -(-kv_lora_rank // block) * block
-
-
 def gguf_plan(config: Any, dtype: str, cache_block: int = CACHE_BLOCK) -> ExportPlan:
     """The DeepSeek-V3 plan (``--target transformers``) the GGUF of ``dtype`` is written from: bfloat16 for a
     bfloat16 file, float32 for every other (float16 and the quantized types are rounded from float32), with the
@@ -482,46 +465,3 @@ def _parity(ckpt: Path, path: Path, python: str | None, say: Callable[[str], Non
         raise ExportError(f"llama.cpp does not run the GGUF export of {ckpt} as it computes: "
                           f"{'; '.join(result['reasons'])}; nothing was written: this is a bug, please report it")
     return result
-
-
-def find_llamacpp() -> str | None:
-    """The python of a llama.cpp venv: ``MLA_LLAMACPP_PYTHON``, else the venv ``scripts/llamacpp_env.sh`` built
-    (``$MLA_LLAMACPP_VENV_ROOT`` or ``~/.cache/mla-convert``, a complete one), else None.
-
-    Raises:
-        ExportError: ``MLA_LLAMACPP_PYTHON`` is set but names no file (a set variable is never ignored silently).
-    """
-    env = os.environ.get("MLA_LLAMACPP_PYTHON")
-    if env:
-        if not Path(env).is_file():
-            raise ExportError(f"MLA_LLAMACPP_PYTHON={env} is not a file; point it at the python of a venv with "
-                              "llama-cpp-python (bash scripts/llamacpp_env.sh builds one and prints it) or unset it")
-        return env
-    root = Path(os.environ.get("MLA_LLAMACPP_VENV_ROOT", Path.home() / ".cache" / "mla-convert"))
-    for venv in sorted(root.glob("llamacpp-*")):
-        if (venv / ".complete").is_file() and (venv / "bin" / "python").is_file():
-            return str(venv / "bin" / "python")
-    return None
-
-
-def quantize(
-    python: str, src: Path, dst: Path, dtype: str, timeout_s: int = 3600, keep: tuple[str, ...] = (KEEP_F32,),
-    ftype: int | None = None, allow_requantize: bool = False,
-) -> None:
-    """Quantize the GGUF ``src`` into ``dst`` with llama.cpp's ``llama_model_quantize`` (run by ``python``):
-    ``dtype`` one of :data:`GGUF_QUANTS` (or any ``llama_ftype`` number ``ftype``: 0 float32, 1 float16), the
-    ``keep`` tensor patterns float32, ``allow_requantize`` for an already quantized ``src`` (a source GGUF).
-
-    Raises:
-        ExportError: the quantizer failed (its last log lines).
-    """
-    import subprocess
-
-    script = Path(__file__).with_name("llamacpp_quantize.py")
-    code = GGUF_QUANTS[dtype] if ftype is None else ftype
-    flags = ["--allow-requantize"] if allow_requantize else []
-    done = subprocess.run([python, str(script), str(src), str(dst), str(code), *flags, *keep],
-                          capture_output=True, text=True, timeout=timeout_s)
-    if done.returncode != 0 or not dst.is_file():
-        tail = " | ".join((done.stdout + done.stderr).strip().splitlines()[-3:])
-        raise ExportError(f"llama.cpp's quantizer failed on {src.name} ({tail}); nothing was written")

@@ -79,13 +79,13 @@ def has_hf_tokenizer(folder: Path) -> bool:
 
 def vocab_converter() -> Path | None:
     """llama.cpp's ``convert_hf_to_gguf.py`` as ``scripts/llamacpp_env.sh`` keeps it (``<venv>/llama.cpp``, beside
-    its ``gguf-py`` and ``conversion`` package), for the venv :func:`~mla_convert.export.gguf_file.find_llamacpp`
+    its ``gguf-py`` and ``conversion`` package), for the venv :func:`~mla_convert.export.llamacpp_env.find_llamacpp`
     finds; None without one.
 
     Raises:
         ExportError: ``MLA_LLAMACPP_PYTHON`` names no file.
     """
-    from mla_convert.export.gguf_file import find_llamacpp
+    from mla_convert.export.llamacpp_env import find_llamacpp
 
     python = find_llamacpp()
     if python is None:

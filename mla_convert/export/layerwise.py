@@ -44,10 +44,10 @@ class _Folder:
     """A safetensors folder (sharded or not) read one tensor, or a slice of rows, at a time through ``safe_open``."""
 
     def __init__(self, path: Path, what: str) -> None:
-        from mla_convert.sources.checkpoint import _weight_map
+        from mla_convert.sources.weights import weight_map
 
         try:
-            self.map = _weight_map(path)
+            self.map = weight_map(path)
         except ValueError as exc:
             raise ExportError(f"the layer-by-layer parity cannot read {what} {path}: {exc}") from None
         self.path = path

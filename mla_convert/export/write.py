@@ -70,9 +70,10 @@ def export_folder(out: Path, fmt: str) -> Path:
 
 
 def _reader(ckpt: Path) -> Any:
-    from mla_convert.sources.checkpoint import SafetensorsTensors, _weight_map
+    from mla_convert.sources.checkpoint import SafetensorsTensors
+    from mla_convert.sources.weights import weight_map
 
-    return SafetensorsTensors(ckpt, _weight_map(ckpt))
+    return SafetensorsTensors(ckpt, weight_map(ckpt))
 
 
 def _attention_loader(
@@ -388,8 +389,9 @@ def export_checkpoint(
     from transformers import DeepseekV3Config
 
     from mla_convert.artifacts.manifest import write_manifest
-    from mla_convert.artifacts.output import atomic_folder, check_output, write_carried
+    from mla_convert.artifacts.output import check_output, write_carried
     from mla_convert.artifacts.shards import write_shards
+    from mla_convert.files import atomic_folder
     from mla_convert.mla.checkpoint import checkpoint_dtype, read_checkpoint_config
     from mla_convert.mla.configuration import MLAConfig
     from mla_convert.precision import bfloat16_refusal

@@ -19,10 +19,13 @@ the reference the absorbed form must equal, never the product.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from mla_convert.sources.geometry import head_dim_of, source_softmax_scale
 
 
 def head_to_group(num_heads: int, num_groups: int, device: torch.device | None = None) -> torch.Tensor:
@@ -34,15 +37,6 @@ def head_to_group(num_heads: int, num_groups: int, device: torch.device | None =
     if num_groups < 1 or num_heads % num_groups:
         raise ValueError(f"{num_groups} groups do not divide {num_heads} query heads")
     return torch.arange(num_heads, device=device) // (num_heads // num_groups)
-
-
-def source_softmax_scale(head_dim: int) -> float:
-    """The attention scale of the supported source families (Llama, Mistral, Qwen2): ``head_dim ** -0.5``.
-
-    ``head_dim`` is the source's query/key head width (``config.head_dim``, else ``hidden_size / heads``), not
-    the latent width and not ``v_head_dim``. A converted checkpoint stores this value as ``softmax_scale``.
-    """
-    return float(head_dim**-0.5)
 
 
 def cache_width(kv_lora_rank: int, num_rope_heads: int, qk_rope_head_dim: int) -> int:
@@ -246,9 +240,15 @@ def naive_output(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return out.transpose(1, 2).reshape(b, t, -1)
 
 
-def head_dim_of(config: Any) -> int:
-    """A source config's query/key head width: ``config.head_dim`` when set, else ``hidden_size / heads``."""
-    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+def transformers_inv_freq(params: Mapping[str, Any], n: int) -> torch.Tensor:
+    """The ``[n]`` inverse frequencies transformers and vLLM compute from ``params`` (``default``, float32)."""
+    if not n:
+        return torch.zeros(0)
+    shape = torch.arange(0, 2 * n, 2, dtype=torch.int64).float() / (2 * n)
+    base = torch.tensor(params["rope_theta"], dtype=torch.float32)
+    if params["rope_type"] == "default":
+        return 1.0 / (base**shape)
+    return 1.0 / (torch.tensor(params["short_factor"], dtype=torch.float32) * base**shape)
 
 
 __all__ = [
@@ -267,5 +267,6 @@ __all__ = [
     "naive_scores",
     "rope_angles",
     "source_softmax_scale",
+    "transformers_inv_freq",
     "split_up_weights",
 ]

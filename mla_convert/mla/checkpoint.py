@@ -107,7 +107,7 @@ def load_checkpoint(ckpt: Path | str, require_mla: bool = True, dtype: Any = Non
     Returns:
         An :class:`~mla_convert.mla.modeling.MLAForCausalLM` (any ``from_pretrained`` model without
         ``require_mla``; a DeepSeek-V3 export of ours read back as MLA with it,
-        :func:`~mla_convert.export.reimport.load_export_as_mla`).
+        :func:`~mla_convert.mla.export_reader.load_export_as_mla`).
 
     Raises:
         CheckpointError: the checks above, or weights/config that transformers cannot load (its first line).
@@ -115,12 +115,12 @@ def load_checkpoint(ckpt: Path | str, require_mla: bool = True, dtype: Any = Non
     import torch
     from transformers import AutoModelForCausalLM
 
-    from mla_convert import register
+    from mla_convert.mla.registry import register
 
     ckpt = Path(ckpt)
     config = read_checkpoint_config(ckpt, require_mla)
     if require_mla and config.get("model_type") == "deepseek_v3":
-        from mla_convert.export.reimport import load_export_as_mla
+        from mla_convert.mla.export_reader import load_export_as_mla
 
         return cast_parameters(load_export_as_mla(ckpt), dtype)
     register()  # model_type "mla" (the CLI starts without transformers)

@@ -9,14 +9,34 @@ rebuilt when the weights they came from change (:func:`folding_key`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
+from torch import nn
 
 from mla_convert.mla import algebra
 
-if TYPE_CHECKING:
-    from mla_convert.mla.modeling import MLAAttention
+
+class Foldable(Protocol):
+    """What folding reads of an attention layer (:class:`~mla_convert.mla.modeling.MLAAttention` has it all)."""
+
+    q_proj: nn.Linear
+    kv_b_proj: nn.Linear
+    o_proj: nn.Linear
+    kv_a_proj_with_mqa: nn.Linear
+    num_heads: int
+    num_kv_heads: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    def folding_plan(self) -> tuple[bool, bool]:
+        """``(fold_q, fold_o)``: where folding pays (:func:`folding_plan`)."""
+        ...
+
+    def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``W_UK [G, d_N, d_c]`` and ``W_UV [G, d_V, d_c]``."""
+        ...
 
 
 class FoldedWeights(NamedTuple):
@@ -44,7 +64,7 @@ def folding_plan(hidden: int, d_c: int, d_n: int, d_v: int) -> tuple[bool, bool]
     return d_c * (hidden - d_n) <= hidden * d_n, d_c * (hidden - d_v) <= hidden * d_v
 
 
-def folding_key(attn: MLAAttention) -> tuple[Any, ...]:
+def folding_key(attn: Foldable) -> tuple[Any, ...]:
     """Identity of the weights folding reads (storage, in-place version, dtype, device of each): a new key means
     the folded weights are stale (a weight replaced, updated in place, cast or moved)."""
     params = [
@@ -58,7 +78,7 @@ def folding_key(attn: MLAAttention) -> tuple[Any, ...]:
 
 
 @torch.no_grad()
-def fold_weights(attn: MLAAttention, key: tuple[Any, ...]) -> FoldedWeights:
+def fold_weights(attn: Foldable, key: tuple[Any, ...]) -> FoldedWeights:
     """Fold ``W_UK [G, d_N, d_c]`` into the NoPE rows of ``q_proj`` (``W_UK[g(h)]^T W_q,nope[h]``) and ``W_UV [G,
     d_V, d_c]`` into ``o_proj`` (``W_o[:, h] W_UV[g(h)]``), in float64 on the CPU (float32 elsewhere), returned in
     the weights' dtype; each only where :meth:`MLAAttention.folding_plan` says it pays."""

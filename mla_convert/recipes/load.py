@@ -292,7 +292,7 @@ def load_recipe(
                 doc.add(("factor", key), msg)
     if recipe is not None and recipe.export is not None and src is not None:  # exact or not, before any work
         from mla_convert.convert.engine import export_target
-        from mla_convert.export.precheck import export_problems
+        from mla_convert.convert.precheck import export_problems
 
         for msg in export_problems(src, recipe.factor, export_target(recipe.export.target), recipe.export.format):
             doc.add(("export", "target"), _recipe_words(msg))

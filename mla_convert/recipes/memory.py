@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mla_convert.adapt.options import AdaptOptions
-from mla_convert.convert.estimate import Phase, factor_disk, factor_shape, peak
-from mla_convert.convert.estimate import factor_phases as streamed_phases
+from mla_convert.convert.estimate import Phase, factor_shape, peak
+from mla_convert.convert.estimate_memory import factor_disk
+from mla_convert.convert.estimate_memory import factor_phases as streamed_phases
 from mla_convert.convert.options import ConvertOptions
 from mla_convert.recipes.schema import Recipe
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mla_convert.artifacts.output import atomic_write_text
 from mla_convert.convert.engine import export_target
+from mla_convert.files import atomic_write_text
 from mla_convert.recipes.load import Resolved, resolved_yaml
 from mla_convert.recipes.plan import (
     adapt_stage,
@@ -212,8 +212,8 @@ def _export_gguf(recipe: Any, target: Path, folder: Path, cid: str | None, say: 
     import json
 
     from mla_convert.artifacts.manifest import MANIFEST
-    from mla_convert.artifacts.output import atomic_folder
     from mla_convert.export.gguf_file import export_gguf
+    from mla_convert.files import atomic_folder
 
     with atomic_folder(folder) as staged:
         _, record = export_gguf(target, staged / "model.gguf", recipe.export.dtype, note=say)

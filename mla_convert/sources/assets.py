@@ -33,9 +33,8 @@ import tarfile
 import zipfile
 from pathlib import Path
 
-from mla_convert.artifacts.hashing import sha256_bytes, sha256_file
-from mla_convert.artifacts.output import atomic_write_bytes
 from mla_convert.errors import UserError
+from mla_convert.files import atomic_write_bytes, sha256_bytes, sha256_file
 
 __all__ = [
     "AssetError",

@@ -21,12 +21,13 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
-from mla_convert.artifacts.hashing import sha256_bytes, sha256_file
-from mla_convert.mla.algebra import head_dim_of, source_softmax_scale
+from mla_convert.files import sha256_bytes, sha256_file
 from mla_convert.sources import gguf as gguf_source
 from mla_convert.sources import integrity
 from mla_convert.sources.families import REFUSED, Family, families
+from mla_convert.sources.geometry import head_dim_of, source_softmax_scale
 from mla_convert.sources.locate import SourceError, locate_source
+from mla_convert.sources.weights import open_checked, weight_map
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -174,7 +175,7 @@ class SourceModel:
 
     @property
     def softmax_scale(self) -> float:
-        """The source attention scale (:func:`~mla_convert.mla.algebra.source_softmax_scale`)."""
+        """The source attention scale (:func:`~mla_convert.sources.geometry.source_softmax_scale`)."""
         return source_softmax_scale(self.head_dim)
 
     @property
@@ -296,37 +297,6 @@ def _open_gguf(gguf: Path, digest: str | None = None) -> tuple[Path, Any, dict[s
     header = gguf_source.read_header(gguf)
     folder = gguf_source.cached_folder(gguf, digest or sha256_file(gguf), architecture, _cache_root(), header)
     return folder, header, metadata
-
-
-def _weight_map(path: Path) -> dict[str, str]:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            return dict(json.loads(index.read_text())["weight_map"])
-        except (ValueError, KeyError) as exc:
-            raise SourceError(
-                f"{index} is not a valid safetensors index ({exc}); re-save the checkpoint"
-            ) from exc
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        hint = " (PyTorch .bin checkpoints: re-save with safetensors)" if list(path.glob("*.bin")) else ""
-        raise SourceError(f"no *.safetensors files in {path}{hint}")
-    wmap: dict[str, str] = {}
-    for f in files:
-        for name in _open_checked(f).keys():
-            wmap[name] = f.name
-    return wmap
-
-
-def _open_checked(file: Path) -> Any:
-    if not file.exists():
-        raise SourceError(f"shard {file.name} named in the index is missing from {file.parent}")
-    try:
-        return safe_open(str(file), framework="pt")
-    except Exception as exc:  # noqa: BLE001 - safetensors raises several types for damaged files
-        raise SourceError(
-            f"{file} is truncated or corrupt ({str(exc).splitlines()[0]}); re-download or re-save it"
-        ) from exc
 
 
 def _check_architecture(config_path: Path) -> str:
@@ -453,9 +423,9 @@ def open_source(spec: str | Path) -> SourceModel:
         reader = gguf_source.GGUFTensors(gguf, header, path, config, metadata)
         origin_files = [gguf]
     else:
-        wmap = _weight_map(path)
+        wmap = weight_map(path)
         for file in sorted(set(wmap.values())):
-            _open_checked(path / file)
+            open_checked(path / file)
         if (path / "model.safetensors.index.json").exists():
             integrity.check_index(path, wmap)
         origin_files = [path / f for f in sorted(set(wmap.values()))]

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from mla_convert.artifacts.output import atomic_folder
+from mla_convert.files import atomic_folder
 from mla_convert.sources import gguf_checks
 from mla_convert.sources.families import REFUSED, families
 from mla_convert.sources.locate import SourceError

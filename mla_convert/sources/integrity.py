@@ -13,13 +13,52 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mla_convert.sources.carry import GENERATION_CONFIG, has_tokenizer
+from mla_convert.sources.families import Family
 from mla_convert.sources.locate import SourceError
 
 if TYPE_CHECKING:
-    from mla_convert.sources.checkpoint import SourceModel
+    import torch
+
+
+class OpenedSource(Protocol):
+    """What :func:`preflight` reads of an opened source (a :class:`~mla_convert.sources.checkpoint.SourceModel`,
+    which imports this module's checks)."""
+
+    @property
+    def path(self) -> Path:
+        """The folder holding ``config.json``, the tokenizer and (for safetensors) the shards."""
+        ...
+
+    @property
+    def config(self) -> Any:
+        """The transformers config."""
+        ...
+
+    @property
+    def family(self) -> Family:
+        """The source family (tensor names, biases)."""
+        ...
+
+    @property
+    def weight_map(self) -> dict[str, str]:
+        """Tensor name -> file holding it."""
+        ...
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers."""
+        ...
+
+    def tensor(self, name: str, dtype: torch.dtype = ...) -> torch.Tensor:
+        """One tensor, read in ``dtype``."""
+        ...
+
+    def release(self) -> None:
+        """Let go of the mapped pages read so far."""
+        ...
 
 INDEX = "model.safetensors.index.json"
 
@@ -246,7 +285,7 @@ def check_index(path: Path, weight_map: dict[str, str]) -> None:
                 )
 
 
-def check_attention_finite(src: SourceModel) -> None:
+def check_attention_finite(src: OpenedSource) -> None:
     """Every attention weight and bias (q/k/v/o of every layer) is finite, read one tensor at a time in
     float32 (the peak is one ``[out, in]`` tensor).
 
@@ -272,7 +311,7 @@ def check_attention_finite(src: SourceModel) -> None:
         src.release()  # the layer's mapped pages leave the resident set
 
 
-def preflight(src: SourceModel) -> list[str]:
+def preflight(src: OpenedSource) -> list[str]:
     """Everything about ``src`` that would fail a conversion later, checked before any work.
 
     Returns:

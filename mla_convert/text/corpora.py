@@ -18,13 +18,10 @@ from __future__ import annotations
 import json
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mla_convert.artifacts.hashing import sha256_file, sha256_text
-from mla_convert.artifacts.output import atomic_write_text
-from mla_convert.errors import UserError
+from mla_convert.files import atomic_write_text, sha256_file
 from mla_convert.sources.assets import (
     NEWS_MEMBER,
     WIKI_MEMBER,
@@ -33,6 +30,7 @@ from mla_convert.sources.assets import (
     gensim_text_file,
     shakespeare_texts,
 )
+from mla_convert.text.document import Document, TextError
 from mla_convert.text.wikitext import clean_wikitext, iter_pages
 
 __all__ = [
@@ -54,37 +52,6 @@ _NAMES = "'wikipedia', 'news', 'shakespeare'"
 MIN_WIKI_CHARS = 500
 #: Bump when the cleaning (:mod:`mla_convert.text.wikitext`) changes so cached parses are rebuilt.
 _WIKI_PARSER_VERSION = 5
-
-
-class TextError(UserError):
-    """Text input is unusable (missing, empty, unreadable or too short); the message is one line."""
-
-
-@dataclass(frozen=True)
-class Document:
-    """One document of plain text.
-
-    Attributes:
-        id: Stable unique id: ``wiki:<page id>``, ``news:<line number>`` or ``file:<file name>``.
-        title: Human-readable title.
-        text: The plain text.
-        sha256: Hex sha256 of ``text`` encoded as UTF-8.
-        loss_spans: For a loss on part of the text (assistant turns of a conversation): the character spans
-            ``[start, end)`` whose tokens count; None: every token counts.
-    """
-
-    id: str
-    title: str
-    text: str
-    sha256: str
-    loss_spans: tuple[tuple[int, int], ...] | None = None
-
-    @classmethod
-    def make(
-        cls, id: str, title: str, text: str, loss_spans: tuple[tuple[int, int], ...] | None = None
-    ) -> Document:
-        """Build a document, computing ``sha256`` from ``text``."""
-        return cls(id=id, title=title, text=text, sha256=sha256_text(text), loss_spans=loss_spans)
 
 
 def wikipedia_documents() -> list[Document]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mla_convert.text.corpora import Document, TextError
+from mla_convert.text.document import Document, TextError
 
 #: File suffix -> the ``datasets`` packaged builder that reads it.
 TABLE_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}

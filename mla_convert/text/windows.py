@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from mla_convert.artifacts.hashing import sha256_text
+from mla_convert.files import sha256_text
 from mla_convert.text.corpora import Document, TextError
 
 if TYPE_CHECKING:

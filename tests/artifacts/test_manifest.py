@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mla_convert.artifacts.hashing import sha256_bytes, sha256_file, sha256_text
 from mla_convert.artifacts.manifest import (
     ADDENDA,
     MANIFEST,
@@ -24,8 +23,8 @@ from mla_convert.artifacts.manifest import (
     write_addendum,
     write_manifest,
 )
-from mla_convert.artifacts.output import atomic_write_bytes, atomic_write_text
 from mla_convert.cli.commands import app
+from mla_convert.files import atomic_write_bytes, atomic_write_text, sha256_bytes, sha256_file, sha256_text
 
 PINNED = Path(__file__).resolve().parents[2] / "manifests" / "smollm2-135m-reference.json"
 VALIDATION = {"validation.json": '{"passed": true}\n', "validation.md": "# Validation: PASSED\n"}
@@ -83,8 +82,8 @@ def test_pinned_reference_manifest_matches_the_packaged_schema() -> None:
 
 def test_adaptation_manifest_of_the_reference_verifies(tmp_path: Path) -> None:
     """The adapt builder on the pinned reference as parent: schema-valid, its own id, the parent's named."""
+    from mla_convert.adapt.manifest import adaptation_manifest
     from mla_convert.adapt.options import AdaptOptions
-    from mla_convert.artifacts.manifest import adaptation_manifest
 
     ckpt = tmp_path / "smollm2-mla"
     ckpt.mkdir()

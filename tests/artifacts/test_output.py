@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mla_convert.artifacts.output import atomic_folder
+from mla_convert.files import atomic_folder
 
 
 def test_atomic_folder_has_usual_permissions(tmp_path: Path) -> None:

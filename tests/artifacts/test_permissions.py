@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mla_convert.artifacts.output import atomic_folder, atomic_write_bytes, atomic_write_text, current_umask
+from mla_convert.files import atomic_folder, atomic_write_bytes, atomic_write_text, current_umask
 
 #: umask -> (folder mode, file mode) a plain mkdir/open gives.
 MODES = {0o022: (0o755, 0o644), 0o077: (0o700, 0o600)}

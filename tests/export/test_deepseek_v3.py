@@ -465,7 +465,7 @@ def test_recipe_export_stage_runs_then_skips(tiny_llama, tmp_path):
 def test_precheck_answers_before_any_work(tmp_path):
     """From the config and the options alone: exact or not per target, the reason and the fix, the engine cache."""
     from mla_convert.convert.options import ConvertOptions
-    from mla_convert.export.precheck import export_lines, export_problems
+    from mla_convert.convert.precheck import export_lines, export_problems
 
     smol = open_source("smollm2-135m")
     assert export_problems(smol, ConvertOptions(), "vllm-cpu") == []

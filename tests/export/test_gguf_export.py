@@ -22,8 +22,8 @@ from typer.testing import CliRunner
 import mla_convert  # noqa: F401
 from mla_convert.cli.commands import app
 from mla_convert.convert.options import ConvertOptions
+from mla_convert.convert.precheck import export_problems
 from mla_convert.export import gguf_file, gguf_vocab
-from mla_convert.export.precheck import export_problems
 from mla_convert.sources.checkpoint import open_source
 
 SMALL = ["--calib-windows", "2", "--window", "64", "--eval-windows", "1"]

@@ -123,7 +123,7 @@ def test_refusals_before_any_work(wide_source, tmp_path):
     scaled = open_source(
         write_tiny_llama(tmp_path / "llama3", rope_parameters=LLAMA3, max_position_embeddings=131072)
     )
-    from mla_convert.export.precheck import plain_pairs
+    from mla_convert.convert.precheck import plain_pairs
 
     n = plain_pairs(scaled)
     assert 0 < n < 8

@@ -67,6 +67,7 @@ def _meta_launches(config, monkeypatch: pytest.MonkeyPatch) -> set[str]:
     from mla_convert.runtime.decode import generate
 
     monkeypatch.setattr(kernels, "kernel_backend", lambda: "triton-cuda")
+    monkeypatch.setattr(K, "kernel_backend", lambda: "triton-cuda")  # its own import (kernels.backend)
     monkeypatch.setattr(K, "multiprocessor_count", lambda device: 132)
     keys: set[str] = set()
     for dtype, cache_dtype in (

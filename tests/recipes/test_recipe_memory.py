@@ -28,13 +28,9 @@ from typing import Any
 import pytest
 import torch
 
-from mla_convert.convert.estimate import (
-    RUNTIME_BYTES,
-    factor_disk,
-    factor_lines,
-    factor_shape,
-)
-from mla_convert.convert.estimate_time import factor_time
+from mla_convert.convert.estimate import RUNTIME_BYTES, factor_shape
+from mla_convert.convert.estimate_memory import factor_disk
+from mla_convert.convert.estimate_time import factor_lines, factor_time
 from mla_convert.convert.options import ConvertOptions
 from mla_convert.recipes.memory import factor_phases, peak
 from mla_convert.sources.checkpoint import open_source

@@ -375,7 +375,8 @@ class Fakes:
         resolution: Any = None,
     ) -> dict:
         from mla_convert.artifacts.manifest import write_manifest
-        from mla_convert.artifacts.output import atomic_folder, check_output
+        from mla_convert.artifacts.output import check_output
+        from mla_convert.files import atomic_folder
 
         self.calls.append("factor")
         out = check_output(out, overwrite, src.path)
@@ -392,7 +393,8 @@ class Fakes:
 
     def run_adapt(self, ckpt: Path, out: Path, options: Any, overwrite: bool = False, **kw: Any) -> dict:
         from mla_convert.artifacts.manifest import write_manifest
-        from mla_convert.artifacts.output import atomic_folder, check_output
+        from mla_convert.artifacts.output import check_output
+        from mla_convert.files import atomic_folder
 
         self.calls.append("adapt")
         check_output(out, overwrite, ckpt)

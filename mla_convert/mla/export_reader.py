@@ -1,7 +1,8 @@
 """A DeepSeek-V3 export read back as our MLA model, so that ``validate`` (kernel, decode, cache ledger) and the
 paged/Triton decode run on exactly the geometry the export serves.
 
-The inverse of :mod:`mla_convert.export.deepseek_v3`, for folders it wrote (their manifest has ``export``):
+The inverse of :mod:`mla_convert.export.deepseek_v3` (here, in the model layer, so that
+:func:`~mla_convert.mla.checkpoint.load_checkpoint` reads exports too), for folders it wrote (their manifest has ``export``):
 ``kv_a_layernorm`` becomes our latent norm (``latent_norm: true``, same weights); the interleaved rope rows go
 back to rotate_half; the query scale ``rho`` is divided out of the query rows so ``softmax_scale`` is the source
 model's again. Exports written before the bias-free mapping (a constant latent channel held by biases, a query
@@ -19,7 +20,12 @@ from typing import Any
 
 import torch
 
-from mla_convert.export.deepseek_v3 import DS_NORM_EPS, ExportError, _transformers_inv_freq
+from mla_convert.errors import ExportError
+from mla_convert.mla.algebra import transformers_inv_freq
+
+#: The epsilon every exported norm uses (``rms_norm_eps``): transformers' ``DeepseekV3RMSNorm`` default, which
+#: its ``kv_a_layernorm`` always applies; vLLM and SGLang apply ``rms_norm_eps`` to every norm.
+DS_NORM_EPS = 1e-6
 
 
 def export_record(folder: Path) -> dict[str, Any] | None:
@@ -65,7 +71,7 @@ def load_export_as_mla(folder: Path) -> Any:
 
     from mla_convert.mla.configuration import MLAConfig
     from mla_convert.mla.modeling import MLAForCausalLM
-    from mla_convert.sources.checkpoint import _weight_map
+    from mla_convert.sources.weights import weight_map
 
     record = export_record(folder)
     if record is None or record.get("format") != "deepseek-v3":
@@ -75,12 +81,12 @@ def load_export_as_mla(folder: Path) -> Any:
     if rope.get("rope_type") not in ("default", "longrope"):
         raise ExportError(f"{folder} has rope type {rope.get('rope_type')!r}; exports use default or longrope")
     n_pairs = ds.qk_rope_head_dim // 2
-    table = _transformers_inv_freq(rope, n_pairs).tolist()
+    table = transformers_inv_freq(rope, n_pairs).tolist()
     h, dim, d_n, d_r, d_v = (
         ds.num_attention_heads, ds.hidden_size, ds.qk_nope_head_dim, ds.qk_rope_head_dim, int(ds.v_head_dim or 0)
     )
     rho = float(record["query_scale"])
-    wmap = _weight_map(folder)
+    wmap = weight_map(folder)
     biased = "model.layers.0.self_attn.kv_a_proj_with_mqa.bias" in wmap  # exports before the bias-free norm
     cfg = MLAConfig(
         vocab_size=ds.vocab_size,
