@@ -8,7 +8,7 @@ never calibrated on):
 
 - the default conversion (per-layer ranks for a 120-value budget) and its ``transformers`` / ``vllm`` served caches;
 - the same served ``transformers`` cache spent as one uniform rank (no padding);
-- ``factor --target vllm``: the conversion shaped to fill vLLM's row (:mod:`mla_convert.convert.engine`);
+- ``factor --target vllm``: the conversion shaped to fill vLLM's row (:mod:`mla_convert.convert.options.engine`);
 - llama.cpp's row (one ``kv_lora_rank`` for every layer plus the rope head's slots, K only) at the default's asked
   size, 120: per-layer ranks whose padded width is 120 against one rank at 120, and the d_c / rope splits of one
   rank (``--target llama.cpp`` takes its default from these rows: ``measured_splits.json``'s ``llamacpp``).
@@ -28,11 +28,11 @@ from pathlib import Path
 
 import protocol
 
-from mla_convert.convert import steps
-from mla_convert.convert.build import convert_windows
-from mla_convert.convert.engine import ENGINE_ROWS, shape_for_engine
-from mla_convert.convert.factorize import allocate_ranks
-from mla_convert.convert.options import ConvertOptions
+from mla_convert.convert.layer import steps
+from mla_convert.convert.layer.factorize import allocate_ranks
+from mla_convert.convert.options.engine import ENGINE_ROWS, shape_for_engine
+from mla_convert.convert.options.options import ConvertOptions
+from mla_convert.convert.pipeline.build import convert_windows
 from mla_convert.export.deepseek_v3 import rope_slots
 from mla_convert.metrics import evaluate
 

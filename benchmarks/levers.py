@@ -40,11 +40,11 @@ import protocol
 import torch
 from blocks import replace_block
 
-from mla_convert.convert.assemble import pad_plan
-from mla_convert.convert.build import convert_windows
-from mla_convert.convert.calibration import LayerStats
-from mla_convert.convert.options import ConvertOptions, refit_stride
-from mla_convert.convert.rope import RopePlan
+from mla_convert.convert.layer.assemble import pad_plan
+from mla_convert.convert.layer.rope import RopePlan
+from mla_convert.convert.options.options import ConvertOptions, refit_stride
+from mla_convert.convert.pipeline.build import convert_windows
+from mla_convert.convert.stats.calibration import LayerStats
 from mla_convert.metrics import evaluate
 from mla_convert.mla.algebra import causal_mask
 from mla_convert.mla.modeling import MLAForCausalLM
@@ -134,7 +134,7 @@ def merge(lines: list[str], previous: Path) -> list[str]:
 
 
 #: Rows whose options ``factor`` takes per cache size when they win (``measured_splits.json`` ``levers``): what
-#: each sets of :data:`mla_convert.convert.suggest.LEVER_OPTIONS`.
+#: each sets of :data:`mla_convert.convert.options.suggest.LEVER_OPTIONS`.
 LEVER_ROWS: dict[str, dict[str, str]] = {
     "teacher": {"rope_strategy": "2-norm", "refit_o_proj": "teacher"},
     "sequential": {"rope_strategy": "2-norm", "refit_o_proj": "sequential"},

@@ -27,8 +27,8 @@ from typing import Any
 import protocol
 import torch
 
-from mla_convert.convert.build import convert_windows
-from mla_convert.convert.options import ConvertOptions, geometry
+from mla_convert.convert.options.options import ConvertOptions, geometry
+from mla_convert.convert.pipeline.build import convert_windows
 from mla_convert.metrics import evaluate
 from mla_convert.sources.checkpoint import load_source_model, open_source
 

@@ -22,9 +22,9 @@ from typing import Any
 import protocol
 from blocks import replace_block
 
-from mla_convert.convert.build import convert_windows
-from mla_convert.convert.job import HELD_OUT_WINDOWS
-from mla_convert.convert.options import ConvertOptions
+from mla_convert.convert.options.options import ConvertOptions
+from mla_convert.convert.pipeline.build import convert_windows
+from mla_convert.convert.pipeline.job import HELD_OUT_WINDOWS
 from mla_convert.metrics import evaluate
 
 DEV_WINDOWS = 8

@@ -18,8 +18,8 @@ import protocol
 import torch
 import torch.nn.functional as F
 
-from mla_convert.convert.build import convert_windows
-from mla_convert.convert.options import ConvertOptions
+from mla_convert.convert.options.options import ConvertOptions
+from mla_convert.convert.pipeline.build import convert_windows
 
 
 @torch.no_grad()

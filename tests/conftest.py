@@ -175,7 +175,7 @@ def smol_head(smol, smol_model, tmp_path_factory):
 def smol_default(smol_head, smol_windows):
     """The default conversion of :func:`smol_head` (SmolLM2's first layers; float32 weights) on
     :func:`smol_windows`, with its calibration statistics (``keep_stats``): one
-    :class:`~mla_convert.convert.build.Conversion` shared by the session."""
+    :class:`~mla_convert.convert.pipeline.build.Conversion` shared by the session."""
     from tiny import convert
 
     return convert(smol_head[0], *smol_windows, keep_stats=True)

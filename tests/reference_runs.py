@@ -4,7 +4,7 @@ A plain module, not a conftest: test modules import it by name (``conftest`` is 
 
 The pinned manifest is ``mla-convert factor smollm2-135m OUT --device cpu`` with default options: the conversion
 searches the RoPE pairs, the rope strategy and the ``o_proj`` refit mode on the held-out windows and converts the
-best (``mla_convert/convert/rope_split.py``). The suite converts the reference with those three choices given as
+best (``mla_convert/convert/pipeline/rope_split.py``). The suite converts the reference with those three choices given as
 the pin recorded them (:func:`pinned_levers`): the same passes on the same statistics with the search left out
 (about two thirds of the conversion: 357 s of 536 s in a fresh-clone quick start), so the same weights, ranks and figures, and the pinned canonical id once the
 ``choices`` say where the levers came from (``test_reference.py`` checks exactly that). The search itself is

@@ -22,8 +22,8 @@ from mla_convert.precision import (
 @pytest.fixture(scope="module")
 def tiny_qwen2_mla(tmp_path_factory) -> Path:
     """A tiny Qwen2 (random q/k/v biases) converted with ``factor``'s defaults."""
-    from mla_convert.convert.job import run_factor
-    from mla_convert.convert.options import ConvertOptions
+    from mla_convert.convert.options.options import ConvertOptions
+    from mla_convert.convert.pipeline.job import run_factor
     from mla_convert.sources.checkpoint import open_source
 
     root = tmp_path_factory.mktemp("precision")

@@ -70,7 +70,7 @@ class ManifestMismatch(ManifestError):
 
 
 class ConversionOptions(Protocol):
-    """What a conversion's manifest reads of its options (a :class:`~mla_convert.convert.options.ConvertOptions`)."""
+    """What a conversion's manifest reads of its options (a :class:`~mla_convert.convert.options.options.ConvertOptions`)."""
 
     @property
     def rope_mode(self) -> str:
@@ -83,7 +83,7 @@ class ConversionOptions(Protocol):
 
 
 class ConversionRecord(Protocol):
-    """What a conversion's manifest reads of the conversion (a :class:`~mla_convert.convert.records.Streamed`)."""
+    """What a conversion's manifest reads of the conversion (a :class:`~mla_convert.convert.pipeline.records.Streamed`)."""
 
     @property
     def config(self) -> MLAConfig:
@@ -131,7 +131,7 @@ def conversion_manifest(
         text_name: the calibration text (``wikipedia``, ``news`` or ``local files``).
         documents: ``{"calibration": [...], "evaluation": [...]}`` document records (id, sha256, chars).
         run: timings and host facts (not part of the canonical id).
-        choices: where each chosen option came from (:attr:`~mla_convert.convert.resolve.Resolution.choices`).
+        choices: where each chosen option came from (:attr:`~mla_convert.convert.options.resolve.Resolution.choices`).
     """
     from mla_convert.sources.checkpoint import tokenizer_digest
 

@@ -16,12 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mla_convert.errors import UserError
-from mla_convert.files import atomic_write_text, usual_permissions
 
-#: TODO(convert rewrite): ``convert/workdir.py`` imports these two from here; it should import
-#: ``atomic_write_text`` and ``usual_permissions`` from :mod:`mla_convert.files`, then they leave this module.
-_usual_permissions = usual_permissions
-__all__ = ["OutputError", "atomic_write_text", "check_output", "check_writable", "save_checkpoint", "write_carried"]
+__all__ = ["OutputError", "check_output", "check_writable", "save_checkpoint", "write_carried"]
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

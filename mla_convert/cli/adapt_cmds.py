@@ -73,7 +73,7 @@ def adapt(
                 if problem:
                     raise ExportError(problem)
             else:
-                from mla_convert.convert.engine import export_target
+                from mla_convert.convert.options.engine import export_target
 
                 plan_export(
                     MLAConfig.from_pretrained(str(ckpt)), getattr(torch, checkpoint_dtype(ckpt)), export_target(target)

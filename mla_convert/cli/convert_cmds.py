@@ -21,9 +21,9 @@ from mla_convert.cli.render import (
     source_table,
     user_errors,
 )
-from mla_convert.convert.engine import ENGINE_ROWS, export_target
-from mla_convert.convert.options import ConvertOptions, shard_size_of
-from mla_convert.convert.resolve import Resolution, check_sizes_given
+from mla_convert.convert.options.engine import ENGINE_ROWS, export_target
+from mla_convert.convert.options.options import ConvertOptions, shard_size_of
+from mla_convert.convert.options.resolve import Resolution, check_sizes_given
 from mla_convert.sources.locate import locate_source
 
 SHAPE_HELP = (
@@ -40,9 +40,9 @@ SOURCE_HELP = (
 
 
 def shape_options(options: ConvertOptions, src: Any, target: str, export: str | None = None) -> Resolution:
-    """The options ``factor``/``inspect`` run (:func:`~mla_convert.convert.resolve.resolve_options` with the flags
+    """The options ``factor``/``inspect`` run (:func:`~mla_convert.convert.options.resolve.resolve_options` with the flags
     typed on the command line as the given ones, and the ``--export`` format)."""
-    from mla_convert.convert.resolve import resolve_options
+    from mla_convert.convert.options.resolve import resolve_options
 
     given = [k for k in ConvertOptions.model_fields if given_on_command_line(k)]
     return resolve_options(options, src, target, given, export)
@@ -66,7 +66,7 @@ def inspect(
 
       mla-convert inspect ./Llama-3.1-8B --calib-tokens 512 --window 256 --eval-windows 1 --dtype bfloat16
     """
-    from mla_convert.convert.options import check_options
+    from mla_convert.convert.options.options import check_options
 
     options = build_options(ConvertOptions, values)
     with user_errors():
@@ -74,7 +74,7 @@ def inspect(
         check_sizes_given(options, [k for k in ConvertOptions.model_fields if given_on_command_line(k)])
         check_target(target)
         locate_source(source)
-    from mla_convert.convert.estimate import parse_size
+    from mla_convert.convert.estimate.estimate import parse_size
 
     try:
         parse_size(max_shard_size)
@@ -89,21 +89,21 @@ def inspect(
         res = shape_options(options, src, target)
         options, why = res.options, res.why
         check_options(options, src)
-    from mla_convert.convert.estimate_time import factor_lines
-    from mla_convert.convert.suggest import MEASURED_SPLITS, suggestions
+    from mla_convert.convert.estimate.estimate_time import factor_lines
+    from mla_convert.convert.options.suggest import MEASURED_SPLITS, suggestions
 
     console.print(source_table(source, src.describe()))
     console.print(cache_table(src, suggestions(src, MEASURED_SPLITS)))
     if why:
         console.print(f"\nfactor with these options takes {why}", highlight=False, markup=False)
     given = [k for k in ConvertOptions.model_fields if given_on_command_line(k)]
-    from mla_convert.convert.resolve import expected_measurements
+    from mla_convert.convert.options.resolve import expected_measurements
 
     lines = factor_lines(
         options, src, max_shard_size, max(1, len(res.rope_candidates)), expected_measurements(res), res.refit_modes
     )
     estimate_lines(options, max_shard_size, lines, given)
-    from mla_convert.convert.precheck import export_lines
+    from mla_convert.convert.options.precheck import export_lines
 
     console.print("\nwhere a conversion with these options serves (each engine: exact or why not, and the cache it "
                   "allocates; checked before any work):", highlight=False)
@@ -142,7 +142,7 @@ def factor(
       mla-convert factor smollm2-135m out/smollm2-vllm --target vllm-cpu --export deepseek-v3
     """
     from mla_convert.artifacts.output import check_output
-    from mla_convert.convert.options import check_options
+    from mla_convert.convert.options.options import check_options
 
     options = build_options(ConvertOptions, values)  # every flag, before anything heavy is imported
     with user_errors():
@@ -153,7 +153,7 @@ def factor(
         check_export(out, export, overwrite, target)
         locate_source(source)  # a wrong path, before the checkpoint libraries are imported
     from mla_convert.artifacts.report import layer_table, summary_table
-    from mla_convert.convert.job import run_factor
+    from mla_convert.convert.pipeline.job import run_factor
     from mla_convert.sources.checkpoint import open_source
 
     with user_errors():
@@ -164,7 +164,7 @@ def factor(
         if why:
             say(f"{'engine shape' if target in (*ENGINE_ROWS, 'llama.cpp') else 'choices'}: {why}")
         if export:
-            from mla_convert.convert.precheck import export_problems
+            from mla_convert.convert.options.precheck import export_problems
 
             problems = export_problems(src, options, export_target(target), export)
             if export == "gguf" and not any(f.suffix == ".gguf" for f in src.origin_files):
@@ -200,7 +200,7 @@ def factor(
                     notice=notice,
                 )
         except KeyboardInterrupt:
-            from mla_convert.convert.workdir import work_dir
+            from mla_convert.convert.pipeline.workdir import work_dir
 
             err_console.print(
                 f"interrupted: OUT was not written; the finished layers are kept in {work_dir(out.resolve())}: "
@@ -220,7 +220,7 @@ def factor(
                 markup=False,
             )
     if report["run"].get("rope_split"):
-        from mla_convert.convert.split_report import outcome
+        from mla_convert.convert.pipeline.split_report import outcome
 
         console.print(f"rope split: {outcome(report['run']['rope_split'])}", highlight=False, markup=False)
     for warning in report.get("warnings", []):

@@ -136,7 +136,7 @@ def generate(
     import torch
     from transformers import AutoTokenizer
 
-    from mla_convert.convert.stream import resolve_device
+    from mla_convert.convert.pipeline.stream import resolve_device
     from mla_convert.mla.checkpoint import cast_parameters
     from mla_convert.runtime.decode import generate as paged_generate
     from mla_convert.runtime.decode import greedy

@@ -14,8 +14,8 @@ from mla_convert.cli.render import (
     note,
     user_errors,
 )
-from mla_convert.convert.engine import export_target
-from mla_convert.convert.options import shard_size_of
+from mla_convert.convert.options.engine import export_target
+from mla_convert.convert.options.options import shard_size_of
 from mla_convert.mla.checkpoint import read_checkpoint_config
 
 EXPORT_HELP = (
@@ -34,7 +34,7 @@ TARGET_HELP = (
 def check_target(target: str, shaping: bool = True) -> None:
     """``--target``: one of the shapes a conversion is made for (``shaping``: ``factor``, ``inspect``, ``adapt``
     ``--export``), or of a DeepSeek-V3 export's engine shapes (a light check: no torch)."""
-    from mla_convert.convert.engine import SHAPE_TARGETS, TARGETS
+    from mla_convert.convert.options.engine import SHAPE_TARGETS, TARGETS
 
     if not shaping and target == "llama.cpp":
         fail("--target llama.cpp is served from a GGUF: use --format gguf (llama.cpp's own converter cannot make "

@@ -19,7 +19,7 @@ import typer
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
-from mla_convert.convert.options import choice_message, flag, literal_choices
+from mla_convert.convert.options.options import choice_message, flag, literal_choices
 
 F = TypeVar("F", bound=Callable[..., Any])
 M = TypeVar("M", bound=BaseModel)

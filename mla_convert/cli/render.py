@@ -184,7 +184,7 @@ def source_table(title: str, described: dict[str, Any]) -> Table:
 
 def cache_table(src: Any, suggestions: list[Any]) -> Table:
     """``inspect``'s second table: the source's KV cache per token and layer, and each suggested MLA size
-    (:func:`~mla_convert.convert.suggest.suggestions`)."""
+    (:func:`~mla_convert.convert.options.suggest.suggestions`)."""
     w = Table(title="KV cache per token per layer (values)")
     for c in ("layout", "values", "bytes (float32)", "ratio to source", "suggested split"):
         w.add_column(c, justify="right")
@@ -194,7 +194,7 @@ def cache_table(src: Any, suggestions: list[Any]) -> Table:
     )
     for sug in suggestions:
         if sug.rope_pairs is None:
-            split = "not measured (benchmarks/perplexity.py --readme writes mla_convert/convert/measured_splits.json)"
+            split = "not measured (benchmarks/perplexity.py --readme writes mla_convert/convert/options/measured_splits.json)"
         else:
             rope = 2 * sug.rope_pairs
             levers = "".join(f" --{k.replace('_', '-')} {v}" for k, v in sug.levers.items())
@@ -214,10 +214,10 @@ def cache_table(src: Any, suggestions: list[Any]) -> Table:
 
 def estimate_lines(options: Any, max_shard_size: str, lines: list[str], given: Collection[str] = ()) -> None:
     """``inspect``'s last lines: what ``factor`` with ``options`` would need
-    (:func:`~mla_convert.convert.estimate_time.factor_lines`: peak memory, disk, time), named by the flags that differ
+    (:func:`~mla_convert.convert.estimate.estimate_time.factor_lines`: peak memory, disk, time), named by the flags that differ
     from the defaults and those ``given`` (a value given equal to its default still overrides a budget's measured
     choice, so the printed command line converts what was asked)."""
-    from mla_convert.convert.options import flag
+    from mla_convert.convert.options.options import flag
 
     defaults = type(options)()
     changed = [

@@ -330,7 +330,7 @@ def check_plugin(ckpts: list[Path], python: str, custom_ops: bool = False) -> li
     """Serve each ``mla`` checkpoint of ``ckpts`` itself in the vLLM of ``python`` through our plugin
     (:mod:`mla_convert.serve.vllm_plugin`, this checkout's), all in one vLLM process, and compare each with our
     float32 model as :func:`check_vllm` does (the same text, thresholds and record); vLLM must cache one latent head of
-    the plugin's served width (:func:`~mla_convert.convert.accepts.served_shape`, CPU: 512 + 64). The attention
+    the plugin's served width (:func:`~mla_convert.convert.options.accepts.served_shape`, CPU: 512 + 64). The attention
     backends are read from the process's log (vLLM names them once per process: the same for every checkpoint).
 
     Raises:
@@ -339,7 +339,7 @@ def check_plugin(ckpts: list[Path], python: str, custom_ops: bool = False) -> li
     from transformers import AutoTokenizer
 
     from mla_convert import register
-    from mla_convert.convert.accepts import served_shape
+    from mla_convert.convert.options.accepts import served_shape
     from mla_convert.mla.configuration import MLAConfig
 
     register()  # the checkpoints' config type, before their tokenizers are read

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mla_convert.convert.accepts import cache_block_rank
+from mla_convert.convert.options.accepts import cache_block_rank
 from mla_convert.export.deepseek_v3 import DS_NORM_EPS, ExportError, ExportPlan, plan_export
 from mla_convert.export.gguf_vocab import tokenizer_fields
 from mla_convert.export.llamacpp_env import GGUF_QUANTS, KEEP_F32, find_llamacpp, quantize

@@ -193,7 +193,7 @@ def layerwise(
     """
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from mla_convert.convert.layers import mla_layer
+    from mla_convert.convert.layer.layers import mla_layer
     from mla_convert.mla.configuration import MLAConfig
 
     config = MLAConfig.from_pretrained(str(ckpt))

@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from pydantic import ValidationError
 
-from mla_convert.convert.options import ConvertOptions, choice_message, literal_choices, problems
+from mla_convert.convert.options.options import ConvertOptions, choice_message, literal_choices, problems
 from mla_convert.recipes.catalog import bundled_names
 from mla_convert.recipes.overrides import apply_override, parse_override, yaml_reason
 from mla_convert.recipes.schema import SECTIONS, Recipe, RecipeError, allowed_keys
 
 if TYPE_CHECKING:
-    from mla_convert.convert.resolve import Resolution
+    from mla_convert.convert.options.resolve import Resolution
     from mla_convert.sources.checkpoint import SourceModel
 
 
@@ -273,8 +273,8 @@ def load_recipe(
         src = _open(doc, ("source",), source)
     resolution = None
     if fo is not None and src is not None and recipe is not None:  # the one resolution factor and inspect run too
-        from mla_convert.convert.options import OptionsError
-        from mla_convert.convert.resolve import resolve_options
+        from mla_convert.convert.options.options import OptionsError
+        from mla_convert.convert.options.resolve import resolve_options
 
         target = recipe.export.target if recipe.export is not None else "transformers"
         try:
@@ -291,8 +291,8 @@ def load_recipe(
             if key not in bad:
                 doc.add(("factor", key), msg)
     if recipe is not None and recipe.export is not None and src is not None:  # exact or not, before any work
-        from mla_convert.convert.engine import export_target
-        from mla_convert.convert.precheck import export_problems
+        from mla_convert.convert.options.engine import export_target
+        from mla_convert.convert.options.precheck import export_problems
 
         for msg in export_problems(src, recipe.factor, export_target(recipe.export.target), recipe.export.format):
             doc.add(("export", "target"), _recipe_words(msg))

@@ -2,7 +2,7 @@
 
 Each stage goes through phases; the estimate of a phase is the sum of what the code holds at its worst moment,
 and a stage's peak is its largest phase. ``factor`` streams layer by layer: its phases, disk and time come from
-:mod:`mla_convert.convert.estimate` (what ``inspect`` prints; ``README.md`` §Memory gives the formula).
+:mod:`mla_convert.convert.estimate.estimate` (what ``inspect`` prints; ``README.md`` §Memory gives the formula).
 ``adapt`` and ``validate`` hold whole models: the source in float32 (``adapt``'s teacher, ``validate``'s
 reference, :func:`~mla_convert.sources.checkpoint.load_source_model`) and the converted model in float32
 (:func:`~mla_convert.mla.checkpoint.load_checkpoint`'s default).
@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mla_convert.adapt.options import AdaptOptions
-from mla_convert.convert.estimate import Phase, factor_shape, peak
-from mla_convert.convert.estimate_memory import factor_disk
-from mla_convert.convert.estimate_memory import factor_phases as streamed_phases
-from mla_convert.convert.options import ConvertOptions
+from mla_convert.convert.estimate.estimate import Phase, factor_shape, peak
+from mla_convert.convert.estimate.estimate_memory import factor_disk
+from mla_convert.convert.estimate.estimate_memory import factor_phases as streamed_phases
+from mla_convert.convert.options.options import ConvertOptions
 from mla_convert.recipes.schema import Recipe
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ GB = 1e9
 
 #: Resident bytes of the process before any model: Python, torch, transformers, mla_convert, a tokenizer and
 #: the loaded text (measured 0.58 GB with torch 2.13 CPU and transformers 5.2 on Linux; rounded up). ``factor``
-#: uses :data:`mla_convert.convert.estimate.RUNTIME_BYTES`, which adds what its passes leave resident.
+#: uses :data:`mla_convert.convert.estimate.estimate.RUNTIME_BYTES`, which adds what its passes leave resident.
 RUNTIME_BYTES = 0.6e9
 
 #: Bytes of evaluation logits per (token, vocabulary entry): float64 logits and log-probabilities of both
@@ -64,7 +64,7 @@ def sizes(options: ConvertOptions, src: SourceModel) -> Sizes:
     """Parameter counts from the config, the safetensors headers and the cache geometry of ``options``.
 
     The converted query/key NoPE width is the widest any layer can get
-    (:func:`~mla_convert.convert.estimate.d_nope_bound`), so the converted count is an upper bound.
+    (:func:`~mla_convert.convert.estimate.estimate.d_nope_bound`), so the converted count is an upper bound.
     """
     s = factor_shape(options, src)
     return Sizes(s.source_params, s.output_params, s.attn_params, s.conv_attn_params)
@@ -78,8 +78,8 @@ def eval_logits(window: int, src: SourceModel) -> float:
 def factor_phases(
     options: ConvertOptions, src: SourceModel, max_shard_size: str | int | None = None
 ) -> list[Phase]:
-    """The phases of the streamed ``mla-convert factor`` (:func:`~mla_convert.convert.job.run_factor`) in bytes:
-    :func:`mla_convert.convert.estimate.factor_phases`.
+    """The phases of the streamed ``mla-convert factor`` (:func:`~mla_convert.convert.pipeline.job.run_factor`) in bytes:
+    :func:`mla_convert.convert.estimate.estimate.factor_phases`.
 
     Raises:
         ValueError: a ``max_shard_size`` huggingface_hub cannot read.

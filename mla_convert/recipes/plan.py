@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mla_convert.convert.options import cache_budget_of, geometry
+from mla_convert.convert.options.options import cache_budget_of, geometry
 from mla_convert.recipes.schema import Recipe
 
 if TYPE_CHECKING:
@@ -59,9 +59,9 @@ def _occupied(folder: Path) -> bool:
 def searched_keys(manifest: dict[str, Any], choices: dict[str, str] | None) -> set[str]:
     """The options of a factor output that its own search chose and that the recipe leaves to the same search: the
     manifest's ``choices[k]`` is this resolution's ``choices[k]`` (same candidates, same prior) and says the value
-    was measured on the source (:data:`~mla_convert.convert.resolve.SEARCHED`). Their recorded values are the
+    was measured on the source (:data:`~mla_convert.convert.options.resolve.SEARCHED`). Their recorded values are the
     search's winners, which the recipe's resolved prior need not equal."""
-    from mla_convert.convert.resolve import SEARCHED
+    from mla_convert.convert.options.resolve import SEARCHED
 
     made = manifest.get("choices")
     if not choices or not isinstance(made, dict):
@@ -202,7 +202,7 @@ def plan_lines(plan: list[Stage], overwrite: bool) -> list[str]:
 
 def shape_lines(recipe: Recipe, src: SourceModel) -> list[str]:
     """Per-layer cache shapes of the conversion, from the config alone
-    (:func:`~mla_convert.convert.options.geometry`)."""
+    (:func:`~mla_convert.convert.options.options.geometry`)."""
     fo = recipe.factor
     geo = geometry(fo, src)
     g, d, n = src.num_kv_heads, src.head_dim, geo.num_layers

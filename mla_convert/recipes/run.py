@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mla_convert.convert.engine import export_target
+from mla_convert.convert.options.engine import export_target
 from mla_convert.files import atomic_write_text
 from mla_convert.recipes.load import Resolved, resolved_yaml
 from mla_convert.recipes.plan import (
@@ -95,7 +95,7 @@ def run_recipe(
     """
     from mla_convert.adapt import train as adapt_mod
     from mla_convert.artifacts.manifest import MANIFEST
-    from mla_convert.convert import job as pipeline
+    from mla_convert.convert.pipeline import job as pipeline
     from mla_convert.validate import ladder as validate_mod
     from mla_convert.validate.report import write_validation
 

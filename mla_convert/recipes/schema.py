@@ -1,7 +1,7 @@
 """What a recipe may say: the :class:`Recipe` model, its sections, and the error that lists every problem.
 
 A recipe is a :class:`Recipe` (pydantic, unknown keys refused at every level): ``factor`` takes every
-:class:`~mla_convert.convert.options.ConvertOptions` key, ``adapt`` every
+:class:`~mla_convert.convert.options.options.ConvertOptions` key, ``adapt`` every
 :class:`~mla_convert.adapt.options.AdaptOptions` key (``adapt: null`` skips the stage), ``validate`` the
 ladder's :class:`~mla_convert.validate.options.LadderSettings` plus ``enabled``, ``export`` (optional)
 :class:`ExportSettings`. Light on purpose (pydantic
@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from mla_convert.adapt.options import AdaptOptions
-from mla_convert.convert.options import ConvertOptions
+from mla_convert.convert.options.options import ConvertOptions
 from mla_convert.errors import UserError
 from mla_convert.validate.options import LadderSettings
 

@@ -3,7 +3,7 @@ around ``MLAAttention``) and its latent KV cache. Loaded by vLLM through :mod:`m
 imports only vLLM, torch and our torch-only algebra.
 
 The checkpoint (docs/math.md) is mapped, exactly, onto the shape vLLM's MLA backends take
-(:func:`~mla_convert.convert.accepts.served_shape`), with zero rows and columns only:
+(:func:`~mla_convert.convert.options.accepts.served_shape`), with zero rows and columns only:
 
 * **Latent.** Layer ``l``'s rank ``r_l`` is padded to one ``kv_lora_rank`` (512): zero rows of
   ``kv_a_proj_with_mqa`` (and its bias), zero columns of ``kv_b_proj``; the cache holds zeros there. The optional
@@ -35,7 +35,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.llama import LlamaMLP
 
-from mla_convert.convert.accepts import ServedShape, ServeError, served_shape
+from mla_convert.convert.options.accepts import ServedShape, ServeError, served_shape
 from mla_convert.mla.algebra import apply_rope, rope_angles
 from mla_convert.serve.vllm_plugin import engine_target
 

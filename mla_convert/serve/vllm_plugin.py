@@ -7,13 +7,13 @@ MLA attention layer and latent KV cache (an ``MLAAttentionSpec`` of one head of 
 token per layer).
 
 This module imports only what vLLM's environment holds (torch, its transformers, pydantic): never our model code,
-which needs a newer transformers. :func:`~mla_convert.convert.accepts.served_shape` is the one place that says
+which needs a newer transformers. :func:`~mla_convert.convert.options.accepts.served_shape` is the one place that says
 which widths vLLM gets.
 """
 
 from __future__ import annotations
 
-from mla_convert.convert.accepts import served_shape
+from mla_convert.convert.options.accepts import served_shape
 
 #: The architecture name of our checkpoints' ``config.json`` (``architectures``), as vLLM's registry knows it.
 ARCHITECTURE = "MLAForCausalLM"

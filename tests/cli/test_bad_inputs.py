@@ -47,7 +47,7 @@ class ConversionStarted(AssertionError):
 @pytest.fixture(autouse=True)
 def tripwire(monkeypatch: pytest.MonkeyPatch) -> None:
     """Bad inputs must fail before calibration/conversion: make reaching it an error."""
-    import mla_convert.convert.job as pipeline
+    import mla_convert.convert.pipeline.job as pipeline
 
     def convert(*args: Any, **kwargs: Any) -> Any:
         raise ConversionStarted("conversion started: the bad input was not caught before heavy work")
@@ -137,7 +137,7 @@ def run_bad_factor(
 def test_control_reaches_conversion(
     src: Path, good_text: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import mla_convert.convert.device as dev
+    import mla_convert.convert.pipeline.device as dev
 
     monkeypatch.setattr(dev, "native_bfloat16", lambda device: True)  # no bfloat16 note on a GPU host without it
     out = tmp_path / "out"
@@ -157,7 +157,7 @@ def test_bfloat16_calibration_on_a_cpu_without_it_is_not_warned(
 ) -> None:
     """On a CPU without AVX512-BF16 or AMX the default bfloat16 calibration runs at float32 speed
     (``bfloat16_autocast``): no speed note before the conversion starts."""
-    import mla_convert.convert.device as dev
+    import mla_convert.convert.pipeline.device as dev
 
     monkeypatch.setattr(dev, "native_bfloat16", lambda device: False)
     result = invoke(factor_args(src, tmp_path / "out", good_text, "--device", "cpu"))  # cpu: GPU hosts too
@@ -275,7 +275,7 @@ def test_rope_pairs_above_half_head_dim_per_head(src: Path, good_text: Path, tmp
     )
     args[args.index("--rope-pairs") + 1] = "9"  # head_dim 16 -> 8 pairs per head
     assert_user_error(
-        # one wording for the CLI and recipes (mla_convert.convert.options.problems)
+        # one wording for the CLI and recipes (mla_convert.convert.options.options.problems)
         invoke(args), "--rope-pairs 9 is impossible for per-head/2-norm on this source: allowed 0..8 (head_dim 16 has 8 RoPE pairs)"
     )
     assert_nothing_written(tmp_path / "out")

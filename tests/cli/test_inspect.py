@@ -7,7 +7,7 @@ import json
 from typer.testing import CliRunner
 
 from mla_convert.cli import commands as cli
-from mla_convert.convert import suggest
+from mla_convert.convert.options import suggest
 
 
 def test_inspect_suggests_the_measured_split(tmp_path, monkeypatch):
@@ -56,7 +56,7 @@ def test_inspect_prints_memory_disk_and_time_for_the_factor_options():
 def test_the_rope_split_follows_the_budget():
     """Without --rope-pairs, factor/inspect/recipes take the split measured best for the budget (interpolated
     between the measured cache fractions); --rope-pairs or a fixed kv_lora_rank keep what is given."""
-    from mla_convert.convert.options import ConvertOptions
+    from mla_convert.convert.options.options import ConvertOptions
     from mla_convert.sources.checkpoint import open_source
 
     src = open_source("smollm2-135m")
@@ -81,7 +81,7 @@ def test_the_levers_follow_the_budget():
     """Without --rope-strategy / --refit-o-proj, factor, inspect and recipes take the levers benchmarks/levers.py
     measured best at the nearest measured cache size (measured_splits.json); what is given stays, and a rope
     strategy is taken only for the shared rope head."""
-    from mla_convert.convert.options import ConvertOptions
+    from mla_convert.convert.options.options import ConvertOptions
     from mla_convert.recipes.load import load_recipe
     from mla_convert.sources.checkpoint import open_source
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_convert.convert import device as dev
+from mla_convert.convert.pipeline import device as dev
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_convert.convert import linalg
+from mla_convert.convert.layer import linalg
 
 
 def test_small_matrices_run_on_one_thread_and_the_count_comes_back() -> None:

@@ -101,10 +101,10 @@ def _variants(src, ids: torch.Tensor, refit: str) -> dict[str, MLAForCausalLM]:
     """The passes ``factor`` runs at 72 values (float32 calibration, so the oracle's float32 source is the same
     function), read back with the plain ``o_proj`` and with the refitted one (no keep decision: it needs an LM
     loss, which a truncated model does not have)."""
-    from mla_convert.convert.build import _load
-    from mla_convert.convert.options import ConvertOptions, check_options
-    from mla_convert.convert.records import Texts
-    from mla_convert.convert.stream import StreamedConversion
+    from mla_convert.convert.options.options import ConvertOptions, check_options
+    from mla_convert.convert.pipeline.build import _load
+    from mla_convert.convert.pipeline.records import Texts
+    from mla_convert.convert.pipeline.stream import StreamedConversion
 
     opts = ConvertOptions(dtype="float32", cache_budget=72, rope_pairs=16, calib_precision="float32", refit_o_proj=refit)
     check_options(opts, src)
@@ -177,7 +177,7 @@ def test_refit_keeps_the_source_bfloat16_precision(biased, request, windows, mon
     With Qwen2.5-Coder-1.5B's bias magnitudes on the same weights the free fit fails the precision check outright
     (x3.10 long, x0.88 short; the first greedy token moves on 1 of 8 prompts, within the near-tie allowance), as
     main's default conversion of the real Qwen2.5-Coder-1.5B did (x2.91); bounded x0.91 / x0.41."""
-    from mla_convert.convert import refit
+    from mla_convert.convert.layer import refit
     from mla_convert.precision import precision_gate, probe, probe_tokens
 
     src, source = request.getfixturevalue("smol_head_biased" if biased else "smol_head")

@@ -13,8 +13,8 @@ import pytest
 from typer.testing import CliRunner
 
 from mla_convert.cli.commands import app
-from mla_convert.convert.options import ConvertOptions, OptionsError, check_options
-from mla_convert.convert.resolve import resolve_options
+from mla_convert.convert.options.options import ConvertOptions, OptionsError, check_options
+from mla_convert.convert.options.resolve import resolve_options
 
 
 @dataclass(frozen=True)

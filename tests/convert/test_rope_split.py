@@ -15,11 +15,11 @@ import pytest
 from test_resolve import LLAMA3_8B, QWEN25_15B, SMOLLM2
 from test_stream import _convert  # run_factor with the options split from the run's keywords
 
-from mla_convert.convert.job import prepare_text
-from mla_convert.convert.options import ConvertOptions
-from mla_convert.convert.resolve import expected_measurements, resolve_options
-from mla_convert.convert.split_report import outcome
-from mla_convert.convert.workdir import work_dir
+from mla_convert.convert.options.options import ConvertOptions
+from mla_convert.convert.options.resolve import expected_measurements, resolve_options
+from mla_convert.convert.pipeline.job import prepare_text
+from mla_convert.convert.pipeline.split_report import outcome
+from mla_convert.convert.pipeline.workdir import work_dir
 from mla_convert.metrics import evaluate
 from mla_convert.mla.checkpoint import load_checkpoint
 from mla_convert.sources.checkpoint import load_source_model, open_source

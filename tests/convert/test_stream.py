@@ -17,10 +17,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mla_convert.convert.build import convert_windows
-from mla_convert.convert.job import prepare_text, run_factor
-from mla_convert.convert.options import ConvertOptions
-from mla_convert.convert.workdir import ResumeError, work_dir
+from mla_convert.convert.options.options import ConvertOptions
+from mla_convert.convert.pipeline.build import convert_windows
+from mla_convert.convert.pipeline.job import prepare_text, run_factor
+from mla_convert.convert.pipeline.workdir import ResumeError, work_dir
 from mla_convert.metrics import evaluate
 from mla_convert.mla.checkpoint import load_checkpoint
 from mla_convert.sources.checkpoint import load_source_model, open_source

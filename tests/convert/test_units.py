@@ -15,10 +15,16 @@ import pytest
 import torch
 from oracle import rotation_projector
 
-from mla_convert.convert.assemble import layer_tensors, pad_plan
-from mla_convert.convert.calibration import LayerStats, StatsAccumulator
-from mla_convert.convert.factorize import FactorError, allocate_ranks, build_target, factor_layer, spectrum
-from mla_convert.convert.rope import RopeError, fixed_pairs, plan_layer
+from mla_convert.convert.layer.assemble import layer_tensors, pad_plan
+from mla_convert.convert.layer.factorize import (
+    FactorError,
+    allocate_ranks,
+    build_target,
+    factor_layer,
+    spectrum,
+)
+from mla_convert.convert.layer.rope import RopeError, fixed_pairs, plan_layer
+from mla_convert.convert.stats.calibration import LayerStats, StatsAccumulator
 
 LAYER = 3
 

@@ -2,7 +2,7 @@
 every row names a folder or module that exists.
 
 The table is the one under ``## Package layout``: one row per folder (``convert/``) and per module
-(``convert/stream.py``), paths relative to ``mla_convert/``, the first cell a single backticked path. A folder's
+(``convert/pipeline/stream.py``), paths relative to ``mla_convert/``, the first cell a single backticked path. A folder's
 ``__init__.py`` is covered by the folder's row; the package's own ``__init__.py`` and ``__main__.py`` have rows.
 When a module is added, moved or removed, the failure message lists the exact rows to add (with the module's
 docstring as a first draft of the description) and to remove.

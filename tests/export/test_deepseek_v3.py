@@ -23,8 +23,8 @@ from typer.testing import CliRunner
 
 import mla_convert  # noqa: F401
 from mla_convert.cli.commands import app
-from mla_convert.convert.engine import shape_for_engine
-from mla_convert.convert.options import ConvertOptions, OptionsError
+from mla_convert.convert.options.engine import shape_for_engine
+from mla_convert.convert.options.options import ConvertOptions, OptionsError
 from mla_convert.export.deepseek_v3 import (
     DS_NORM_EPS,
     LINEAR_MARGIN,
@@ -464,8 +464,8 @@ def test_recipe_export_stage_runs_then_skips(tiny_llama, tmp_path):
 
 def test_precheck_answers_before_any_work(tmp_path):
     """From the config and the options alone: exact or not per target, the reason and the fix, the engine cache."""
-    from mla_convert.convert.options import ConvertOptions
-    from mla_convert.convert.precheck import export_lines, export_problems
+    from mla_convert.convert.options.options import ConvertOptions
+    from mla_convert.convert.options.precheck import export_lines, export_problems
 
     smol = open_source("smollm2-135m")
     assert export_problems(smol, ConvertOptions(), "vllm-cpu") == []

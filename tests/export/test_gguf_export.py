@@ -21,8 +21,8 @@ from typer.testing import CliRunner
 
 import mla_convert  # noqa: F401
 from mla_convert.cli.commands import app
-from mla_convert.convert.options import ConvertOptions
-from mla_convert.convert.precheck import export_problems
+from mla_convert.convert.options.options import ConvertOptions
+from mla_convert.convert.options.precheck import export_problems
 from mla_convert.export import gguf_file, gguf_vocab
 from mla_convert.sources.checkpoint import open_source
 

@@ -18,9 +18,9 @@ from tiny import copy_tokenizer, write_tiny_family, write_tiny_llama
 from typer.testing import CliRunner
 
 from mla_convert.cli.commands import app
-from mla_convert.convert.llamacpp_shape import Q8_0_BLOCK, split_row
-from mla_convert.convert.options import ConvertOptions, OptionsError
-from mla_convert.convert.resolve import resolve_options
+from mla_convert.convert.options.llamacpp_shape import Q8_0_BLOCK, split_row
+from mla_convert.convert.options.options import ConvertOptions, OptionsError
+from mla_convert.convert.options.resolve import resolve_options
 from mla_convert.export import gguf_vocab
 from mla_convert.sources.checkpoint import open_source
 
@@ -123,7 +123,7 @@ def test_refusals_before_any_work(wide_source, tmp_path):
     scaled = open_source(
         write_tiny_llama(tmp_path / "llama3", rope_parameters=LLAMA3, max_position_embeddings=131072)
     )
-    from mla_convert.convert.precheck import plain_pairs
+    from mla_convert.convert.options.precheck import plain_pairs
 
     n = plain_pairs(scaled)
     assert 0 < n < 8

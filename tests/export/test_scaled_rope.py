@@ -23,9 +23,9 @@ from typer.testing import CliRunner
 
 import mla_convert  # noqa: F401
 from mla_convert.cli.commands import app
-from mla_convert.convert.engine import shape_for_engine
-from mla_convert.convert.options import ConvertOptions
-from mla_convert.convert.precheck import export_lines, export_problems, plain_pairs, steer_for_export
+from mla_convert.convert.options.engine import shape_for_engine
+from mla_convert.convert.options.options import ConvertOptions
+from mla_convert.convert.options.precheck import export_lines, export_problems, plain_pairs, steer_for_export
 from mla_convert.export.deepseek_v3 import export_state_dict, plan_export
 from mla_convert.sources.checkpoint import open_source
 

@@ -213,7 +213,7 @@ def test_latent_norm_serves_over_its_own_rank(served, tiny_ckpts):
 def test_served_shape_pads_or_refuses():
     """The widths vLLM gets (no vLLM needed): zero padding up to the CPU backends' 512 + 64 and 128 / 128, and a
     one-line refusal naming the factor option for what does not fit."""
-    from mla_convert.convert.accepts import ServeError, served_shape
+    from mla_convert.convert.options.accepts import ServeError, served_shape
     from mla_convert.mla.configuration import MLAConfig
 
     def config(**over: Any) -> MLAConfig:

@@ -1,4 +1,4 @@
-"""The streamed ``factor``'s estimates (:mod:`mla_convert.convert.estimate`, what ``inspect`` and the recipe dry-run
+"""The streamed ``factor``'s estimates (:mod:`mla_convert.convert.estimate.estimate`, what ``inspect`` and the recipe dry-run
 print) against measurements.
 
 * The bundled model, ``mla-convert factor smollm2-135m OUT --dtype bfloat16`` (streamed, 2-core machine): peak
@@ -28,10 +28,10 @@ from typing import Any
 import pytest
 import torch
 
-from mla_convert.convert.estimate import RUNTIME_BYTES, factor_shape
-from mla_convert.convert.estimate_memory import factor_disk
-from mla_convert.convert.estimate_time import factor_lines, factor_time
-from mla_convert.convert.options import ConvertOptions
+from mla_convert.convert.estimate.estimate import RUNTIME_BYTES, factor_shape
+from mla_convert.convert.estimate.estimate_memory import factor_disk
+from mla_convert.convert.estimate.estimate_time import factor_lines, factor_time
+from mla_convert.convert.options.options import ConvertOptions
 from mla_convert.recipes.memory import factor_phases, peak
 from mla_convert.sources.checkpoint import open_source
 
@@ -147,8 +147,8 @@ import json, sys
 sys.path.insert(0, {str(TESTS)!r})
 from pathlib import Path
 from tiny import copy_tokenizer, write_tiny_llama
-from mla_convert.convert.job import run_factor
-from mla_convert.convert.options import ConvertOptions
+from mla_convert.convert.pipeline.job import run_factor
+from mla_convert.convert.options.options import ConvertOptions
 from mla_convert.sources.checkpoint import open_source
 src = Path({str(tmp_path / "src")!r})
 write_tiny_llama(src, num_hidden_layers=3)

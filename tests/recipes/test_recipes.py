@@ -432,11 +432,11 @@ class Fakes:
 @pytest.fixture
 def fakes(monkeypatch: pytest.MonkeyPatch) -> Fakes:
     import mla_convert.adapt.train
-    import mla_convert.convert.job
+    import mla_convert.convert.pipeline.job
     import mla_convert.validate.ladder
 
     f = Fakes()
-    monkeypatch.setattr(mla_convert.convert.job, "run_factor", f.run_factor)
+    monkeypatch.setattr(mla_convert.convert.pipeline.job, "run_factor", f.run_factor)
     monkeypatch.setattr(mla_convert.adapt.train, "run_adapt", f.run_adapt)
     monkeypatch.setattr(mla_convert.validate.ladder, "validate", f.validate)
     return f

@@ -290,8 +290,8 @@ def test_windows_start_as_served_prompts_do(tmp_path: Path) -> None:
     from tiny import copy_tokenizer
     from transformers import AutoTokenizer
 
-    from mla_convert.convert.job import prepare_text
-    from mla_convert.convert.options import ConvertOptions
+    from mla_convert.convert.options.options import ConvertOptions
+    from mla_convert.convert.pipeline.job import prepare_text
     from mla_convert.text.windows import adds_bos
 
     plain = tmp_path / "plain"
@@ -333,8 +333,8 @@ def test_factor_calibrates_on_chat_templated_text(tmp_path: Path) -> None:
     from tiny import copy_tokenizer
     from transformers import AutoTokenizer
 
-    from mla_convert.convert.job import prepare_text, text_documents
-    from mla_convert.convert.options import ConvertOptions
+    from mla_convert.convert.options.options import ConvertOptions
+    from mla_convert.convert.pipeline.job import prepare_text, text_documents
 
     copy_tokenizer(tmp_path)
     tok = AutoTokenizer.from_pretrained(str(tmp_path))
@@ -360,8 +360,8 @@ def test_chat_text_too_short_for_the_budget_is_said(tmp_path: Path) -> None:
     from tiny import copy_tokenizer
     from transformers import AutoTokenizer
 
-    from mla_convert.convert.job import prepare_text
-    from mla_convert.convert.options import ConvertOptions
+    from mla_convert.convert.options.options import ConvertOptions
+    from mla_convert.convert.pipeline.job import prepare_text
 
     copy_tokenizer(tmp_path)
     tok = AutoTokenizer.from_pretrained(str(tmp_path))

@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from mla_convert.cli.commands import app
-from mla_convert.convert.job import run_factor
-from mla_convert.convert.options import ConvertOptions
+from mla_convert.convert.options.options import ConvertOptions
+from mla_convert.convert.pipeline.job import run_factor
 from mla_convert.mla.checkpoint import CheckpointError, checkpoint_dtype, load_checkpoint
 from mla_convert.sources.checkpoint import open_source
 from mla_convert.validate.spec import TOLERANCES, tol

@@ -37,8 +37,8 @@ def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama (3 layers) converted by ``factor`` with partial RoPE and a low-rank latent."""
     from tiny import copy_tokenizer, write_tiny_llama
 
-    from mla_convert.convert.job import run_factor
-    from mla_convert.convert.options import ConvertOptions
+    from mla_convert.convert.options.options import ConvertOptions
+    from mla_convert.convert.pipeline.job import run_factor
     from mla_convert.sources.checkpoint import open_source
 
     root = tmp_path_factory.mktemp("tiny-validate")

@@ -1,0 +1,1 @@
+"""Memory, disk and time estimates of a conversion before any work (inspect)."""

@@ -1,0 +1,108 @@
+"""The ``o_proj`` refit: a ridge least-squares fit of each converted layer's output projection to the source's
+attention outputs on calibration tokens (docs/math.md, "o_proj refit"), and the LM loss that decides whether the
+refit is kept."""
+
+from __future__ import annotations
+
+import torch
+
+from mla_convert.convert.layer import linalg
+from mla_convert.mla.algebra import causal_mask
+from mla_convert.mla.modeling import MLAAttention, MLAForCausalLM
+
+
+@torch.no_grad()
+def lm_losses(model: MLAForCausalLM, ids: torch.Tensor) -> list[float]:
+    """Next-token loss (nats) of ``model`` on each window of ``ids [M, T]``."""
+    return [float(model(input_ids=row[None], labels=row[None], use_cache=False).loss) for row in ids]
+
+
+#: The refit's bfloat16 rounding sensitivity may be at most this many times the assembled ``o_proj``'s
+#: (:func:`rounding_sensitivity`). An unconstrained fit to the source's outputs grows ``o_proj`` 1.3-6.8x (by norm) on
+#: Qwen2.5-Coder-1.5B, large weights whose products cancel: bfloat16 rounding of the weights or of the attention output
+#: then moves the model 2-3x more than it moves the source (issue 48; docs/results.md, bfloat16).
+SENSITIVITY_LIMIT = 1.25
+
+
+def rounding_sensitivity(w: torch.Tensor, feature_ms: torch.Tensor) -> float:
+    """``‖W diag(rms z)‖_F`` for ``w [in, out]`` and ``feature_ms [in]`` (each input feature's mean square): the
+    size of the output error when every input, or every weight, carries an independent relative rounding error
+    of one unit (bfloat16's ``2**-9`` per value): ``Σ_ij W_ij² E[z_i²]``. Larger weights whose products cancel make
+    it large against the output they compute."""
+    return float((w.square() * feature_ms[:, None]).sum().sqrt())
+
+
+@torch.no_grad()
+def refit_o_proj(
+    attn: MLAAttention, x: torch.Tensor, target: torch.Tensor, ridge: float = 1e-4, limit: float | None = None
+) -> float:
+    """Refit ``o_proj.weight`` by ridge least squares so the converted layer's attention output matches the
+    source's on calibration tokens (teacher-forced inputs). ``o_proj`` is not part of the cache, so this
+    spends no cache; it absorbs value-reconstruction and attention-probability errors linearly.
+
+    bfloat16-safe by construction: the shrinkage toward the assembled ``o_proj`` is raised (bisection on its
+    weight, one eigendecomposition of ``ZᵀZ``) until the fit's :func:`rounding_sensitivity` on the calibration
+    outputs is at most ``limit`` x the assembled ``o_proj``'s. With ``limit`` at infinity this is the plain ridge
+    fit; the assembled ``o_proj`` itself (an infinite shrinkage) always meets it.
+
+    Args:
+        attn: the converted layer's attention module; its ``o_proj.weight`` is replaced in place.
+        x: ``[N, T, hidden]`` source attention inputs; target: ``[N, T, hidden]`` source attention outputs.
+        ridge: the smallest Tikhonov weight, relative to the mean diagonal of ``ZᵀZ``; the fit is shrunk toward the
+            assembled ``o_proj`` (directions the calibration tokens do not excite keep their weights).
+        limit: the largest rounding sensitivity allowed, as a multiple of the assembled ``o_proj``'s (None:
+            :data:`SENSITIVITY_LIMIT`).
+
+    Returns:
+        Relative residual ``‖Z Wᵀ - Y‖ / ‖Y‖`` on the fitting tokens.
+    """
+    captured: list[torch.Tensor] = []
+    hook = attn.o_proj.register_forward_pre_hook(lambda _m, a: captured.append(a[0].detach()))
+    try:
+        n, t = x.shape[:2]
+        rows = max(1, 2**22 // max(1, attn.num_heads * t * t))  # ~16 MB of float32 scores per call
+        for start in range(0, n, rows):
+            b = min(rows, n - start)
+            pos = torch.arange(t, device=x.device)[None].expand(b, t)
+            attn(x[start : start + b], pos, causal_mask(b, t, 0, None, x.dtype, x.device), None)
+    finally:
+        hook.remove()
+    z = torch.cat(captured).reshape(-1, captured[0].shape[-1]).double()
+    y = target.reshape(-1, target.shape[-1]).double()
+    if attn.o_proj.bias is not None:
+        y = y - attn.o_proj.bias.double()
+    gram = z.T @ z
+    scale = float(torch.diagonal(gram).mean().clamp_min(1e-30))
+    w0 = attn.o_proj.weight.detach().double().T  # shrink toward the assembled o_proj, not toward zero
+    rhs = z.T @ y
+    lo = ridge * scale
+    w = linalg.solve(gram + lo * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device), rhs + lo * w0)
+    feature_ms = torch.diagonal(gram) / z.shape[0]
+    allowed = (SENSITIVITY_LIMIT if limit is None else limit) * rounding_sensitivity(w0, feature_ms)
+    if rounding_sensitivity(w, feature_ms) > allowed:
+        w = _bounded_fit(gram, rhs, w0, feature_ms, allowed, lo, scale)
+    attn.o_proj.weight.copy_(w.T.to(attn.o_proj.weight.dtype))
+    return float((z @ w - y).norm() / y.norm().clamp_min(1e-30))
+
+
+def _bounded_fit(
+    gram: torch.Tensor, rhs: torch.Tensor, w0: torch.Tensor, feature_ms: torch.Tensor, allowed: float, lo: float,
+    scale: float,
+) -> torch.Tensor:
+    """The ridge fit ``(G + λI)⁻¹ (rhs + λ W0)`` at the smallest ``λ >= lo`` (to 2**-30 in log scale) whose
+    :func:`rounding_sensitivity` is at most ``allowed`` (one eigendecomposition of ``G``, then a geometric bisection:
+    the sensitivity falls toward the assembled ``W0``'s as ``λ`` grows)."""
+    evals, evecs = linalg.eigh(gram)
+    evals = evals.clamp_min(0)
+    proj_rhs, proj_w0 = evecs.T @ rhs, evecs.T @ w0
+
+    def fit(lam: float) -> torch.Tensor:
+        return evecs @ ((proj_rhs + lam * proj_w0) / (evals + lam)[:, None])
+
+    hi = lo
+    while rounding_sensitivity(fit(hi), feature_ms) > allowed and hi < 1e12 * scale:
+        lo, hi = hi, hi * 10
+    for _ in range(30):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if rounding_sensitivity(fit(mid), feature_ms) > allowed else (lo, mid)
+    return fit(hi)

@@ -1,0 +1,1 @@
+"""Calibration statistics of each layer's attention input (second moments, RoPE pair norms)."""
