@@ -29,8 +29,8 @@ from mla_convert.sources.locate import locate_source
 SHAPE_HELP = (
     "The engine the conversion is for: transformers (any shape) | vllm (GPU, and SGLang) | vllm-cpu | llama.cpp. vllm "
     "and vllm-cpu allocate 512 + 64 values per token per layer, so the conversion is shaped to fill that row (one "
-    "shared rope head of up to 32 frequencies, one kv_lora_rank up to 512 in every layer) unless --cache-fraction, "
-    "--cache-budget or --rope-mode is given (then converted as asked; the export lines say whether it fits). "
+    "shared rope head of up to 32 frequencies, one kv_lora_rank up to 512 in every layer) unless --cache-fraction or "
+    "--cache-budget is given (then converted as asked; the export lines say whether it fits). "
     "llama.cpp caches one kv_lora_rank + rope head for every layer: --cache-fraction/--cache-budget is that served "
     "row, spent as one rank and the fastest rope pairs (the split measured best there; serve it with --export gguf)."
 )
@@ -137,7 +137,7 @@ def factor(
 
       mla-convert factor smollm2-135m out/smollm2-mla
 
-      mla-convert factor ./Llama-3.2-1B out/l1b --rope-mode per-head --rope-strategy 2-norm --rope-pairs 4 --kv-lora-rank 256
+      mla-convert factor ./Llama-3.2-1B out/l1b --rope-strategy 2-norm --rope-pairs 16 --kv-lora-rank 256
 
       mla-convert factor smollm2-135m out/smollm2-vllm --target vllm-cpu --export deepseek-v3
     """

@@ -17,8 +17,7 @@ from test_stream import _convert  # run_factor with the options split from the r
 
 from mla_convert.convert.job import prepare_text
 from mla_convert.convert.options import ConvertOptions
-from mla_convert.convert.resolve import resolve_options
-from mla_convert.convert.resolve import expected_measurements
+from mla_convert.convert.resolve import expected_measurements, resolve_options
 from mla_convert.convert.split_report import outcome
 from mla_convert.convert.workdir import work_dir
 from mla_convert.metrics import evaluate
