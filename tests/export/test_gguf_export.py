@@ -26,7 +26,7 @@ from mla_convert.export import gguf_file, gguf_vocab
 from mla_convert.export.precheck import export_problems
 from mla_convert.sources.checkpoint import open_source
 
-SMALL = ["--calib-windows", "2", "--window", "64", "--eval-windows", "1"]
+SMALL = ["--calib-tokens", "128", "--window", "64", "--eval-windows", "1"]
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -240,11 +240,12 @@ def test_recipe_gguf_export_is_checked_at_load(tmp_path):
     from mla_convert.recipes.schema import RecipeError
 
     text = ("name: t\nsource: smollm2-135m\noutput: " + str(tmp_path / "job") + "\n"
-            "factor: {rope_mode: per-head, rope_pairs: 8}\nexport: {format: gguf}\n")
+            "factor: {rope_strategy: rotation, rope_pairs: 40, cache_budget: 200}\nexport: {format: gguf}\n")
     with pytest.raises(RecipeError) as exc:
         load_recipe("t.yaml", text=text)
-    assert any(p.startswith("export.target") and "rope_mode shared" in p for p in exc.value.problems)
-    ok = load_recipe("t.yaml", text=text.replace("rope_mode: per-head, rope_pairs: 8", "rope_pairs: 24"))
+    assert any(p.startswith("export.target") and "factor.rope_pairs 32 or fewer" in p for p in exc.value.problems)
+    ok = load_recipe("t.yaml", text=text.replace("rope_strategy: rotation, rope_pairs: 40, cache_budget: 200",
+                                                 "rope_pairs: 24"))
     assert ok.recipe.export is not None and ok.recipe.export.format == "gguf"
 
 
