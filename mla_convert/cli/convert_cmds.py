@@ -8,7 +8,13 @@ from typing import Any
 import typer
 
 from mla_convert.cli.export_cmds import EXPORT_HELP, TARGET_HELP, check_export, check_target, export_after
-from mla_convert.cli.flags import build_options, given_on_command_line, options_from
+from mla_convert.cli.flags import (
+    SHARD_SIZE_DEFAULT,
+    TARGET_DEFAULT,
+    build_options,
+    given_on_command_line,
+    options_from,
+)
 from mla_convert.cli.render import (
     STATE,
     cache_table,
@@ -52,9 +58,9 @@ def shape_options(options: ConvertOptions, src: Any, target: str, export: str | 
 def inspect(
     source: str = typer.Argument(..., help=SOURCE_HELP),
     max_shard_size: str = typer.Option(
-        "2GB", help="Largest output shard of the conversion the estimate is for (as for factor)."
+        SHARD_SIZE_DEFAULT, help="Largest output shard of the conversion the estimate is for (as for factor)."
     ),
-    target: str = typer.Option("transformers", "--target", help=SHAPE_HELP),
+    target: str = typer.Option(TARGET_DEFAULT, "--target", help=SHAPE_HELP),
     **values: Any,
 ) -> None:
     """Show the architecture, the KV cache per token now, what conversions would give, and the peak memory, disk
@@ -123,11 +129,11 @@ def factor(
         help="Continue a stopped conversion of OUT (same source and options) after its last finished layer.",
     ),
     max_shard_size: str = typer.Option(
-        "2GB", help="Largest output shard (e.g. 500MB, 5GB); one shard is held in memory while it is written."
+        SHARD_SIZE_DEFAULT, help="Largest output shard (e.g. 500MB, 5GB); one shard is held in memory while it is written."
     ),
     export: str = typer.Option(None, "--export", help=EXPORT_HELP),
     target: str = typer.Option(
-        "transformers", "--target", help=SHAPE_HELP + " With --export, the " + TARGET_HELP
+        TARGET_DEFAULT, "--target", help=SHAPE_HELP + " With --export, the " + TARGET_HELP
     ),
     **values: Any,
 ) -> None:

@@ -30,6 +30,13 @@ from mla_convert.convert.options import (
     retired_fields,
 )
 
+#: The defaults of the flags outside the option models, shared by every command that has them (the option models'
+#: fields hold the others; ``--target``'s engine shape and the options not given are resolved at run time by
+#: :func:`mla_convert.convert.resolve.resolve_options`). The library's own shard default is
+#: :data:`mla_convert.artifacts.shards.DEFAULT_MAX_SHARD_SIZE` (a test keeps the two equal; that module imports torch).
+TARGET_DEFAULT = "transformers"
+SHARD_SIZE_DEFAULT = "2GB"
+
 F = TypeVar("F", bound=Callable[..., Any])
 M = TypeVar("M", bound=BaseModel)
 

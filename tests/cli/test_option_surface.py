@@ -1,4 +1,5 @@
-"""Retired options (issue 49): the command line and recipes refuse them in one line that says what replaces them.
+"""The user-facing options (issue 49): retired ones refused in one line that says what replaces them; defaults in
+one home.
 
 An option stays on the user-facing surface only where a measurement in docs/results.md shows a use. The library's
 :class:`~mla_convert.convert.options.ConvertOptions` keeps every value (the oracle and exactness tests, the
@@ -140,3 +141,22 @@ def test_the_resolved_recipe_says_no_retired_key_and_runs_again(tmp_path: Path):
     assert not set(factor) & set(retired_fields()) and factor["calib_tokens"] == 256
     again = load_recipe("r.yaml", text=resolved, check_source=False)
     assert again.recipe.factor == res.recipe.factor
+
+
+def test_the_defaults_outside_the_option_models_have_one_home():
+    """``--target`` and ``--max-shard-size`` default once for every command (``cli/flags.py``), equal to the library's."""
+    import inspect
+
+    from mla_convert.artifacts.shards import DEFAULT_MAX_SHARD_SIZE
+    from mla_convert.cli.flags import SHARD_SIZE_DEFAULT, TARGET_DEFAULT
+    from mla_convert.convert.resolve import resolve_options
+
+    assert SHARD_SIZE_DEFAULT == DEFAULT_MAX_SHARD_SIZE
+    assert inspect.signature(resolve_options).parameters["target"].default == TARGET_DEFAULT
+    import typer.main
+
+    commands = typer.main.get_command(app).commands  # type: ignore[attr-defined]
+    for name in ("inspect", "factor", "export", "adapt"):
+        params = {p.name: p.default for p in commands[name].params}
+        assert params.get("target", TARGET_DEFAULT) == TARGET_DEFAULT, name
+        assert params.get("max_shard_size", SHARD_SIZE_DEFAULT) == SHARD_SIZE_DEFAULT, name
