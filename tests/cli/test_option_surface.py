@@ -29,16 +29,28 @@ RETIRED = [
     (["--rope-mode", "shared"], "--rope-mode shared: removed;"),  # one way to say each thing: the default too
     (["--rope-basis", "real"], "--rope-basis real: removed; the shared rope head's PCA is complex"),
     (["--factorization", "split"], "--factorization split: removed; K and V share one latent"),
-    (["--objective", "activation"], "--objective activation: removed; the latent is output-aware (activation measured"),
+    (
+        ["--objective", "activation"],
+        "--objective activation: removed; the latent is output-aware (activation measured",
+    ),
     (["--objective", "weight"], "--objective weight: removed;"),
     (["--no-kv-balance"], "--no-kv-balance: removed; K and V are always balanced (off measured x5.46"),
     (["--kv-balance"], "--kv-balance: removed;"),
-    (["--calib-windows", "3", "--window", "64"], "--calib-windows 3: removed; use --calib-tokens 192 (3 windows of --window 64)"),
+    (
+        ["--calib-windows", "3", "--window", "64"],
+        "--calib-windows 3: removed; use --calib-tokens 192 (3 windows of --window 64)",
+    ),
     (["--calib-windows", "2"], "use --calib-tokens 1024"),  # the default window, 512
-    (["--refit-o-proj", "none"], "--refit-o-proj none: retired; no refit measured x21.12 against teacher's x4.49"),
-    (["--rope-strategy", "low"], "--rope-strategy low: retired; never measured: use 2-norm, rotation or high"),
+    (
+        ["--refit-o-proj", "none"],
+        "--refit-o-proj none: retired; no refit measured x21.12 against teacher's x4.49",
+    ),
+    (
+        ["--rope-strategy", "low"],
+        "--rope-strategy low: retired; never measured: use 2-norm, rotation or high",
+    ),
     (["--rope-strategy", "uniform"], "--rope-strategy uniform: retired; never measured"),
-]  # fmt: skip
+]
 
 
 def _error_line(output: str) -> str:
@@ -48,7 +60,9 @@ def _error_line(output: str) -> str:
 
 @pytest.mark.parametrize("command", ["factor", "inspect"])
 @pytest.mark.parametrize(("flags", "words"), RETIRED, ids=[" ".join(f) for f, _ in RETIRED])
-def test_a_retired_option_is_refused_with_what_replaces_it(command: str, flags: list[str], words: str, tmp_path: Path):
+def test_a_retired_option_is_refused_with_what_replaces_it(
+    command: str, flags: list[str], words: str, tmp_path: Path
+):
     """Exit 2 (as every option error), one ``error:`` line, nothing written, before the source is opened."""
     out = tmp_path / "out"
     args = [command, "/nonexistent/model", *([str(out)] if command == "factor" else []), *flags]
@@ -60,9 +74,15 @@ def test_a_retired_option_is_refused_with_what_replaces_it(command: str, flags: 
 
 
 def test_every_retired_option_is_named_at_once():
-    res = RUNNER.invoke(app, ["factor", "smollm2-135m", "/tmp/never", "--objective", "weight", "--refit-o-proj", "none"])
+    res = RUNNER.invoke(
+        app, ["factor", "smollm2-135m", "/tmp/never", "--objective", "weight", "--refit-o-proj", "none"]
+    )
     line = _error_line(res.output)
-    assert res.exit_code == 2 and "--objective weight: removed" in line and "--refit-o-proj none: retired" in line
+    assert (
+        res.exit_code == 2
+        and "--objective weight: removed" in line
+        and "--refit-o-proj none: retired" in line
+    )
 
 
 def test_help_lists_only_the_kept_options():
@@ -70,7 +90,14 @@ def test_help_lists_only_the_kept_options():
     res = RUNNER.invoke(app, ["factor", "--help"], env={"COLUMNS": "250"})
     assert res.exit_code == 0
     text = _error_line(res.output)
-    for gone in ("--rope-basis", "--factorization", "--objective", "--kv-balance", "--calib-windows", "│ --rope-mode"):
+    for gone in (
+        "--rope-basis",
+        "--factorization",
+        "--objective",
+        "--kv-balance",
+        "--calib-windows",
+        "│ --rope-mode",
+    ):
         assert gone not in text, gone
     helps = {p.name: p.default.help for p in option_parameters(ConvertOptions) if not p.default.hidden}
     assert not set(helps) & set(retired_fields())
@@ -82,13 +109,32 @@ def test_help_lists_only_the_kept_options():
 
 def test_the_library_keeps_every_value():
     """The oracles, the exactness path (per-head, every pair) and the anchors build them in Python."""
-    opts = ConvertOptions(rope_mode="per-head", rope_basis="real", factorization="split", objective="activation",
-                          kv_balance=False, calib_windows=3, refit_o_proj="none", rope_strategy="uniform")  # fmt: skip
+    opts = ConvertOptions(
+        rope_mode="per-head",
+        rope_basis="real",
+        factorization="split",
+        objective="activation",
+        kv_balance=False,
+        calib_windows=3,
+        refit_o_proj="none",
+        rope_strategy="uniform",
+    )
     assert opts.calibration_windows() == 3
-    assert set(retired_fields()) == {"rope_mode", "rope_basis", "factorization", "objective", "kv_balance",
-                                     "calib_windows"}  # fmt: skip
+    assert set(retired_fields()) == {
+        "rope_mode",
+        "rope_basis",
+        "factorization",
+        "objective",
+        "kv_balance",
+        "calib_windows",
+    }
     # None is "not given" (the CLI passes None for a retired flag not typed, a recipe may say null)
-    assert retired({"calib_windows": None, "rope_mode": None, "refit_o_proj": "teacher", "rope_strategy": "high"}) == []
+    assert (
+        retired(
+            {"calib_windows": None, "rope_mode": None, "refit_o_proj": "teacher", "rope_strategy": "high"}
+        )
+        == []
+    )
 
 
 RECIPE = """\
@@ -126,15 +172,23 @@ def test_a_recipe_refuses_retired_keys_and_values_at_their_lines(tmp_path: Path)
         assert p.startswith(e), (p, e)
     assert all("--" not in p for p in problems)  # in the recipe's own keys
     with pytest.raises(RecipeError) as exc:  # an override is refused the same way
-        load_recipe("t.yaml", text="name: t\nsource: smollm2-135m\noutput: x\n", overrides=["factor.calib_windows=2"],
-                    check_source=False)  # fmt: skip
-    assert exc.value.problems == ["factor.calib_windows: removed; use factor.calib_tokens 1024 (2 windows of "
-                                  "factor.window 512) (set on the command line)"]  # fmt: skip
+        load_recipe(
+            "t.yaml",
+            text="name: t\nsource: smollm2-135m\noutput: x\n",
+            overrides=["factor.calib_windows=2"],
+            check_source=False,
+        )
+    assert exc.value.problems == [
+        "factor.calib_windows: removed; use factor.calib_tokens 1024 (2 windows of "
+        "factor.window 512) (set on the command line)"
+    ]
 
 
 def test_the_resolved_recipe_says_no_retired_key_and_runs_again(tmp_path: Path):
-    text = ("name: t\nsource: smollm2-135m\noutput: job\nfactor: {calib_tokens: 256, window: 64, rope_basis: null}\n"
-            "validate: {enabled: false}\n")
+    text = (
+        "name: t\nsource: smollm2-135m\noutput: job\nfactor: {calib_tokens: 256, window: 64, rope_basis: null}\n"
+        "validate: {enabled: false}\n"
+    )
     res = load_recipe("t.yaml", text=text, check_source=False)
     resolved = resolved_yaml(res)
     factor = yaml.safe_load(resolved)["factor"]
