@@ -472,7 +472,9 @@ def test_precheck_answers_before_any_work(tmp_path):
     lines = export_lines(smol, ConvertOptions())
     assert "--target vllm-cpu: exact; engine cache 576 values/token/layer (MLA 120, source 384)" in lines[2]
     per_head = export_problems(smol, ConvertOptions(rope_mode="per-head"), "transformers")
-    assert per_head and "--rope-mode shared" in per_head[0]
+    assert per_head and "use rope_mode shared" in per_head[0]
+    zero = export_problems(smol, ConvertOptions(rope_pairs=0, cache_budget=100), "transformers")
+    assert zero and "--rope-pairs 0 leaves no rope head" in zero[0] and "rope_mode" not in zero[0]
     twice = export_problems(smol, ConvertOptions(rope_strategy="rotation", rope_pairs=40, cache_budget=200))
     assert twice and "--rope-pairs 32 or fewer" in twice[0]
     assert "--dtype bfloat16" in export_problems(smol, ConvertOptions(dtype="float16"))[0]

@@ -224,7 +224,7 @@ def test_gguf_refusals_before_any_work(tmp_path):
     llama = write_tiny_llama(tmp_path / "llama")
     assert export_problems(open_source(llama), ConvertOptions(), fmt="gguf") == []
     per_head = export_problems(open_source(llama), ConvertOptions(rope_mode="per-head"), fmt="gguf")
-    assert per_head and "--rope-mode shared" in per_head[0]
+    assert per_head and "use rope_mode shared" in per_head[0]
     assert export_problems(open_source(llama), ConvertOptions(dtype="float16"), fmt="gguf") == []  # float16 is fine
     scaled = write_tiny_llama(tmp_path / "llama3", rope_parameters=LLAMA3, max_position_embeddings=131072)
     given = export_problems(open_source(scaled), ConvertOptions(rope_strategy="2-norm", rope_pairs=6), fmt="gguf")
