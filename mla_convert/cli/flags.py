@@ -56,7 +56,7 @@ def _cli_type(annotation: Any) -> tuple[Any, tuple[str, ...]]:
 
 def _sentence(text: str, choices: tuple[str, ...]) -> str:
     """A help text as a sentence: capitalised, with a full stop, unless it starts with a value the user types
-    (a choice such as ``per-head``, or a list ``a | b``), which keeps its spelling."""
+    (a choice such as ``2-norm``, or a list ``a | b``), which keeps its spelling."""
     first = text.split(" ", 1)[0].rstrip(":,")
     literal = first in choices or " | " in text.split(":", 1)[0] or first in ("wikipedia", "teacher", "none")
     return (text if literal else text[:1].upper() + text[1:]) + ("" if text.endswith(".") else ".")

@@ -77,8 +77,8 @@ class ConvertOptions(BaseModel):
     )
     rope_pairs: int = Field(
         24,
-        description="RoPE pairs kept per rope head (per KV head in per-head mode); not given on factor/inspect/a "
-        "recipe with a cache budget: the split measured best for the budget (measured_splits.json)",
+        description="RoPE pairs kept by the shared rope head (per KV head in the library's per-head mode); not given "
+        "on factor/inspect/a recipe with a cache budget: the split measured best for the budget (measured_splits.json)",
     )
     rope_basis: RopeBasis = Field(
         "complex",
