@@ -58,7 +58,7 @@ def _tiny_sources(root: Path) -> dict[str, tuple[str, list[str]]]:
 
     folder = write_tiny_llama(root / "src-mqa", num_key_value_heads=1)
     copy_tokenizer(folder)
-    flags = ["--rope-strategy", "high", "--rope-pairs", "8", "--kv-lora-rank", "16", "--calib-windows", "2",
+    flags = ["--rope-strategy", "high", "--rope-pairs", "8", "--kv-lora-rank", "16", "--calib-tokens", "256",
              "--window", "128", "--eval-windows", "2", "--dtype", "bfloat16"]
     return {"tiny llama (random, 1 KV head), full keep": (str(folder), flags)}
 

@@ -14,7 +14,7 @@ anonymous), so the table also gives the largest anonymous and file-mapped parts,
     .venv/bin/python benchmarks/scale.py [--models llama8b,qwen05b,smollm2] [--out-root DIR] [--keep] [--readme]
     .venv/bin/python benchmarks/scale.py --generate-only llama8b      # make (or finish) one cached source
     .venv/bin/python benchmarks/scale.py --collect --readme           # table again from scale.json
-    .venv/bin/python benchmarks/scale.py --models tiny --flags 'tiny=--calib-windows 2 --window 64'
+    .venv/bin/python benchmarks/scale.py --models tiny --flags 'tiny=--calib-tokens 128 --window 64'
 
 Per-model options are :data:`MODELS` (``--flags NAME=ARGS`` replaces them for one run). Results are merged
 by model into ``benchmarks/results/scale.json`` and tabled in ``benchmarks/results/scale.md``; ``--readme``
@@ -64,14 +64,14 @@ class Bench:
 
 MODELS: dict[str, Bench] = {
     "llama8b": Bench(
-        ("--calib-windows", "2", "--window", "256", "--eval-windows", "1", "--dtype", "bfloat16"),
+        ("--calib-tokens", "512", "--window", "256", "--eval-windows", "1", "--dtype", "bfloat16"),
         {"peak_rss_gb": 5.0},
     ),
     "qwen05b": Bench(
-        ("--calib-windows", "4", "--window", "256", "--eval-windows", "2", "--dtype", "bfloat16")
+        ("--calib-tokens", "1024", "--window", "256", "--eval-windows", "2", "--dtype", "bfloat16")
     ),
     "smollm2": Bench(("--dtype", "bfloat16"), {"wall_s": 60.0, "peak_rss_gb": 1.5}),
-    "tiny": Bench(("--calib-windows", "2", "--window", "64", "--eval-windows", "1", "--dtype", "bfloat16")),
+    "tiny": Bench(("--calib-tokens", "128", "--window", "64", "--eval-windows", "1", "--dtype", "bfloat16")),
 }
 TARGET_TEXT = {"peak_rss_gb": ("peak", "GB"), "wall_s": ("wall", "s")}
 

@@ -12,7 +12,7 @@ next missing row); ``--readme`` writes the table between the ``<!-- second-model
 
     .venv/bin/python benchmarks/second_model.py [--fractions 0.3125,0.1875,0.125] [--readme]
     .venv/bin/python benchmarks/second_model.py --collect --readme
-    .venv/bin/python benchmarks/second_model.py --source tiny-folder --fractions 0.3125 --flags '--calib-windows 2'
+    .venv/bin/python benchmarks/second_model.py --source tiny-folder --fractions 0.3125 --flags '--calib-tokens 1024'
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from typing import Any
 import typer
 
 from mla_convert.adapt.options import AdaptOptions
+from mla_convert.cli.defaults import TARGET_DEFAULT
 from mla_convert.cli.export_cmds import EXPORT_HELP, TARGET_HELP, check_export, export_after
 from mla_convert.cli.flags import build_options, given_on_command_line, options_from
 from mla_convert.cli.render import (
@@ -33,7 +34,7 @@ def adapt(
     stop_after: int = typer.Option(None, help="Stop (resumably) after this many steps of this invocation."),
     overwrite: bool = typer.Option(False, help="Replace a non-empty OUT."),
     export: str = typer.Option(None, "--export", help=EXPORT_HELP),
-    target: str = typer.Option("transformers", "--target", help="With --export: the " + TARGET_HELP),
+    target: str = typer.Option(TARGET_DEFAULT, "--target", help="With --export: the " + TARGET_HELP),
     **values: Any,
 ) -> None:
     """Fine-tune a converted checkpoint (LM loss, distillation from the source, a mix, or attention transfer).

@@ -7,8 +7,13 @@ from typing import Any
 
 import typer
 
+from mla_convert.cli.defaults import SHARD_SIZE_DEFAULT, TARGET_DEFAULT
 from mla_convert.cli.export_cmds import EXPORT_HELP, TARGET_HELP, check_export, check_target, export_after
-from mla_convert.cli.flags import build_options, given_on_command_line, options_from
+from mla_convert.cli.flags import (
+    build_options,
+    given_on_command_line,
+    options_from,
+)
 from mla_convert.cli.render import (
     STATE,
     cache_table,
@@ -29,8 +34,8 @@ from mla_convert.sources.locate import locate_source
 SHAPE_HELP = (
     "The engine the conversion is for: transformers (any shape) | vllm (GPU, and SGLang) | vllm-cpu | llama.cpp. vllm "
     "and vllm-cpu allocate 512 + 64 values per token per layer, so the conversion is shaped to fill that row (one "
-    "shared rope head of up to 32 frequencies, one kv_lora_rank up to 512 in every layer) unless --cache-fraction, "
-    "--cache-budget or --rope-mode is given (then converted as asked; the export lines say whether it fits). "
+    "shared rope head of up to 32 frequencies, one kv_lora_rank up to 512 in every layer) unless --cache-fraction or "
+    "--cache-budget is given (then converted as asked; the export lines say whether it fits). "
     "llama.cpp caches one kv_lora_rank + rope head for every layer: --cache-fraction/--cache-budget is that served "
     "row, spent as one rank and the fastest rope pairs (the split measured best there; serve it with --export gguf)."
 )
@@ -52,9 +57,9 @@ def shape_options(options: ConvertOptions, src: Any, target: str, export: str | 
 def inspect(
     source: str = typer.Argument(..., help=SOURCE_HELP),
     max_shard_size: str = typer.Option(
-        "2GB", help="Largest output shard of the conversion the estimate is for (as for factor)."
+        SHARD_SIZE_DEFAULT, help="Largest output shard of the conversion the estimate is for (as for factor)."
     ),
-    target: str = typer.Option("transformers", "--target", help=SHAPE_HELP),
+    target: str = typer.Option(TARGET_DEFAULT, "--target", help=SHAPE_HELP),
     **values: Any,
 ) -> None:
     """Show the architecture, the KV cache per token now, what conversions would give, and the peak memory, disk
@@ -123,11 +128,11 @@ def factor(
         help="Continue a stopped conversion of OUT (same source and options) after its last finished layer.",
     ),
     max_shard_size: str = typer.Option(
-        "2GB", help="Largest output shard (e.g. 500MB, 5GB); one shard is held in memory while it is written."
+        SHARD_SIZE_DEFAULT, help="Largest output shard (e.g. 500MB, 5GB); one shard is held in memory while it is written."
     ),
     export: str = typer.Option(None, "--export", help=EXPORT_HELP),
     target: str = typer.Option(
-        "transformers", "--target", help=SHAPE_HELP + " With --export, the " + TARGET_HELP
+        TARGET_DEFAULT, "--target", help=SHAPE_HELP + " With --export, the " + TARGET_HELP
     ),
     **values: Any,
 ) -> None:
@@ -137,7 +142,7 @@ def factor(
 
       mla-convert factor smollm2-135m out/smollm2-mla
 
-      mla-convert factor ./Llama-3.2-1B out/l1b --rope-mode per-head --rope-strategy 2-norm --rope-pairs 4 --kv-lora-rank 256
+      mla-convert factor ./Llama-3.2-1B out/l1b --rope-strategy 2-norm --rope-pairs 16 --kv-lora-rank 256
 
       mla-convert factor smollm2-135m out/smollm2-vllm --target vllm-cpu --export deepseek-v3
     """

@@ -7,6 +7,7 @@ from typing import Any
 
 import typer
 
+from mla_convert.cli.defaults import SHARD_SIZE_DEFAULT, TARGET_DEFAULT
 from mla_convert.cli.render import (
     console,
     err_console,
@@ -44,7 +45,7 @@ def check_target(target: str, shaping: bool = True) -> None:
         fail(f"--target {target!r} is not one of {', '.join(allowed)} (SGLang takes the vllm shapes: --target vllm)")
 
 
-def check_export(out: Path, fmt: str | None, overwrite: bool, target: str = "transformers") -> None:
+def check_export(out: Path, fmt: str | None, overwrite: bool, target: str = TARGET_DEFAULT) -> None:
     """``--export``: a known format and target and a free OUT-FORMAT folder, before any work."""
     from mla_convert.artifacts.output import check_output
 
@@ -75,7 +76,7 @@ def gguf_sibling(out: Path) -> Path:
     return out.with_name(f"{out.name}.gguf")
 
 
-def export_after(out: Path, fmt: str, overwrite: bool, target: str = "transformers") -> None:
+def export_after(out: Path, fmt: str, overwrite: bool, target: str = TARGET_DEFAULT) -> None:
     """Export the finished OUT (``--export``) and print what was written and how to serve it. Interrupted, it says
     that OUT is complete and gives the ``export`` command that finishes the job (exit 130).
 
@@ -171,7 +172,7 @@ def export(
         "OUT/model.gguf).",
     ),
     overwrite: bool = typer.Option(False, help="Replace a non-empty OUT."),
-    max_shard_size: str = typer.Option("2GB", help="Largest output shard (e.g. 500MB, 5GB); a GGUF is one file."),
+    max_shard_size: str = typer.Option(SHARD_SIZE_DEFAULT, help="Largest output shard (e.g. 500MB, 5GB); a GGUF is one file."),
     check: bool = typer.Option(
         True,
         help="Measure parity against CKPT on real text, float32: the whole model (logits, greedy tokens) up to 2 GiB, "
@@ -184,7 +185,7 @@ def export(
         "(float16 cannot hold the latent norm). --format gguf also takes float16 and llama.cpp's quantized types "
         "(q8_0, q4_k_m, q5_k_m, q6_k, ...: through llama.cpp's own quantizer, which must be installed).",
     ),
-    target: str = typer.Option("transformers", "--target", help=TARGET_HELP[0].upper() + TARGET_HELP[1:]),
+    target: str = typer.Option(TARGET_DEFAULT, "--target", help=TARGET_HELP[0].upper() + TARGET_HELP[1:]),
     cache_block: int = typer.Option(
         32, "--cache-block",
         help="--format gguf: 32 zero-pads the latent so it and the K row (latent + rope) are whole blocks of 32 values, "

@@ -3,7 +3,9 @@
 ``@options_from(ConvertOptions)`` gives a typer command one ``--flag`` per model field (``rope_pairs`` ->
 ``--rope-pairs``), with the field's default and its description as help (``Literal`` choices listed). The
 command receives the values as keyword arguments and builds the model with :func:`build_options`, whose
-errors (every invalid flag at once) become one ``error:`` line.
+errors (every invalid flag at once) become one ``error:`` line. A field marked retired
+(:func:`~mla_convert.convert.options.options.retired_fields`) is a hidden flag that only refuses, saying what replaces
+it; a retired value of a kept flag is refused the same way and left out of its help.
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ import typer
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
-from mla_convert.convert.options.options import choice_message, flag, literal_choices
+from mla_convert.convert.options.options import (
+    choice_message,
+    flag,
+    literal_choices,
+    offered_choices,
+    retired,
+    retired_fields,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 M = TypeVar("M", bound=BaseModel)
@@ -40,7 +49,7 @@ def _cli_type(annotation: Any) -> tuple[Any, tuple[str, ...]]:
 
 def _sentence(text: str, choices: tuple[str, ...]) -> str:
     """A help text as a sentence: capitalised, with a full stop, unless it starts with a value the user types
-    (a choice such as ``per-head``, or a list ``a | b``), which keeps its spelling."""
+    (a choice such as ``2-norm``, or a list ``a | b``), which keeps its spelling."""
     first = text.split(" ", 1)[0].rstrip(":,")
     literal = first in choices or " | " in text.split(":", 1)[0] or first in ("wikipedia", "teacher", "none")
     return (text if literal else text[:1].upper() + text[1:]) + ("" if text.endswith(".") else ".")
@@ -49,10 +58,17 @@ def _sentence(text: str, choices: tuple[str, ...]) -> str:
 def option_parameters(model: type[BaseModel], skip: tuple[str, ...] = ()) -> list[inspect.Parameter]:
     """One keyword-only typer option per field of ``model`` (except ``skip``)."""
     params = []
+    gone = retired_fields(model)
     for name, field in model.model_fields.items():
         if name in skip:
             continue
         typ, choices = _cli_type(field.annotation)
+        if name in gone:  # hidden: typed, it is refused with what replaces it (build_options)
+            optional = typing.Optional[typ]  # type: ignore[valid-type]  # noqa: UP045 - typer reads typing.Optional
+            hidden = typer.Option(None, hidden=True)
+            params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=hidden, annotation=optional))
+            continue
+        choices = offered_choices(name, choices, model)
         text = field.description or ""
         if choices and not all(c in text for c in choices):
             text += f" ({' | '.join(choices)})"
@@ -105,7 +121,9 @@ def options_error(exc: ValidationError, model: type[BaseModel] | None = None) ->
     parts = []
     for e in exc.errors():
         if e["type"] == "literal_error":
-            msg = choice_message(e.get("input"), literal_choices(e))
+            field = str(e["loc"][0]) if model is not None and len(e["loc"]) == 1 else ""
+            choices = literal_choices(e)
+            msg = choice_message(e.get("input"), offered_choices(field, choices, model) if model else choices)
         elif outside := _outside_range(model, e):
             msg = outside
         else:
@@ -117,13 +135,25 @@ def options_error(exc: ValidationError, model: type[BaseModel] | None = None) ->
     return "; ".join(parts)
 
 
+def retired_message(field: str, value: Any, reason: str) -> str:
+    """A retired flag or value in CLI spelling: ``--objective activation: removed; ...``, ``--no-kv-balance: ...``."""
+    if isinstance(value, bool):
+        return f"{flag(field) if value else '--no-' + field.replace('_', '-')}: {reason}"
+    return f"{flag(field)} {value}: {reason}"
+
+
 def build_options(model: type[M], values: dict[str, Any]) -> M:
-    """``model(**values)``, or exit 2 with one ``error:`` line naming every bad flag."""
+    """``model(**values)``, or exit 2 with one ``error:`` line naming every bad flag (a retired flag or value first,
+    with what replaces it)."""
+    from mla_convert.cli.render import fail
+
+    gone = retired(values, model)
+    if gone:
+        fail("; ".join(retired_message(k, values[k], reason) for k, reason in gone))
+    values = {k: v for k, v in values.items() if v is not None or k not in retired_fields(model)}
     try:
         return model.model_validate(values)
     except ValidationError as exc:
-        from mla_convert.cli.render import fail
-
         fail(options_error(exc, model))
         raise  # unreachable: fail exits
 

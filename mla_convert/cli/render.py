@@ -21,6 +21,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from mla_convert.cli.defaults import SHARD_SIZE_DEFAULT
 from mla_convert.errors import UserError
 
 #: Width of tables printed off a terminal (wide enough that no cell is wrapped or cut).
@@ -226,7 +227,7 @@ def estimate_lines(options: Any, max_shard_size: str, lines: list[str], given: C
         if v is not None and (v != getattr(defaults, k) or k in given)
         and not (k == "cache_budget" and options.cache_fraction is not None)  # the fraction's budget: not typed
     ]
-    if max_shard_size != "2GB":
+    if max_shard_size != SHARD_SIZE_DEFAULT:
         changed.append(f"--max-shard-size {max_shard_size}")
     plain(f"\nfactor {' '.join(changed) or 'with the default options'} would need (estimates, before any work):")
     for line in lines:

@@ -180,7 +180,7 @@ def plan_export(config: Any, dtype: torch.dtype, target: str = "transformers") -
     if c.num_rope_heads != 1:
         raise ExportError(
             f"this checkpoint has {c.num_rope_heads} rope heads (a per-head conversion); DeepSeek-V3 has one shared "
-            "rope head: convert with --rope-mode shared to export it"
+            "rope head: convert it again with factor (one shared rope head) to export it"
         )
     if c.latent_norm:
         raise ExportError("this checkpoint has a latent norm of its own; only mla-convert factor outputs export")

@@ -17,7 +17,15 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from pydantic import ValidationError
 
-from mla_convert.convert.options.options import ConvertOptions, choice_message, literal_choices, problems
+from mla_convert.convert.options.options import (
+    ConvertOptions,
+    choice_message,
+    literal_choices,
+    offered_choices,
+    problems,
+    retired,
+    retired_fields,
+)
 from mla_convert.recipes.catalog import bundled_names
 from mla_convert.recipes.overrides import apply_override, parse_override, yaml_reason
 from mla_convert.recipes.schema import SECTIONS, Recipe, RecipeError, allowed_keys
@@ -140,6 +148,21 @@ def _override(doc: _Doc, overrides: list[str] | tuple[str, ...]) -> None:
         araw["source"] = raw["source"]
 
 
+def _retired(doc: _Doc) -> None:
+    """Refuse the ``factor`` keys and values the command line no longer takes, each with what replaces it
+    (:func:`~mla_convert.convert.options.options.retired`); a retired key set to null (not given) is dropped."""
+    fraw = doc.raw.get("factor")
+    if not isinstance(fraw, dict):
+        return
+    gone = retired_fields()
+    for key, reason in retired(fraw):
+        value = fraw.pop(key)
+        doc.add(("factor", key), _recipe_words(reason if key in gone else f"{value}: {reason}"))
+    for key in gone:
+        if key in fraw and fraw[key] is None:
+            del fraw[key]
+
+
 def _schema_problem(e: Any) -> str:
     """The message of one pydantic error: unknown keys with the closest allowed key, choices listed."""
     loc = tuple(e["loc"])
@@ -153,7 +176,8 @@ def _schema_problem(e: Any) -> str:
     if e["type"] == "missing":
         return "required key is missing"
     if e["type"] == "literal_error":
-        return choice_message(e.get("input"), literal_choices(e))
+        field = str(loc[-1]) if len(loc) == 2 and loc[0] == "factor" else ""
+        return choice_message(e.get("input"), offered_choices(field, literal_choices(e)))
     msg = str(e["msg"]).removeprefix("Value error, ")
     return msg if isinstance(e.get("input"), dict) else msg + f" (got {e.get('input')!r})"
 
@@ -265,6 +289,7 @@ def load_recipe(
         text = p.read_text()
     doc = _read(file, text)
     _override(doc, overrides)
+    _retired(doc)
     recipe, failed, fo = _validate(doc)
     raw: dict[str, Any] = doc.raw
     src = None

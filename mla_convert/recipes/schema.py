@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from mla_convert.adapt.options import AdaptOptions
-from mla_convert.convert.options.options import ConvertOptions
+from mla_convert.convert.options.options import ConvertOptions, retired_fields
 from mla_convert.errors import UserError
 from mla_convert.validate.options import LadderSettings
 
@@ -115,8 +115,9 @@ class Recipe(BaseModel):
         return Path(self.output).expanduser()
 
     def dump(self) -> dict[str, Any]:
-        """Plain JSON-compatible dict with the YAML key names."""
-        return self.model_dump(mode="json", by_alias=True)
+        """Plain JSON-compatible dict with the YAML key names (without the ``factor`` keys a recipe may no longer
+        say, so that the resolved recipe runs again; the manifest records every option)."""
+        return self.model_dump(mode="json", by_alias=True, exclude={"factor": set(retired_fields())})
 
 
 #: Section path -> model that validates it (for "unknown key" suggestions).

@@ -83,7 +83,7 @@ def factor_args(source: Path | str, out: Path, text: Path | str, *extra: str) ->
     """Small, otherwise valid ``factor`` arguments (ranks possible for the tiny model, short windows)."""
     return [
         "factor", str(source), str(out), "--text", str(text),
-        "--window", "16", "--calib-windows", "2", "--eval-windows", "1",
+        "--window", "16", "--calib-tokens", "32", "--eval-windows", "1",
         "--rope-pairs", "2", "--kv-lora-rank", "8", *extra,
     ]  # fmt: skip
 
@@ -269,14 +269,12 @@ def test_kv_lora_rank_too_large(rank: int, src: Path, good_text: Path, tmp_path:
     assert_nothing_written(tmp_path / "out")
 
 
-def test_rope_pairs_above_half_head_dim_per_head(src: Path, good_text: Path, tmp_path: Path) -> None:
-    args = factor_args(
-        src, tmp_path / "out", good_text, "--rope-mode", "per-head", "--rope-strategy", "2-norm"
-    )
-    args[args.index("--rope-pairs") + 1] = "9"  # head_dim 16 -> 8 pairs per head
+def test_rope_pairs_above_half_head_dim(src: Path, good_text: Path, tmp_path: Path) -> None:
+    args = factor_args(src, tmp_path / "out", good_text, "--rope-strategy", "2-norm")
+    args[args.index("--rope-pairs") + 1] = "9"  # head_dim 16 -> 8 frequencies for the shared rope head
     assert_user_error(
         # one wording for the CLI and recipes (mla_convert.convert.options.options.problems)
-        invoke(args), "--rope-pairs 9 is impossible for per-head/2-norm on this source: allowed 0..8 (head_dim 16 has 8 RoPE pairs)"
+        invoke(args), "--rope-pairs 9 is impossible for shared/2-norm on this source: allowed 0..8 (head_dim 16 has 8 RoPE pairs)"
     )
     assert_nothing_written(tmp_path / "out")
 

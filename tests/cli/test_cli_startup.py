@@ -34,9 +34,9 @@ def test_help_imports_nothing_heavy(args: tuple[str, ...]) -> None:
 
 
 def test_bad_option_fails_before_any_heavy_import() -> None:
-    names, res = imported_modules("factor", "smollm2-135m", "out/never", "--rope-mode", "bogus")
+    names, res = imported_modules("factor", "smollm2-135m", "out/never", "--rope-strategy", "bogus")
     assert res.returncode == 2
-    assert "--rope-mode: 'bogus' is not one of per-head, shared" in res.stderr
+    assert "--rope-strategy: 'bogus' is not one of high, 2-norm, rotation" in res.stderr
     assert not names & set(HEAVY), sorted(names & set(HEAVY))
 
 
@@ -44,7 +44,7 @@ def test_bad_option_fails_before_any_heavy_import() -> None:
     ("args", "needle"),
     [
         (("factor", "/nonexistent/model", "out/never"), "source '/nonexistent/model' not found"),
-        (("factor", "smollm2-135m", "out/never", "--calib-windows", "0"), "--calib-windows 0 is too small"),
+        (("factor", "smollm2-135m", "out/never", "--calib-tokens", "0"), "--calib-tokens 0 is too small"),
         (("factor", "smollm2-135m", "out/never", "--rope-pairs", "-1"), "--rope-pairs -1 is too small"),
         (("factor", "smollm2-135m", "out/never", "--max-shard-size", "2GiB"), "--max-shard-size '2GiB' is not a size"),
         (("factor", "smollm2-135m", "out/never", "--device", "gpu"), "--device 'gpu' is not one of"),

@@ -193,7 +193,7 @@ def test_float16_out_of_range_is_refused_before_writing(
     weights = load_file(str(src / "model.safetensors"))
     weights[tensor] = weights[tensor] * scale
     save_file(weights, str(src / "model.safetensors"), metadata={"format": "pt"})
-    args = ["--quiet", "factor", str(src), str(tmp_path / "out"), "--window", "32", "--calib-windows", "4",
+    args = ["--quiet", "factor", str(src), str(tmp_path / "out"), "--window", "32", "--calib-tokens", "128",
             "--eval-windows", "2", "--text", "news", "--rope-pairs", "4", "--cache-budget", "28"]  # fmt: skip
     res = CliRunner().invoke(app, [*args, "--dtype", "float16"])
     assert res.exit_code == 2, res.output

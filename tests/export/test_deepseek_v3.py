@@ -214,7 +214,7 @@ def test_unexportable_checkpoints_are_refused(tiny, tmp_path_factory, calib_wind
     opts = dict(rope_mode="per-head", rope_strategy="high", rope_pairs=2, cache_budget=None, kv_lora_rank=8)
     mla = convert(src, calib, **opts).model
     if mla.config.num_rope_heads > 1:
-        with pytest.raises(ExportError, match="convert with --rope-mode shared"):
+        with pytest.raises(ExportError, match="convert it again with factor"):
             plan_export(mla.config, torch.float32)
     qwen2 = open_source(_write(tmp_path_factory.mktemp("qwen2"), "qwen2"))
     mla = convert(qwen2, calib_windows[:2], **LOSSY).model
@@ -349,7 +349,7 @@ def _bf16_export_parity(ckpt: Path, export: Path, ids: torch.Tensor) -> tuple[fl
     return (exported - rounded).abs().max().item(), (rounded - exact).abs().max().item()
 
 
-SMALL_FLAGS = ["--calib-windows", "2", "--window", "64", "--eval-windows", "1", "--cache-budget", "24",
+SMALL_FLAGS = ["--calib-tokens", "128", "--window", "64", "--eval-windows", "1", "--cache-budget", "24",
                "--rope-pairs", "4"]
 
 
@@ -388,7 +388,7 @@ def test_factor_ends_with_an_export(tiny_llama, tmp_path, eval_ids):
     # the export folder is checked before any work: occupied -> refused, OUT untouched
     res = runner.invoke(app, ["factor", str(tiny_llama), str(tmp_path / "ph"), *SMALL_FLAGS, "--rope-mode", "per-head",
                               "--export", "deepseek-v3"])
-    assert res.exit_code == 2 and "has one shared rope head" in res.output and not (tmp_path / "ph").exists()
+    assert res.exit_code == 2 and "--rope-mode per-head: removed" in res.output and not (tmp_path / "ph").exists()
     res = runner.invoke(app, ["export", str(out), str(tmp_path / "x"), "--dtype", "int8"])
     assert res.exit_code == 2 and "--dtype 'int8' is not one of" in res.output
     res = runner.invoke(app, ["factor", str(tiny_llama), str(tmp_path / "third"), *SMALL_FLAGS, "--export", "onnx"])
@@ -406,7 +406,7 @@ def test_factor_target_shapes_the_conversion_for_the_engine(tiny_llama, tmp_path
     recorded with the reason; the export fills the engine's row and computes the checkpoint's function to within
     bfloat16's rounding of its weights (:func:`_bf16_export_parity`). An explicit budget keeps its shape."""
     out = tmp_path / "mla"
-    flags = ["--calib-windows", "2", "--window", "64", "--eval-windows", "1"]
+    flags = ["--calib-tokens", "128", "--window", "64", "--eval-windows", "1"]
     res = CliRunner().invoke(app, ["factor", str(tiny_llama), str(out), *flags, "--target", "vllm-cpu",
                                    "--export", "deepseek-v3"])
     assert res.exit_code == 0, res.output + str(res.exception)
@@ -472,7 +472,9 @@ def test_precheck_answers_before_any_work(tmp_path):
     lines = export_lines(smol, ConvertOptions())
     assert "--target vllm-cpu: exact; engine cache 576 values/token/layer (MLA 120, source 384)" in lines[2]
     per_head = export_problems(smol, ConvertOptions(rope_mode="per-head"), "transformers")
-    assert per_head and "--rope-mode shared" in per_head[0]
+    assert per_head and "use rope_mode shared" in per_head[0]
+    zero = export_problems(smol, ConvertOptions(rope_pairs=0, cache_budget=100), "transformers")
+    assert zero and "--rope-pairs 0 leaves no rope head" in zero[0] and "rope_mode" not in zero[0]
     twice = export_problems(smol, ConvertOptions(rope_strategy="rotation", rope_pairs=40, cache_budget=200))
     assert twice and "--rope-pairs 32 or fewer" in twice[0]
     assert "--dtype bfloat16" in export_problems(smol, ConvertOptions(dtype="float16"))[0]
@@ -491,13 +493,13 @@ def test_recipe_export_problems_are_listed_with_the_rest(tmp_path):
     from mla_convert.recipes.schema import RecipeError
 
     text = ("name: t\nsource: smollm2-135m\noutput: " + str(tmp_path / "job") + "\n"
-            "factor: {rope_mode: per-head, rope_pairs: 8, calib_windows: 0}\n"
+            "factor: {rope_strategy: rotation, rope_pairs: 40, cache_budget: 200, calib_tokens: 0}\n"
             "export: {format: deepseek-v3, target: vllm-cpu}\n")
     with pytest.raises(RecipeError) as exc:
         load_recipe("t.yaml", text=text)
     problems = exc.value.problems
-    assert any(p.startswith("factor.calib_windows") for p in problems)
+    assert any(p.startswith("factor.calib_tokens") for p in problems)
     export = next(p for p in problems if p.startswith("export.target"))
-    assert "use factor.rope_mode shared" in export and "--" not in export and "(line 5)" in export
+    assert "use factor.rope_pairs 32 or fewer" in export and "--" not in export and "(line 5)" in export
     res = CliRunner().invoke(app, ["factor", "smollm2-135m", str(tmp_path / "z"), "--target", "sglang"])
     assert res.exit_code == 2 and "--target vllm" in res.output and not (tmp_path / "z").exists()

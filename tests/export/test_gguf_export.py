@@ -26,7 +26,7 @@ from mla_convert.convert.options.precheck import export_problems
 from mla_convert.export import gguf_file, gguf_vocab
 from mla_convert.sources.checkpoint import open_source
 
-SMALL = ["--calib-windows", "2", "--window", "64", "--eval-windows", "1"]
+SMALL = ["--calib-tokens", "128", "--window", "64", "--eval-windows", "1"]
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -224,7 +224,7 @@ def test_gguf_refusals_before_any_work(tmp_path):
     llama = write_tiny_llama(tmp_path / "llama")
     assert export_problems(open_source(llama), ConvertOptions(), fmt="gguf") == []
     per_head = export_problems(open_source(llama), ConvertOptions(rope_mode="per-head"), fmt="gguf")
-    assert per_head and "--rope-mode shared" in per_head[0]
+    assert per_head and "use rope_mode shared" in per_head[0]
     assert export_problems(open_source(llama), ConvertOptions(dtype="float16"), fmt="gguf") == []  # float16 is fine
     scaled = write_tiny_llama(tmp_path / "llama3", rope_parameters=LLAMA3, max_position_embeddings=131072)
     given = export_problems(open_source(scaled), ConvertOptions(rope_strategy="2-norm", rope_pairs=6), fmt="gguf")
@@ -240,11 +240,12 @@ def test_recipe_gguf_export_is_checked_at_load(tmp_path):
     from mla_convert.recipes.schema import RecipeError
 
     text = ("name: t\nsource: smollm2-135m\noutput: " + str(tmp_path / "job") + "\n"
-            "factor: {rope_mode: per-head, rope_pairs: 8}\nexport: {format: gguf}\n")
+            "factor: {rope_strategy: rotation, rope_pairs: 40, cache_budget: 200}\nexport: {format: gguf}\n")
     with pytest.raises(RecipeError) as exc:
         load_recipe("t.yaml", text=text)
-    assert any(p.startswith("export.target") and "rope_mode shared" in p for p in exc.value.problems)
-    ok = load_recipe("t.yaml", text=text.replace("rope_mode: per-head, rope_pairs: 8", "rope_pairs: 24"))
+    assert any(p.startswith("export.target") and "factor.rope_pairs 32 or fewer" in p for p in exc.value.problems)
+    ok = load_recipe("t.yaml", text=text.replace("rope_strategy: rotation, rope_pairs: 40, cache_budget: 200",
+                                                 "rope_pairs: 24"))
     assert ok.recipe.export is not None and ok.recipe.export.format == "gguf"
 
 

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from mla_convert.cli.commands import app
 
-SMALL = ["--calib-windows", "2", "--window", "64", "--eval-windows", "1"]
+SMALL = ["--calib-tokens", "128", "--window", "64", "--eval-windows", "1"]
 
 
 @pytest.fixture(scope="module")

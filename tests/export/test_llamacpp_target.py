@@ -24,7 +24,7 @@ from mla_convert.convert.options.resolve import resolve_options
 from mla_convert.export import gguf_vocab
 from mla_convert.sources.checkpoint import open_source
 
-SMALL = ["--calib-windows", "2", "--window", "64", "--eval-windows", "1"]
+SMALL = ["--calib-tokens", "128", "--window", "64", "--eval-windows", "1"]
 #: The shape users convert: 8 KV heads of head_dim 128 (source cache 2 x 8 x 128 = 2048 values per token per layer).
 WIDE = {
     "hidden_size": 256,
@@ -108,7 +108,7 @@ def test_refusals_before_any_work(wide_source, tmp_path):
     text = " ".join(res.output.split())
     assert res.exit_code == 2 and "llama.cpp's deepseek2 attention has no biases" in text, res.output
     assert not (tmp_path / "out").exists()
-    for flags, words in ((["--rope-mode", "per-head"], "use --rope-mode shared"),
+    for flags, words in ((["--rope-mode", "per-head"], "--rope-mode per-head: removed"),
                          (["--rope-strategy", "2-norm"], "drop --rope-strategy"),
                          (["--rope-pairs", "65"], "--rope-pairs 64 or fewer")):  # fmt: skip
         res = CliRunner().invoke(app, ["inspect", str(wide_source), "--target", "llama.cpp", *flags])

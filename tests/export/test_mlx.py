@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from mla_convert.cli.commands import app
 
-SMALL_FLAGS = ["--calib-windows", "2", "--window", "64", "--eval-windows", "1", "--cache-budget", "24",
+SMALL_FLAGS = ["--calib-tokens", "128", "--window", "64", "--eval-windows", "1", "--cache-budget", "24",
                "--rope-pairs", "4"]
 
 

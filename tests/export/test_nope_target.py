@@ -16,7 +16,7 @@ from mla_convert.export.deepseek_v3 import VLLM_GPU_HEAD_DIMS
 
 SHAPE = {"hidden_size": 256, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
          "intermediate_size": 256}
-FLAGS = ["--calib-windows", "2", "--window", "64", "--eval-windows", "1"]
+FLAGS = ["--calib-tokens", "128", "--window", "64", "--eval-windows", "1"]
 
 
 @pytest.fixture(scope="module")

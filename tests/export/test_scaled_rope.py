@@ -37,7 +37,7 @@ WIDE = {"hidden_size": 256, "num_attention_heads": 16, "num_key_value_heads": 8,
         "max_position_embeddings": 131072}
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 4096}
 LINEAR = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
-SMALL = ["--calib-windows", "2", "--window", "64", "--eval-windows", "1"]
+SMALL = ["--calib-tokens", "128", "--window", "64", "--eval-windows", "1"]
 
 
 def _source(root: Path, name: str, rope: dict, **over) -> Path:
@@ -205,7 +205,7 @@ def test_inspect_and_recipes_say_the_steering(sources, tmp_path):
     from mla_convert.recipes.schema import RecipeError
 
     text = (f"name: t\nsource: {sources['llama3']}\noutput: {tmp_path / 'job'}\n"
-            "factor: {calib_windows: 2, window: 64, eval_windows: 2, cache_budget: 40}\nvalidate: {enabled: false}\n"
+            "factor: {calib_tokens: 128, window: 64, eval_windows: 2, cache_budget: 40}\nvalidate: {enabled: false}\n"
             "export: {format: deepseek-v3}\n")
     res = load_recipe("t.yaml", text=text)  # the budget's split, steered into the unscaled pairs
     assert res.recipe.factor.rope_strategy == "high" and 1 <= res.recipe.factor.rope_pairs <= 4

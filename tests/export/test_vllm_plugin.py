@@ -64,7 +64,7 @@ WIDE = {
     "max_position_embeddings": 2048,
 }
 #: Few calibration tokens: the shape options stay factor's defaults.
-SMALL = ["--calib-windows", "2", "--window", "64", "--eval-windows", "1"]
+SMALL = ["--calib-tokens", "128", "--window", "64", "--eval-windows", "1"]
 
 
 def _factor(src: Path, out: Path) -> Path:

@@ -158,7 +158,7 @@ def test_every_problem_is_listed_with_its_yaml_path(tmp_path):
     raw["validate"]["page_size"] = 500
     p = write(tmp_path, raw)
     r = run(
-        "run", p, "factor.kv_lora_rank=100000", "factor.rope_pairs=64", "factor.rope_mode=both", "--dry-run"
+        "run", p, "factor.kv_lora_rank=100000", "factor.rope_pairs=64", "factor.rope_strategy=both", "--dry-run"
     )
     assert r.exit_code == 2
     err = r.stderr
@@ -169,7 +169,7 @@ def test_every_problem_is_listed_with_its_yaml_path(tmp_path):
         "factor.colour: unknown key",  # unknown key
         "adapt.lr: Input should be a valid number",
         "validate.page_size: Input should be less than or equal to 128",
-        "factor.rope_mode: 'both' is not one of per-head, shared",
+        "factor.rope_strategy: 'both' is not one of high, 2-norm, rotation",
         "factor.rope_pairs: 64 is impossible",  # head_dim 64 has 32 pairs
         "factor.kv_lora_rank: 100000 is impossible for this source: allowed 1..",
     ]

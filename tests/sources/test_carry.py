@@ -203,7 +203,7 @@ def test_factor_carries_source_files(source: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     args = [
         "--quiet", "factor", str(source), str(out), "--text", str(text), "--window", "16",
-        "--calib-windows", "2", "--eval-windows", "1", "--rope-pairs", "2", "--kv-lora-rank", "8",
+        "--calib-tokens", "32", "--eval-windows", "1", "--rope-pairs", "2", "--kv-lora-rank", "8",
     ]  # fmt: skip
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, (res.output, res.exception)

@@ -215,7 +215,7 @@ def _params() -> list:
 
 def _factor(src: Path, out: Path, text: Path, *extra: str) -> Result:
     args = [
-        "factor", str(src), str(out), "--text", str(text), "--window", "16", "--calib-windows", "2",
+        "factor", str(src), str(out), "--text", str(text), "--window", "16", "--calib-tokens", "32",
         "--eval-windows", "1", "--rope-pairs", "2", "--kv-lora-rank", "8", *extra,
     ]  # fmt: skip
     return CliRunner().invoke(app, args)

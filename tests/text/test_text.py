@@ -384,7 +384,7 @@ def test_chat_text_too_short_for_the_budget_is_said(tmp_path: Path) -> None:
     copy_tokenizer(src)
     out = tmp_path / "mla"
     res = CliRunner().invoke(app, ["factor", str(src), str(out), "--text", f"{chats},messages=messages", "--window",
-                                   "64", "--calib-windows", "400", "--eval-windows", "1", "--dtype", "float32"])  # fmt: skip
+                                   "64", "--calib-tokens", "25600", "--eval-windows", "1", "--dtype", "float32"])  # fmt: skip
     assert res.exit_code == 0, res.output
     assert "warning: the calibration text gives" in res.output and "where 400 were asked" in res.output
     report = json.loads((out / "report.json").read_text())

@@ -117,7 +117,7 @@ def served_shape(config: Any, target: str = "vllm-cpu") -> ServedShape:
     if rope > rope_cap:
         raise ServeError(
             f"{config.num_rope_heads} rope head(s) of {config.qk_rope_head_dim} need {rope} rope values, "
-            f"vLLM's MLA backends cache {rope_cap}: convert with --rope-mode shared and --rope-pairs "
+            f"vLLM's MLA backends cache {rope_cap}: convert again with factor (one shared rope head) and --rope-pairs "
             f"{rope_cap // 2} or fewer"
         )
     nope, v = int(config.qk_nope_head_dim), int(config.v_head_dim)

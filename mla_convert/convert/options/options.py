@@ -61,32 +61,62 @@ class ConvertOptions(BaseModel):
     rope_mode: RopeMode = Field(
         "shared",
         description="per-head: one rope head per KV head (MHA2MLA) | shared: one rope head from a per-frequency "
-        "PCA across KV heads (TransMLA's RoRoPE)",
+        "PCA across KV heads (TransMLA's RoRoPE). Library only: per-head with every pair is the exactness tests' "
+        "lossless path; the command line and recipes take shared (per-head lost as an anchor and no export serves it)",
+        json_schema_extra={"retired": "removed; a conversion has one shared rope head (the only one the exports "
+                           "serve; per-head lost as an anchor, docs/results.md): leave it out"},
     )
     rope_strategy: RopeStrategy = Field(
         "2-norm",
-        description="which pairs/frequencies keep RoPE (rotation: weighted by how far they rotate); not given: the "
-        "strategy measured best for the cache budget (inspect says which)",
+        description="which pairs/frequencies keep RoPE: 2-norm | rotation (weighted by how far they rotate) | high "
+        "(the fastest: llama.cpp's row); not given: the strategy measured best for the cache budget (inspect says "
+        "which). The library also takes low and uniform (never measured: the oracles' only)",
+        json_schema_extra={"retired_values": {
+            v: "retired; never measured: use 2-norm, rotation or high, or leave it out (measured best for the cache "
+            "size)" for v in ("low", "uniform")}},
     )
     rope_pairs: int = Field(
         24,
-        description="RoPE pairs kept per rope head (per KV head in per-head mode); not given on factor/inspect/a "
-        "recipe with a cache budget: the split measured best for the budget (measured_splits.json)",
+        description="RoPE pairs kept by the shared rope head (per KV head in the library's per-head mode); not given "
+        "on factor/inspect/a recipe with a cache budget: the split measured best for the budget (measured_splits.json)",
     )
-    rope_basis: RopeBasis = Field("complex", description="basis of the shared-mode PCA across KV heads")
+    rope_basis: RopeBasis = Field(
+        "complex",
+        description="basis of the shared-mode PCA across KV heads. Library only (real was never measured; the oracles "
+        "test both)",
+        json_schema_extra={"retired": "removed; the shared rope head's PCA is complex (real was never measured): "
+                           "leave it out"},
+    )
     rope_context: int = Field(2048, description="context T in tokens of the rotation strategy")
-    factorization: Factorization = Field("joint", description="one latent for K and V, or separate halves")
-    objective: Objective = Field(
-        "output", description="SVD of W | of W C^1/2 (activation PCA) | of M^1/2 W C^1/2 (output-aware)"
+    factorization: Factorization = Field(
+        "joint",
+        description="one latent for K and V, or separate halves. Library only (split was never measured)",
+        json_schema_extra={"retired": "removed; K and V share one latent (split was never measured): leave it out"},
     )
-    kv_balance: bool = Field(True, description="balance K and V energy before a joint factorization")
+    objective: Objective = Field(
+        "output",
+        description="SVD of W | of W C^1/2 (activation PCA) | of M^1/2 W C^1/2 (output-aware). Library only (the "
+        "benchmarks' anchors use weight and activation; activation lost, docs/results.md levers)",
+        json_schema_extra={"retired": "removed; the latent is output-aware (activation measured x4.77 against "
+                           "x4.49 at 72 values, docs/results.md levers): leave it out"},
+    )
+    kv_balance: bool = Field(
+        True,
+        description="balance K and V energy before a joint factorization. Library only (off lost, docs/results.md "
+        "levers; the anchors use it)",
+        json_schema_extra={"retired": "removed; K and V are always balanced (off measured x5.46 against x4.49 at 72 "
+                           "values, docs/results.md levers): leave it out"},
+    )
     refit_o_proj: Refit = Field(
         "teacher",
         description="ridge least-squares refit of o_proj so each converted layer's attention output matches the "
         "source's on calibration tokens, fitted on the source's layer inputs (teacher) or on the converted "
         "model's own, layer after layer (sequential: one more forward of the calibration windows per layer); no "
         "cache cost; kept only if it helps on held-out windows; not given: the refit measured best for the cache "
-        "budget (inspect says which)",
+        "budget (inspect says which). The library also takes none (no refit, a loser: the oracles' and anchors')",
+        json_schema_extra={"retired_values": {
+            "none": "retired; no refit measured x21.12 against teacher's x4.49 at 72 values (docs/results.md levers): "
+            "use teacher or sequential, or leave it out (a refit is kept only where it helps on held-out windows)"}},
     )
     kv_lora_rank: int | None = Field(
         None, description="latent width d_c for every layer (replaces --cache-fraction and --cache-budget)"
@@ -117,7 +147,12 @@ class ConvertOptions(BaseModel):
         16384,
         description="calibration tokens, drawn as windows spread evenly across all the calibration documents",
     )
-    calib_windows: int | None = Field(None, description="calibration windows (replaces --calib-tokens)")
+    calib_windows: int | None = Field(
+        None,
+        description="calibration windows (replaces --calib-tokens). Library only (the tests' small conversions); the "
+        "command line and recipes say it with --calib-tokens",
+        json_schema_extra={"retired": "removed; use --calib-tokens {tokens} ({value} windows of --window {window})"},
+    )
     calib_precision: CalibPrecision = Field(
         "bfloat16",
         description="matrix products of the source's forward pass over the calibration windows: bfloat16 "
@@ -362,6 +397,44 @@ def problems(options: ConvertOptions, src: SourceShape | None) -> list[tuple[str
 def flag(field: str) -> str:
     """The CLI flag of an option field: ``rope_pairs`` -> ``--rope-pairs``."""
     return "--" + field.replace("_", "-")
+
+
+def _extra(model: type[BaseModel], field: str) -> dict[str, Any]:
+    """The ``json_schema_extra`` of ``model``'s ``field`` (``{}`` when it has none)."""
+    info = model.model_fields.get(field)
+    extra = info.json_schema_extra if info is not None else None
+    return extra if isinstance(extra, dict) else {}
+
+
+def retired_fields(model: type[BaseModel] = ConvertOptions) -> tuple[str, ...]:
+    """The fields the command line and recipes no longer take (their ``json_schema_extra`` says ``retired``); the
+    library's model keeps them (the oracle and exactness tests, the benchmarks' anchor rows)."""
+    return tuple(k for k in model.model_fields if "retired" in _extra(model, k))
+
+
+def offered_choices(field: str, choices: tuple[str, ...], model: type[BaseModel] = ConvertOptions) -> tuple[str, ...]:
+    """``choices`` of ``field`` less the values the command line and recipes no longer take."""
+    gone = _extra(model, field).get("retired_values") or {}
+    return tuple(c for c in choices if c not in gone)
+
+
+def retired(values: Mapping[str, Any], model: type[BaseModel] = ConvertOptions) -> list[tuple[str, str]]:
+    """``(field, reason)`` for every retired option or value in ``values`` (field -> value as given, None meaning
+    not given): the one home of what the command line and recipes refuse and what replaces it. The reason starts
+    with ``removed;`` (the option) or ``retired;`` (one of its values), in the command line's spelling."""
+    window_field = model.model_fields.get("window")
+    window = values.get("window") or (window_field.default if window_field is not None else None)
+    out: list[tuple[str, str]] = []
+    for key, value in values.items():
+        extra = _extra(model, key)
+        if value is None or not extra:
+            continue
+        if "retired" in extra:
+            tokens = value * window if isinstance(value, int) and isinstance(window, int) else "N x WINDOW"
+            out.append((key, str(extra["retired"]).format(value=value, window=window, tokens=tokens)))
+        elif isinstance(value, str) and value in (gone := extra.get("retired_values") or {}):
+            out.append((key, str(gone[value])))
+    return out
 
 
 def check_options(options: ConvertOptions, src: SourceShape | None) -> None:

@@ -181,9 +181,12 @@ def export_problems(src: Any, options: Any, target: str = "transformers", fmt: s
         out.append(f"the source MLP uses {act!r}; llama.cpp's deepseek2 computes SiLU only")
     geo = geometry(options, src)
     half = src.head_dim // 2
-    if geo.rope_heads != 1 or geo.rope_pairs == 0:
-        out.append(f"these options give {geo.rope_heads} rope heads with {geo.rope_pairs} pairs each; DeepSeek-V3 has "
-                   "one shared rope head: use --rope-mode shared (with --rope-pairs of at least 1)")
+    if geo.rope_heads != 1:  # the library's per-head mode (factor and recipes have one shared rope head)
+        out.append(f"these options give {geo.rope_heads} rope heads (rope_mode per-head); DeepSeek-V3 has one shared "
+                   "rope head: use rope_mode shared")
+    elif geo.rope_pairs == 0:
+        out.append("--rope-pairs 0 leaves no rope head; DeepSeek-V3 has one shared rope head: use --rope-pairs of at "
+                   "least 1")
     elif geo.rope_pairs > half:
         out.append(f"--rope-pairs {geo.rope_pairs} keeps some of the {half} frequencies for several KV heads; DeepSeek's "
                    f"one rope head holds each once: use --rope-pairs {half} or fewer")
