@@ -138,10 +138,18 @@ def planned(dtype: str, d_c: int, d_r: int, fp8_group: int = 0) -> list[Variant]
     q_abs = torch.zeros(1, 1, HEADS, d_c, dtype=dt)
     q_rope = torch.zeros(1, 1, HEADS, d_r, dtype=dt)
     plan = ld.plan_launch(
-        q_abs, q_rope, cache.pages[0], torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
-        torch.zeros(HEADS, dtype=torch.int32), 0.125, max_seq_len=2 * PAGE_SIZE,
-        fp8=lays[0] if lays else None, backend="triton-cuda", sm_count=132,
-    )  # fmt: skip
+        q_abs,
+        q_rope,
+        cache.pages[0],
+        torch.zeros(1, 2, dtype=torch.int32),
+        torch.ones(1, dtype=torch.int32),
+        torch.zeros(HEADS, dtype=torch.int32),
+        0.125,
+        max_seq_len=2 * PAGE_SIZE,
+        fp8=lays[0] if lays else None,
+        backend="triton-cuda",
+        sm_count=132,
+    )
     split = launch_specialization(ld._split_kernel, plan.split_args, plan.split_kwargs)
     merge = launch_specialization(ld._merge_kernel, plan.merge_args, plan.merge_kwargs)
     return [Variant("split", plan.key, split, d_c, d_r), Variant("merge", plan.key, merge, d_c, d_r)]
@@ -181,9 +189,18 @@ def compile_variant(variant: Variant, arch: int) -> Compiled:
     seconds = time.perf_counter() - start
     regs, stack, local, smem = _resources(compiled.asm["cubin"])
     return Compiled(
-        variant.kernel, arch, asdict(variant.key), regs, stack, local, smem, warps, round(seconds, 2),
-        {"d_c": variant.d_c, "d_r": variant.d_r}, json.loads(json.dumps(variant.spec)),
-    )  # fmt: skip
+        variant.kernel,
+        arch,
+        asdict(variant.key),
+        regs,
+        stack,
+        local,
+        smem,
+        warps,
+        round(seconds, 2),
+        {"d_c": variant.d_c, "d_r": variant.d_r},
+        json.loads(json.dumps(variant.spec)),
+    )
 
 
 def variants(which: str) -> list[Variant]:

@@ -63,12 +63,32 @@ PARTIAL_BYTES_FRACTION = 0.25
 #: so each would compile new variants mid-generation; they are plain runtime integers (their loads are small).
 #: The page size too: a caller's choice (1..128) that only divides row indices, so it picks no variant either
 SPLIT_UNSPECIALIZED = (
-    "stride_qab", "stride_qas", "stride_qah", "stride_qrb", "stride_qrs", "stride_qrh", "stride_btb",
-    "stride_pob", "stride_pom", "stride_plb", "stride_plm", "num_heads", "s_q", "num_splits", "page_size",
-)  # fmt: skip
+    "stride_qab",
+    "stride_qas",
+    "stride_qah",
+    "stride_qrb",
+    "stride_qrs",
+    "stride_qrh",
+    "stride_btb",
+    "stride_pob",
+    "stride_pom",
+    "stride_plb",
+    "stride_plm",
+    "num_heads",
+    "s_q",
+    "num_splits",
+    "page_size",
+)
 MERGE_UNSPECIALIZED = (
-    "stride_pob", "stride_pom", "stride_plb", "stride_plm", "stride_ob", "stride_lb", "rows", "num_splits",
-)  # fmt: skip
+    "stride_pob",
+    "stride_pom",
+    "stride_plb",
+    "stride_plm",
+    "stride_ob",
+    "stride_lb",
+    "rows",
+    "num_splits",
+)
 #: pointers whose alignment is the caller's (views of a projection, index tensors): read with unspecialised
 #: strides or as gathers, so their alignment buys nothing and must not pick a variant
 SPLIT_UNALIGNED = ("q_abs_ptr", "q_rope_ptr", "block_table_ptr", "seq_lens_ptr", "head_to_rope_ptr")
@@ -76,16 +96,45 @@ SPLIT_UNALIGNED = ("q_abs_ptr", "q_rope_ptr", "block_table_ptr", "seq_lens_ptr",
 
 @triton.jit(do_not_specialize=SPLIT_UNSPECIALIZED, do_not_specialize_on_alignment=SPLIT_UNALIGNED)
 def _split_kernel(
-    q_abs_ptr, q_rope_ptr, cache_ptr, block_table_ptr, seq_lens_ptr, head_to_rope_ptr,
-    part_out_ptr, part_lse_ptr,
+    q_abs_ptr,
+    q_rope_ptr,
+    cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    head_to_rope_ptr,
+    part_out_ptr,
+    part_lse_ptr,
     softmax_scale,
-    stride_qab, stride_qas, stride_qah, stride_qrb, stride_qrs, stride_qrh,
-    stride_cp, stride_cs, stride_btb,
-    stride_pob, stride_pom, stride_pos, stride_plb, stride_plm,
-    num_heads, s_q, d_c, d_r, page_size, num_splits, rope_off, scale_off,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_R: tl.constexpr,
-    HAS_ROPE: tl.constexpr, IEEE: tl.constexpr, FP8_GROUP: tl.constexpr,
-):  # fmt: skip
+    stride_qab,
+    stride_qas,
+    stride_qah,
+    stride_qrb,
+    stride_qrs,
+    stride_qrh,
+    stride_cp,
+    stride_cs,
+    stride_btb,
+    stride_pob,
+    stride_pom,
+    stride_pos,
+    stride_plb,
+    stride_plm,
+    num_heads,
+    s_q,
+    d_c,
+    d_r,
+    page_size,
+    num_splits,
+    rope_off,
+    scale_off,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DC: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+    IEEE: tl.constexpr,
+    FP8_GROUP: tl.constexpr,
+):
     mb = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
@@ -191,12 +240,24 @@ def _split_kernel(
 
 @triton.jit(do_not_specialize=MERGE_UNSPECIALIZED)
 def _merge_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
-    stride_pob, stride_pom, stride_pos, stride_plb, stride_plm,
-    stride_ob, stride_om, stride_lb,
-    rows, d_c, num_splits,
-    BLOCK_M: tl.constexpr, BLOCK_DC: tl.constexpr,
-):  # fmt: skip
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    lse_ptr,
+    stride_pob,
+    stride_pom,
+    stride_pos,
+    stride_plb,
+    stride_plm,
+    stride_ob,
+    stride_om,
+    stride_lb,
+    rows,
+    d_c,
+    num_splits,
+    BLOCK_M: tl.constexpr,
+    BLOCK_DC: tl.constexpr,
+):
     mb = tl.program_id(0)
     b = tl.program_id(1)
     b64 = b.to(tl.int64)
@@ -416,9 +477,21 @@ def latent_decode(
     if block_table.device.type == "cpu":
         check_decode_values(q_abs, q_rope, kv_cache, block_table, seq_lens, head_to_rope, fp8)
     plan = plan_launch(
-        q_abs, q_rope, kv_cache, block_table, seq_lens, head_to_rope, softmax_scale,
-        num_splits, block_n, max_seq_len, fp8, block_m, backend, multiprocessor_count(device),
-    )  # fmt: skip
+        q_abs,
+        q_rope,
+        kv_cache,
+        block_table,
+        seq_lens,
+        head_to_rope,
+        softmax_scale,
+        num_splits,
+        block_n,
+        max_seq_len,
+        fp8,
+        block_m,
+        backend,
+        multiprocessor_count(device),
+    )
     if plan.split_grid[0] and plan.split_grid[2]:
         _split_kernel[plan.split_grid](*plan.split_args, **plan.split_kwargs)
         _merge_kernel[plan.merge_grid](*plan.merge_args, **plan.merge_kwargs)
@@ -538,28 +611,74 @@ def plan_launch(
     r_arg = r4 if d_r else q4  # never read without rope
     row_blocks = triton.cdiv(rows, block_m)
     split_args = (
-        q4, r_arg, kv_cache, block_table, seq_lens, head_to_rope,
-        part_out, part_lse,
+        q4,
+        r_arg,
+        kv_cache,
+        block_table,
+        seq_lens,
+        head_to_rope,
+        part_out,
+        part_lse,
         float(softmax_scale),
-        q4.stride(0), q4.stride(1), q4.stride(2), r_arg.stride(0), r_arg.stride(1), r_arg.stride(2),
-        kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        h, s_q, d_c, max(d_r, 1), kv_cache.shape[1], num_splits,
-        fp8.rope_offset if fp8 else d_c, fp8.scale_offset if fp8 else d_c,
-    )  # fmt: skip
+        q4.stride(0),
+        q4.stride(1),
+        q4.stride(2),
+        r_arg.stride(0),
+        r_arg.stride(1),
+        r_arg.stride(2),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        block_table.stride(0),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        h,
+        s_q,
+        d_c,
+        max(d_r, 1),
+        kv_cache.shape[1],
+        num_splits,
+        fp8.rope_offset if fp8 else d_c,
+        fp8.scale_offset if fp8 else d_c,
+    )
     split_kwargs = dict(
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DC=key.block_dc, BLOCK_R=key.block_r,
-        HAS_ROPE=key.has_rope, IEEE=q_abs.dtype == torch.float32, FP8_GROUP=key.fp8_group,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_DC=key.block_dc,
+        BLOCK_R=key.block_r,
+        HAS_ROPE=key.has_rope,
+        IEEE=q_abs.dtype == torch.float32,
+        FP8_GROUP=key.fp8_group,
         num_warps=key.num_warps,
-    )  # fmt: skip
+    )
     merge_args = (
-        part_out, part_lse, out, lse,
-        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(2), lse.stride(0),
-        rows, d_c, num_splits,
-    )  # fmt: skip
+        part_out,
+        part_lse,
+        out,
+        lse,
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        out.stride(0),
+        out.stride(2),
+        lse.stride(0),
+        rows,
+        d_c,
+        num_splits,
+    )
     merge_kwargs = dict(BLOCK_M=block_m, BLOCK_DC=key.block_dc, num_warps=MERGE_WARPS)
     return Launch(
-        (row_blocks if h else 0, num_splits, b), split_args, split_kwargs,
-        (row_blocks if h else 0, b), merge_args, merge_kwargs, out, lse, key,
-    )  # fmt: skip
+        (row_blocks if h else 0, num_splits, b),
+        split_args,
+        split_kwargs,
+        (row_blocks if h else 0, b),
+        merge_args,
+        merge_kwargs,
+        out,
+        lse,
+        key,
+    )

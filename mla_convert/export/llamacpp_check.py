@@ -135,9 +135,12 @@ def check_llamacpp(
     worst = max((max(m) for m in margins if m), default=0.0)
     bf16 = record.get("dtype") == "bfloat16"
     mean_max, abs_max, margin = (
-        Q8_CACHE if cache_type != "f16" else
-        (engine_check.MEAN_MAX, engine_check.ABS_MAX, engine_check.GREEDY_MARGIN) if bf16 else (MEAN_MAX, ABS_MAX, GREEDY_MARGIN)
-    )  # fmt: skip
+        Q8_CACHE
+        if cache_type != "f16"
+        else (engine_check.MEAN_MAX, engine_check.ABS_MAX, engine_check.GREEDY_MARGIN)
+        if bf16
+        else (MEAN_MAX, ABS_MAX, GREEDY_MARGIN)
+    )
     reasons = []
     if not quantized and (float(diff.mean()) > mean_max or float(diff.max()) > abs_max):
         reasons.append(f"prompt log-probabilities differ by mean {float(diff.mean()):.4f} / max {float(diff.max()):.4f} "
