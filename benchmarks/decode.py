@@ -328,7 +328,7 @@ def gpu_bench(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
     from triton.testing import do_bench_cudagraph
 
     from mla_convert.kernels import fp8 as F8
-    from mla_convert.kernels import latent_decode_reference, load_kernel
+    from mla_convert.kernels import latent_decode_reference, launch, load_kernel
 
     kernel = load_kernel()
     dev = torch.device("cuda")
@@ -460,9 +460,9 @@ def gpu_bench(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
                         softmax_scale=scale,
                         fp8=lay,
                     )
-                    splits = kernel.default_num_splits(
+                    splits = launch.default_num_splits(
                         b, h, per_request * GPU_PAGE, d_c, cache.shape[2] * cache.element_size(),
-                        kernel.multiprocessor_count(dev), kernel.default_block_n(d_c),
+                        launch.multiprocessor_count(dev), launch.default_block_n(d_c),
                     )  # fmt: skip
                     out, _ = call()
                     n = min(b, 2)  # the float64 oracle on the first requests

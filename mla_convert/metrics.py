@@ -254,8 +254,11 @@ def head_scores(
     """
     if ids.numel() == 0:
         raise ValueError("no evaluation windows")
-    ref = reference_scores(reference, ids, head, head_dtype, vocab_chunk) if isinstance(reference, tuple) \
-        else reference  # fmt: skip
+    ref = (
+        reference_scores(reference, ids, head, head_dtype, vocab_chunk)
+        if isinstance(reference, tuple)
+        else reference
+    )
     if ref is not None and (len(ref.lse) != ids.shape[0] or ref.head_dtype != head_dtype):
         raise ValueError(
             f"reference scores of {len(ref.lse)} windows rounded to {ref.head_dtype} for {ids.shape[0]} windows "

@@ -1,6 +1,6 @@
 """Compile the decode kernels for NVIDIA GPUs without a GPU: Triton's own compiler entry points, then ``cuobjdump``.
 
-What is compiled is what launches: for each shape of a set, :func:`~mla_convert.kernels.latent_decode.plan_launch`
+What is compiled is what launches: for each shape of a set, :func:`~mla_convert.kernels.launch.plan_launch`
 plans the two launches over the product's own paged cache rows (:class:`~mla_convert.runtime.paged_cache.
 PagedLatentCache`, page size :data:`PAGE_SIZE`, rows padded as it pads them, FP8 rows included), and
 :func:`~mla_convert.kernels.variants.launch_specialization` gives each launch's specialisation key -- the
@@ -107,7 +107,7 @@ class Variant:
     """One kernel launch as Triton's JIT would compile it.
 
     Attributes:
-        kernel: ``split`` or ``merge``; key: the :class:`~mla_convert.kernels.latent_decode.LaunchKey`; spec: the
+        kernel: ``split`` or ``merge``; key: the :class:`~mla_convert.kernels.launch.LaunchKey`; spec: the
             specialisation key (:func:`~mla_convert.kernels.variants.launch_specialization`); d_c, d_r: the
             shape it was planned for (the first of the set with this key).
     """
@@ -130,6 +130,7 @@ def planned(dtype: str, d_c: int, d_r: int, fp8_group: int = 0) -> list[Variant]
 
     from . import latent_decode as ld
     from .fp8 import layout
+    from .launch import plan_launch
     from .variants import launch_specialization
 
     dt = getattr(torch, dtype)
@@ -137,11 +138,19 @@ def planned(dtype: str, d_c: int, d_r: int, fp8_group: int = 0) -> list[Variant]
     cache = PagedLatentCache([d_c + d_r], PAGE_SIZE, 2, dtype=dt, fp8=lays)
     q_abs = torch.zeros(1, 1, HEADS, d_c, dtype=dt)
     q_rope = torch.zeros(1, 1, HEADS, d_r, dtype=dt)
-    plan = ld.plan_launch(
-        q_abs, q_rope, cache.pages[0], torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
-        torch.zeros(HEADS, dtype=torch.int32), 0.125, max_seq_len=2 * PAGE_SIZE,
-        fp8=lays[0] if lays else None, backend="triton-cuda", sm_count=132,
-    )  # fmt: skip
+    plan = plan_launch(
+        q_abs,
+        q_rope,
+        cache.pages[0],
+        torch.zeros(1, 2, dtype=torch.int32),
+        torch.ones(1, dtype=torch.int32),
+        torch.zeros(HEADS, dtype=torch.int32),
+        0.125,
+        max_seq_len=2 * PAGE_SIZE,
+        fp8=lays[0] if lays else None,
+        backend="triton-cuda",
+        sm_count=132,
+    )
     split = launch_specialization(ld._split_kernel, plan.split_args, plan.split_kwargs)
     merge = launch_specialization(ld._merge_kernel, plan.merge_args, plan.merge_kwargs)
     return [Variant("split", plan.key, split, d_c, d_r), Variant("merge", plan.key, merge, d_c, d_r)]
@@ -181,9 +190,18 @@ def compile_variant(variant: Variant, arch: int) -> Compiled:
     seconds = time.perf_counter() - start
     regs, stack, local, smem = _resources(compiled.asm["cubin"])
     return Compiled(
-        variant.kernel, arch, asdict(variant.key), regs, stack, local, smem, warps, round(seconds, 2),
-        {"d_c": variant.d_c, "d_r": variant.d_r}, json.loads(json.dumps(variant.spec)),
-    )  # fmt: skip
+        variant.kernel,
+        arch,
+        asdict(variant.key),
+        regs,
+        stack,
+        local,
+        smem,
+        warps,
+        round(seconds, 2),
+        {"d_c": variant.d_c, "d_r": variant.d_r},
+        json.loads(json.dumps(variant.spec)),
+    )
 
 
 def variants(which: str) -> list[Variant]:

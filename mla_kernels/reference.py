@@ -107,9 +107,13 @@ def check_decode_inputs(
             f"softmax_scale must be a positive float (the source model's); got {softmax_scale!r}"
         )
     named = {
-        "q_abs": q_abs, "q_rope": q_rope, "kv_cache": kv_cache, "block_table": block_table,
-        "seq_lens": seq_lens, "head_to_rope": head_to_rope,
-    }  # fmt: skip
+        "q_abs": q_abs,
+        "q_rope": q_rope,
+        "kv_cache": kv_cache,
+        "block_table": block_table,
+        "seq_lens": seq_lens,
+        "head_to_rope": head_to_rope,
+    }
     devices = {name: t.device for name, t in named.items()}
     if len(set(devices.values())) > 1:
         where = ", ".join(f"{name} on {dev}" for name, dev in devices.items())

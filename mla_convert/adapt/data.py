@@ -203,16 +203,18 @@ def build_data(
             val_docs = splits["evaluation"]
         if spec.loss == "assistant" and not chat_held_out:
             chat_held_out = [d for d in splits["evaluation"] if d.loss_spans]
-        sources.append({
-            "spec": name,
-            "train_documents": documents_record(train_docs),
-            "held_out_documents": documents_record(splits["evaluation"] + splits["calibration"]),
-            "train_tokens": total,
-            "train_rows": int(ids.shape[0]),
-            "loss": spec.loss,
-            "loss_tokens": int(mask.sum()),
-            "weight": spec.weight,
-        })  # fmt: skip
+        sources.append(
+            {
+                "spec": name,
+                "train_documents": documents_record(train_docs),
+                "held_out_documents": documents_record(splits["evaluation"] + splits["calibration"]),
+                "train_tokens": total,
+                "train_rows": int(ids.shape[0]),
+                "loss": spec.loss,
+                "loss_tokens": int(mask.sum()),
+                "weight": spec.weight,
+            }
+        )
     train = torch.cat(trains)
     what = " + ".join(repr(s["spec"]) for s in sources)
     if train.shape[0] < rows_per_step:

@@ -125,8 +125,10 @@ class AdaptOptions(BaseModel):
         if self.trainable != "attention":
             problems.append(f"it needs trainable 'attention' (got {self.trainable!r})")
         if self.hidden_weight:
-            problems.append(f"it has no end-to-end forward for the hidden-state term: hidden_weight must be 0 "
-                            f"(got {self.hidden_weight:g})")  # fmt: skip
+            problems.append(
+                f"it has no end-to-end forward for the hidden-state term: hidden_weight must be 0 "
+                f"(got {self.hidden_weight:g})"
+            )
         if problems:
             raise ValueError(
                 "objective attention-transfer fits each attention block alone: " + "; ".join(problems)

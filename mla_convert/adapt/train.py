@@ -199,9 +199,14 @@ def _setup(ckpt: Path, options: AdaptOptions, src: SourceModel, work: Path, resu
     steps = total_steps(options, world)
     per_step = options.batch_size * options.grad_accum * world
     data = build_data(
-        tokenizer, data_specs(options.text, options.data), options.seq_len, options.eval_windows,
-        rows_per_step=per_step, rows_needed=steps * per_step, seed=options.seed,
-    )  # fmt: skip
+        tokenizer,
+        data_specs(options.text, options.data),
+        options.seq_len,
+        options.eval_windows,
+        rows_per_step=per_step,
+        rows_needed=steps * per_step,
+        seed=options.seed,
+    )
     if resume:
         check_data(work, data.record)
     other = None
@@ -230,9 +235,22 @@ def _setup(ckpt: Path, options: AdaptOptions, src: SourceModel, work: Path, resu
     # itself, and evaluation must stay float32 (comparable across runs), so drop the wrapper.
     accelerator.unwrap_model(model, keep_fp32_wrapper=False)
     return _Job(
-        options, accelerator, model, teacher, optimizer, scheduler, params, data, other, chat, inventory,
-        transfer, layers, steps, work,
-    )  # fmt: skip
+        options,
+        accelerator,
+        model,
+        teacher,
+        optimizer,
+        scheduler,
+        params,
+        data,
+        other,
+        chat,
+        inventory,
+        transfer,
+        layers,
+        steps,
+        work,
+    )
 
 
 def _trainable(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
@@ -431,10 +449,18 @@ def _finish(
         model = job.accelerator.unwrap_model(job.model)
         model.eval()
         report = adapt_report(
-            ckpt, job.options, world=world, steps=job.steps, metrics=job.metrics, final=final, wall_s=wall_s,
-            steps_here=steps_here, data_record=job.data.record, inventory=job.inventory,
+            ckpt,
+            job.options,
+            world=world,
+            steps=job.steps,
+            metrics=job.metrics,
+            final=final,
+            wall_s=wall_s,
+            steps_here=steps_here,
+            data_record=job.data.record,
+            inventory=job.inventory,
             chat=job.chat.record if job.chat is not None else None,
-        )  # fmt: skip
+        )
         manifest = adaptation_manifest(
             ckpt,
             job.options,

@@ -38,8 +38,10 @@ def check_target(target: str, shaping: bool = True) -> None:
     from mla_convert.convert.options.engine import SHAPE_TARGETS, TARGETS
 
     if not shaping and target == "llama.cpp":
-        fail("--target llama.cpp is served from a GGUF: use --format gguf (llama.cpp's own converter cannot make "
-             "a loadable GGUF of a DeepSeek-V3 folder without a q_lora_rank; docs/serving.md)")  # fmt: skip
+        fail(
+            "--target llama.cpp is served from a GGUF: use --format gguf (llama.cpp's own converter cannot make "
+            "a loadable GGUF of a DeepSeek-V3 folder without a q_lora_rank; docs/serving.md)"
+        )
     allowed = SHAPE_TARGETS if shaping else TARGETS
     if target not in allowed:
         fail(f"--target {target!r} is not one of {', '.join(allowed)} (SGLang takes the vllm shapes: --target vllm)")
@@ -94,10 +96,16 @@ def export_after(out: Path, fmt: str, overwrite: bool, target: str = TARGET_DEFA
             manifest = export_checkpoint(out, dest, fmt, overwrite, note=note, target=export_target(target))
     except typer.Exit as exc:
         if exc.exit_code == 130:  # user_errors' interrupt: OUT itself is complete, only the export is missing
-            rest = (f"{gguf_sibling(out)} --format gguf" if fmt == "gguf" else f"{export_folder(out, fmt)} --target "
-                    f"{export_target(target)}")  # fmt: skip
-            err_console.print(f"{out} is complete; the export was not written: mla-convert export {out} {rest}",
-                              highlight=False, markup=False)  # fmt: skip
+            rest = (
+                f"{gguf_sibling(out)} --format gguf"
+                if fmt == "gguf"
+                else f"{export_folder(out, fmt)} --target {export_target(target)}"
+            )
+            err_console.print(
+                f"{out} is complete; the export was not written: mla-convert export {out} {rest}",
+                highlight=False,
+                markup=False,
+            )
         raise
     print_export(dest, manifest)
 

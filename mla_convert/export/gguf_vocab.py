@@ -33,9 +33,17 @@ from mla_convert.export.deepseek_v3 import ExportError
 
 #: The files of a Hugging Face tokenizer a checkpoint may carry (copied to the converter's staging folder).
 HF_TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json", "generation_config.json",
-)  # fmt: skip
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
 #: Source ``model_type`` -> the architecture llama.cpp's converter reads the tokenizer as.
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 #: Seconds the converter may take (a vocabulary of ~150k tokens takes ~10 s).
@@ -107,13 +115,18 @@ def tokenizer_problem(ckpt: Path) -> str | None:
 def _hf_problem(ckpt: Path) -> str | None:
     """Why the Hugging Face tokenizer in ``ckpt`` cannot be written as GGUF keys (None: it can)."""
     if not has_hf_tokenizer(ckpt):
-        return (f"{ckpt} holds no tokenizer (tokenizer.json or tokenizer.model) and was not converted from a GGUF file "
-                "still at its recorded path with its recorded sha256: copy the source's tokenizer files into it, or "
-                "convert from the .gguf file")  # fmt: skip
+        return (
+            f"{ckpt} holds no tokenizer (tokenizer.json or tokenizer.model) and was not converted from a GGUF file "
+            "still at its recorded path with its recorded sha256: copy the source's tokenizer files into it, or "
+            "convert from the .gguf file"
+        )
     if vocab_converter() is None:
         env, root = os.environ.get("MLA_LLAMACPP_PYTHON"), os.environ.get("MLA_LLAMACPP_VENV_ROOT")
-        where = (f"MLA_LLAMACPP_PYTHON={env} has no llama.cpp/convert_hf_to_gguf.py beside its venv" if env else
-                 f"no llama.cpp venv was found in {root or '~/.cache/mla-convert'}")  # fmt: skip
+        where = (
+            f"MLA_LLAMACPP_PYTHON={env} has no llama.cpp/convert_hf_to_gguf.py beside its venv"
+            if env
+            else f"no llama.cpp venv was found in {root or '~/.cache/mla-convert'}"
+        )
         return (f"{ckpt}'s tokenizer is a Hugging Face one, which the GGUF export writes with llama.cpp's own "
                 f"convert_hf_to_gguf.py --vocab-only, and {where}: run `bash scripts/llamacpp_env.sh` (it builds the "
                 "venv and keeps the converter) and point MLA_LLAMACPP_PYTHON at the python it prints, or unset it")
@@ -182,14 +195,24 @@ def tokenizer_fields(ckpt: Path, config: Any) -> tuple[list[tuple[str, Any, Any,
             if (ckpt / name).is_file():
                 shutil.copyfile(ckpt / name, stage / name)
         heads = int(config.num_attention_heads)
-        (stage / "config.json").write_text(json.dumps({
-            "architectures": [_ARCHITECTURES.get(model_type, "LlamaForCausalLM")], "model_type": model_type,
-            "vocab_size": int(config.vocab_size), "hidden_size": int(config.hidden_size),
-            "num_hidden_layers": int(config.num_hidden_layers), "num_attention_heads": heads,
-            "num_key_value_heads": heads, "intermediate_size": int(config.intermediate_size),
-            "rms_norm_eps": float(config.rms_norm_eps), "max_position_embeddings": int(config.max_position_embeddings),
-            "rope_theta": 10000.0, "tie_word_embeddings": bool(config.tie_word_embeddings),
-        }))  # fmt: skip
+        (stage / "config.json").write_text(
+            json.dumps(
+                {
+                    "architectures": [_ARCHITECTURES.get(model_type, "LlamaForCausalLM")],
+                    "model_type": model_type,
+                    "vocab_size": int(config.vocab_size),
+                    "hidden_size": int(config.hidden_size),
+                    "num_hidden_layers": int(config.num_hidden_layers),
+                    "num_attention_heads": heads,
+                    "num_key_value_heads": heads,
+                    "intermediate_size": int(config.intermediate_size),
+                    "rms_norm_eps": float(config.rms_norm_eps),
+                    "max_position_embeddings": int(config.max_position_embeddings),
+                    "rope_theta": 10000.0,
+                    "tie_word_embeddings": bool(config.tie_word_embeddings),
+                }
+            )
+        )
         out = Path(tmp) / "vocab.gguf"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         cmd = [sys.executable, str(converter), str(stage), "--vocab-only", "--outfile", str(out)]

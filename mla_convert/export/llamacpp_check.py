@@ -2,8 +2,8 @@
 
 ``python -m mla_convert.export.llamacpp_check CKPT MODEL.gguf --llamacpp-python PY [--source-gguf SRC.gguf] [--json OUT]``
 
-The request is :func:`~mla_convert.export.engine_check.build_request`'s (real text windows and prompts through
-CKPT's tokenizer) and the comparison :func:`~mla_convert.export.engine_check.agreement` (log-probability of every
+The request is :func:`~mla_convert.export.parity.build_request`'s (real text windows and prompts through
+CKPT's tokenizer) and the comparison :func:`~mla_convert.export.parity.agreement` (log-probability of every
 scored token, greedy tokens against our argmax), as for vLLM. llama.cpp (``PY``, a venv from
 ``scripts/llamacpp_env.sh``) runs :mod:`~mla_convert.export.llamacpp_probe`: float32 weights (the GGUF's), f16
 cache, 1 thread. Passed when mean |d log p| <= :data:`MEAN_MAX` and max <= :data:`ABS_MAX`, every greedy token is our
@@ -15,7 +15,7 @@ Thresholds (float32 weights, f16 cache): measured on the SmolLM2 reference expor
 2 threads) mean 0.0011 / max 0.0085 over 2 x 128 tokens before the latent was padded to blocks of 32 (9.4e-04 /
 0.011 after: README's engine table), 32/32 greedy tokens our argmax (the f16 cache's rounding; a tester saw mean
 0.001 / max 0.028 over 2 x 256); ``attn_k_b`` with its heads in reverse order (a mapping bug that loads)
-gives mean 0.28 / max 2.5. A bfloat16 GGUF is held to the bfloat16 thresholds every bf16 engine is held to (:data:`~mla_convert.export.engine_check.MEAN_MAX`, ``ABS_MAX``, ``GREEDY_MARGIN``: the reference's bf16 GGUF
+gives mean 0.28 / max 2.5. A bfloat16 GGUF is held to the bfloat16 thresholds every bf16 engine is held to (:data:`~mla_convert.export.parity.MEAN_MAX`, ``ABS_MAX``, ``GREEDY_MARGIN``: the reference's bf16 GGUF
 measured mean 0.0152 / max 0.0802, its weights rounded once more than the float32 checkpoint's). Quantized files are measured with the same code and are not held to these
 thresholds (``quantized: true``). Raises nothing on a mismatch: the record says ``passed: false``.
 """
@@ -116,8 +116,8 @@ def check_llamacpp(
     from transformers import AutoTokenizer
 
     from mla_convert import register
-    from mla_convert.export import engine_check
-    from mla_convert.export.engine_check import PROMPTS, agreement, build_request
+    from mla_convert.export import parity
+    from mla_convert.export.parity import PROMPTS, agreement, build_request
     from mla_convert.mla.checkpoint import load_checkpoint
 
     register()  # the checkpoint's config type, before its tokenizer is read (else transformers warns about `mla`)
@@ -135,9 +135,12 @@ def check_llamacpp(
     worst = max((max(m) for m in margins if m), default=0.0)
     bf16 = record.get("dtype") == "bfloat16"
     mean_max, abs_max, margin = (
-        Q8_CACHE if cache_type != "f16" else
-        (engine_check.MEAN_MAX, engine_check.ABS_MAX, engine_check.GREEDY_MARGIN) if bf16 else (MEAN_MAX, ABS_MAX, GREEDY_MARGIN)
-    )  # fmt: skip
+        Q8_CACHE
+        if cache_type != "f16"
+        else (parity.MEAN_MAX, parity.ABS_MAX, parity.GREEDY_MARGIN)
+        if bf16
+        else (MEAN_MAX, ABS_MAX, GREEDY_MARGIN)
+    )
     reasons = []
     if not quantized and (float(diff.mean()) > mean_max or float(diff.max()) > abs_max):
         reasons.append(f"prompt log-probabilities differ by mean {float(diff.mean()):.4f} / max {float(diff.max()):.4f} "
@@ -154,7 +157,7 @@ def check_llamacpp(
         "engine": f"llama.cpp (llama-cpp-python {result['llama_cpp']}, CPU, 1 thread, {cache_type} cache)",
         "dtype": record.get("dtype"),
         "quantized": quantized,
-        "text": engine_check.scored_text(request),
+        "text": parity.scored_text(request),
         "tokens_scored": int(diff.numel()),
         "logprob_abs_diff": {"mean": float(diff.mean()), "max": float(diff.max())},
         "greedy": {

@@ -5,7 +5,7 @@ mla-convert (nor torch), so it runs beside any MLX-LM install::
 
     python mlx_probe.py EXPORT REQUEST.json RESULT.json
 
-``REQUEST.json``: the request of :func:`mla_convert.export.engine_check.build_request` (``score``, ``greedy``,
+``REQUEST.json``: the request of :func:`mla_convert.export.parity.build_request` (``score``, ``greedy``,
 ``new_tokens``; ``dtype``: ``float32`` / ``bfloat16`` casts MLX's parameters, ``null`` keeps the file's).
 ``RESULT.json``: for each ``score`` sequence the log-probability MLX gives each token after the first
 (``prompt_logprobs``, one forward pass of the whole sequence: MLX-LM's prefill path, the latent expanded by

@@ -193,9 +193,12 @@ def parity(ckpt: Path, staged: Path, tokenizer_dir: Path, dtype: torch.dtype = t
         eos = stock.generation_config.eos_token_id
         stock.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=0)
         seq = stock.generate(
-            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=PARITY_GREEDY,
-            min_new_tokens=PARITY_GREEDY, do_sample=False,
-        )  # fmt: skip
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=PARITY_GREEDY,
+            min_new_tokens=PARITY_GREEDY,
+            do_sample=False,
+        )
         a = seq[0, p:]
         # our greedy token after each prefix of stock's continuation, in one forward, under the same rules (EOS
         # excluded): our own greedy run equals stock's up to the first token where these differ, up to the float

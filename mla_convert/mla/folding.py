@@ -1,4 +1,4 @@
-"""Inference folding of the MLA up-projections (:meth:`~mla_convert.mla.modeling.MLAAttention.set_folding`).
+"""Inference folding of the MLA up-projections (:meth:`~mla_convert.mla.attention.MLAAttention.set_folding`).
 
 On the absorbed and triton paths every query is absorbed into the latent (``q_abs = W_UK[g]^T q_nope``) and
 the attended latent is up-projected (``W_UV[g] @ latent_out``) before ``o_proj``. Folding ``W_UK`` into the
@@ -18,7 +18,7 @@ from mla_convert.mla import algebra
 
 
 class Foldable(Protocol):
-    """What folding reads of an attention layer (:class:`~mla_convert.mla.modeling.MLAAttention` has it all)."""
+    """What folding reads of an attention layer (:class:`~mla_convert.mla.attention.MLAAttention` has it all)."""
 
     q_proj: nn.Linear
     kv_b_proj: nn.Linear

@@ -24,8 +24,22 @@ from mla_convert.validate.options import LadderSettings
 EXPORT_FLOATS = ("auto", "float32", "bfloat16", "float16")
 #: The quantized weight types of ``format: gguf``, through llama.cpp's own quantizer (the keys of
 #: :data:`mla_convert.export.gguf_file.GGUF_QUANTS`; a test keeps the two equal).
-GGUF_QUANT_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m",
-                    "q5_k_s", "q5_k_m", "q6_k")  # fmt: skip
+GGUF_QUANT_TYPES = (
+    "q8_0",
+    "q4_0",
+    "q4_1",
+    "q5_0",
+    "q5_1",
+    "q2_k",
+    "q3_k_s",
+    "q3_k_m",
+    "q3_k_l",
+    "q4_k_s",
+    "q4_k_m",
+    "q5_k_s",
+    "q5_k_m",
+    "q6_k",
+)
 ExportDtype = Literal[
     "auto", "float32", "bfloat16", "float16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k_s", "q3_k_m",
     "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k",
@@ -91,8 +105,10 @@ class ExportSettings(BaseModel):
             ValueError: ``dtype`` one of :data:`GGUF_QUANT_TYPES` with ``format: deepseek-v3``.
         """
         if info.data.get("format", "gguf") != "gguf" and dtype in GGUF_QUANT_TYPES:
-            raise ValueError("a llama.cpp weight type: use format gguf, or dtype auto / float32 / "
-                             "bfloat16 for a DeepSeek-V3 folder")  # fmt: skip
+            raise ValueError(
+                "a llama.cpp weight type: use format gguf, or dtype auto / float32 / "
+                "bfloat16 for a DeepSeek-V3 folder"
+            )
         return dtype
 
 

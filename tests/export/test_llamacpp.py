@@ -31,10 +31,10 @@ def reference_gguf(llamacpp_python, reference_ckpt, tmp_path_factory) -> tuple[P
 
 
 def _scored(ckpt) -> int:
-    """Tokens an engine check scores: 2 x 127 of text, then every short prompt's (engine_check.build_request)."""
+    """Tokens an engine check scores: 2 x 127 of text, then every short prompt's (parity.build_request)."""
     from transformers import AutoTokenizer
 
-    from mla_convert.export.engine_check import build_request
+    from mla_convert.export.parity import build_request
 
     request = build_request(AutoTokenizer.from_pretrained(str(ckpt)))
     assert sum(len(ids) - 1 for ids in request["score"][:2]) == 254

@@ -28,7 +28,8 @@ def cpu_export(reference_ckpt, tmp_path_factory):
 
 
 def test_reference_export_is_exact_in_vllm(vllm_python, cpu_export, reference_ckpt):
-    from mla_convert.export.engine_check import ABS_MAX, FLOOR_FACTOR, GREEDY_MARGIN, MEAN_MAX, check_vllm
+    from mla_convert.export.engine_check import check_vllm
+    from mla_convert.export.parity import ABS_MAX, FLOOR_FACTOR, GREEDY_MARGIN, MEAN_MAX
 
     out, output = cpu_export
     assert "compilation-config '{\"custom_ops\": [\"none\"]}'" in output  # the serve command we print

@@ -33,14 +33,14 @@ from tiny import copy_tokenizer, write_tiny_llama
 from typer.testing import CliRunner
 
 from mla_convert.cli.commands import app
-from mla_convert.export.engine_check import (
+from mla_convert.export.engine_check import check_plugin
+from mla_convert.export.parity import (
     ABS_MAX,
     FLOOR_FACTOR,
     GREEDY_MARGIN,
     MEAN_MAX,
     _token_logprobs,
     build_request,
-    check_plugin,
 )
 
 #: Weight std of the tiny sources (module docstring).

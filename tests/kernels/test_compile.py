@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import mla_convert  # noqa: F401  (sets TRITON_INTERPRET=1 on CPU before triton is imported)
+from mla_convert.kernels import launch as L
 from mla_convert.kernels import load_kernel
 
 K = load_kernel()
@@ -131,7 +132,7 @@ def test_a_64_step_decode_compiles_no_variant_mid_generation(monkeypatch: pytest
 
     monkeypatch.setattr(K, "plan_launch", plan)
     monkeypatch.setattr(K, "multiprocessor_count", lambda device: 132)
-    monkeypatch.setattr(K, "default_block_m", lambda rows, backend: K.BLOCK_M)
+    monkeypatch.setattr(L, "default_block_m", lambda rows, backend: L.BLOCK_M)
     prompt = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     with record_launches(K) as seen:
         res = generate(model, prompt, 65, backend="triton", page_size=4)

@@ -45,6 +45,7 @@ import torch
 
 import mla_convert  # noqa: F401  (sets TRITON_INTERPRET=1 before triton is imported, on CPU)
 from mla_convert.kernels import kernel_backend, latent_decode_reference, load_kernel
+from mla_convert.kernels import launch as L
 
 K = load_kernel()
 
@@ -190,11 +191,11 @@ def test_head_counts_not_dividing_head_block(heads, rope_heads):
     """BLOCK_M = 16 query rows (heads here) per program, as compiled for a GPU: H = 1, 9 (partial block), 16, 20
     and 33 (2-3 blocks, last partial), each rope head shared by H / R query heads (``h // (H / R)``); and the
     interpreter's default of one program per request's rows, which must give the same rows to float rounding."""
-    assert K.BLOCK_M == 16
+    assert L.BLOCK_M == 16
     case = make_case([37, 0, 100], 16, heads, d_c=64, rope_heads=rope_heads, d_r=8, seed=heads)
     out16, lse16 = check(case, block_m=16)
-    assert K.default_block_m(heads, "triton-cuda") == 16
-    assert K.default_block_m(heads, kernel_backend()) == max(16, 1 << (heads - 1).bit_length())
+    assert L.default_block_m(heads, "triton-cuda") == 16
+    assert L.default_block_m(heads, kernel_backend()) == max(16, 1 << (heads - 1).bit_length())
     out, lse = check(case)
     assert torch.equal(lse.isinf(), lse16.isinf())  # the empty request on both
     seen = case.seq_lens > 0
@@ -274,8 +275,8 @@ def test_block_n_variants(block_n):
 
 
 def _splits(batch, heads, length, d_c=512, d_r=64, elem=2, sms=132, s_q=1):
-    return K.default_num_splits(
-        batch, s_q * heads, length, d_c, (d_c + d_r) * elem, sms, K.default_block_n(d_c)
+    return L.default_num_splits(
+        batch, s_q * heads, length, d_c, (d_c + d_r) * elem, sms, L.default_block_n(d_c)
     )
 
 
@@ -291,7 +292,7 @@ def test_default_num_splits_fill_the_device():
     assert _splits(0, 128, 4096) == 1
     for batch, heads, length in [(1, 9, 513), (2, 128, 100_000), (3, 16, 2048), (1, 128, 64)]:
         s = _splits(batch, heads, length)
-        assert s & (s - 1) == 0 and 1 <= s <= K.MAX_SPLITS  # powers of two: few distinct launch shapes
+        assert s & (s - 1) == 0 and 1 <= s <= L.MAX_SPLITS  # powers of two: few distinct launch shapes
     # the CPU interpreter runs programs one after another: splitting only adds merge work there
     assert _splits(1, 9, 4096, sms=1) == 1
 
@@ -302,7 +303,7 @@ def test_split_partials_stay_below_a_quarter_of_the_cache_bytes():
     for batch, heads, length, d_c in [(1, 128, 4096, 512), (4, 128, 32768, 512), (1, 9, 2048, 96)]:
         s = _splits(batch, heads, length, d_c=d_c)
         partials = s * heads * d_c * 4
-        assert partials <= K.PARTIAL_BYTES_FRACTION * length * (d_c + 64) * 2 or s == 1
+        assert partials <= L.PARTIAL_BYTES_FRACTION * length * (d_c + 64) * 2 or s == 1
 
 
 # ------------------------------------------------------------------------------------ addressing
@@ -576,7 +577,7 @@ def test_interpreter_row_block_covers_a_prefill(num_splits):
     and 35 at BLOCK_M = 16; both agree with the float64 reference, causal inside the chunk, whatever the
     splits."""
     case = make_sq_case([200, 61], 61, heads=9, d_c=64, rope_heads=3, d_r=8, seed=61)
-    assert K.default_block_m(61 * 9, "triton-interpreter") == 1024
+    assert L.default_block_m(61 * 9, "triton-interpreter") == 1024
     out16, lse16 = K.latent_decode(*case.args(), num_splits=num_splits, block_m=16)
     out, lse = K.latent_decode(*case.args(), num_splits=num_splits, block_m=1024)
     for o, ls in ((out16, lse16), (out, lse)):
@@ -653,12 +654,12 @@ def test_host_side_reads_no_device_value(monkeypatch):
         torch.empty(t.shape, dtype=t.dtype, device="meta")
         for t in make_case([5, 40], 16, heads=20, d_c=32).args()[:6]
     ]
-    out, lse = K.latent_decode(*meta, softmax_scale=0.1, max_seq_len=40, block_m=K.BLOCK_M)  # as on a GPU
+    out, lse = K.latent_decode(*meta, softmax_scale=0.1, max_seq_len=40, block_m=L.BLOCK_M)  # as on a GPU
     assert out.device.type == "meta" and out.shape == (2, 20, 32) and lse.shape == (2, 20)
     assert launches[0][1:] == (1, 2) and launches[0][0] == 2 and launches[1] == (2, 2)  # 2 row blocks
     launches.clear()
     K.latent_decode(*meta, softmax_scale=0.1, max_seq_len=40)  # the interpreter's default: one row block
-    assert launches[0][0] == -(-20 // K.default_block_m(20, kernel_backend()))
+    assert launches[0][0] == -(-20 // L.default_block_m(20, kernel_backend()))
 
 
 def test_large_score_scale_lse_relative():

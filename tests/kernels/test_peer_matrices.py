@@ -59,6 +59,7 @@ import torch.nn.functional as F
 import mla_convert  # noqa: F401  (sets TRITON_INTERPRET=1 before triton is imported, on CPU)
 from mla_convert.kernels import fp8 as F8
 from mla_convert.kernels import latent_decode_reference, load_kernel
+from mla_convert.kernels import launch as L
 
 K = load_kernel()
 
@@ -132,7 +133,7 @@ class Paged:
     def run(self, **kw) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernel with the row blocks of 16 it is compiled with on a GPU (the interpreter's default takes
         a request's rows in one program; the peers' head counts are about blocks of 16)."""
-        kw.setdefault("block_m", K.BLOCK_M)
+        kw.setdefault("block_m", L.BLOCK_M)
         return K.latent_decode(*self.args(), fp8=self.fp8, **kw)
 
     def reference(self) -> tuple[torch.Tensor, torch.Tensor]:

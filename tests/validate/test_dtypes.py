@@ -143,7 +143,7 @@ def test_fp16_checkpoint_runs_the_kernel_in_fp16(converted: dict[str, Path], tin
 
 
 def test_in_dtype_round_trips_the_weights(converted: dict[str, Path]) -> None:
-    from mla_convert.validate.rungs import in_dtype
+    from mla_convert.validate.measure import in_dtype
 
     model = load_checkpoint(converted["bfloat16"])
     before = {k: v.clone() for k, v in model.state_dict().items()}

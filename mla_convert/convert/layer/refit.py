@@ -8,7 +8,8 @@ import torch
 
 from mla_convert.convert.layer import linalg
 from mla_convert.mla.algebra import causal_mask
-from mla_convert.mla.modeling import MLAAttention, MLAForCausalLM
+from mla_convert.mla.attention import MLAAttention
+from mla_convert.mla.modeling import MLAForCausalLM
 
 
 @torch.no_grad()

@@ -92,9 +92,15 @@ def shape_for_engine(
         )
     strategy = options.rope_strategy if "rope_strategy" in given else "high"
     shaped = options.model_copy(
-        update={"rope_mode": "shared", "rope_strategy": strategy, "rope_pairs": pairs, "cache_budget": None,
-                "cache_fraction": None, "kv_lora_rank": 1}
-    )  # fmt: skip
+        update={
+            "rope_mode": "shared",
+            "rope_strategy": strategy,
+            "rope_pairs": pairs,
+            "cache_budget": None,
+            "cache_fraction": None,
+            "kv_lora_rank": 1,
+        }
+    )
     widest = geometry(shaped, src).max_rank
     rank = options.kv_lora_rank if "kv_lora_rank" in given and options.kv_lora_rank else min(rank_cap, widest)
     shaped = shaped.model_copy(update={"kv_lora_rank": rank})

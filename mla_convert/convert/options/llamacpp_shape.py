@@ -71,10 +71,12 @@ def split_row(row: int, share: float, pairs_max: int, rank_max: int) -> tuple[in
     rank = min(rank_max, row - 2 * pairs)
     if rank < row - 2 * pairs:  # the latent is capped: the rope head takes what it can of the rest
         pairs = min(pairs_max, (row - rank) // 2)
+    # A row that is not whole blocks has no q8_0 split: the rope width would need padding too
     fits = [
-        k for k in range(Q8_0_BLOCK, min(row, rank_max) + 1, Q8_0_BLOCK)
+        k
+        for k in range(Q8_0_BLOCK, min(row, rank_max) + 1, Q8_0_BLOCK)
         if row % Q8_0_BLOCK == 0 and 1 <= (row - k) // 2 <= pairs_max
-    ]  # fmt: skip  (a row that is not whole blocks has no q8_0 split: the rope width would need padding too)
+    ]
     if fits:
         best = min(fits, key=lambda k: (abs(k - rank), -k))
         return best, (row - best) // 2
@@ -171,9 +173,15 @@ def shape_for_llamacpp(
         choices["cache_budget"] = f"{budget_origin}: llama.cpp's served row"
         asked = f"the {row}-value row asked ({budget_origin})"
     shaped = options.model_copy(
-        update={"rope_mode": "shared", "rope_strategy": "high", "rope_pairs": pairs, "kv_lora_rank": rank,
-                "cache_budget": None, "cache_fraction": None}
-    )  # fmt: skip
+        update={
+            "rope_mode": "shared",
+            "rope_strategy": "high",
+            "rope_pairs": pairs,
+            "kv_lora_rank": rank,
+            "cache_budget": None,
+            "cache_fraction": None,
+        }
+    )
     problems = [p for p in export_problems(src, shaped, "transformers", "gguf") if "--target" not in p]
     if problems:
         raise OptionsError(
@@ -184,12 +192,15 @@ def shape_for_llamacpp(
     q8 = (
         f"kv_lora_rank and the row multiples of {Q8_0_BLOCK}, as llama.cpp's q8_0 cache blocks need"
         if ready
-        else (f"the row is not whole blocks of {Q8_0_BLOCK} (llama.cpp's q8_0 cache block): the GGUF export pads the "
-              f"latent to them for a q8_0 cache, since the rope head's {2 * pairs} values are" if (2 * pairs) % Q8_0_BLOCK
-              == 0 else f"the row is not whole blocks of {Q8_0_BLOCK} and the rope head's {2 * pairs} values cannot be "
-              "padded: llama.cpp runs it with an f16 / bf16 / f32 cache, not q8_0; ask for a row that is a multiple of "
-              f"{Q8_0_BLOCK} for one")
-    )  # fmt: skip
+        else (
+            f"the row is not whole blocks of {Q8_0_BLOCK} (llama.cpp's q8_0 cache block): the GGUF export pads the "
+            f"latent to them for a q8_0 cache, since the rope head's {2 * pairs} values are"
+            if (2 * pairs) % Q8_0_BLOCK == 0
+            else f"the row is not whole blocks of {Q8_0_BLOCK} and the rope head's {2 * pairs} values cannot be "
+            "padded: llama.cpp runs it with an f16 / bf16 / f32 cache, not q8_0; ask for a row that is a multiple of "
+            f"{Q8_0_BLOCK} for one"
+        )
+    )
     scaled = f" ({kind} leaves pairs 0..{plain - 1} at their plain frequency)" if plain < half else ""
     why = (
         f"--target {LLAMACPP}: llama.cpp caches one kv_lora_rank + rope head per token per layer for every layer (K "

@@ -297,10 +297,13 @@ def plugin_line(src: Any, options: Any) -> str:
     geo = geometry(options, src)
     latent = options.kv_lora_rank or max(1, round((cache_budget_of(options, src) or 0) - geo.rope_width))
     shape = SimpleNamespace(
-        kv_lora_rank=[latent], num_hidden_layers=1, num_rope_heads=geo.rope_heads,
-        qk_rope_head_dim=2 * geo.rope_pairs, v_head_dim=src.head_dim,
+        kv_lora_rank=[latent],
+        num_hidden_layers=1,
+        num_rope_heads=geo.rope_heads,
+        qk_rope_head_dim=2 * geo.rope_pairs,
+        v_head_dim=src.head_dim,
         qk_nope_head_dim=options.qk_nope_head_dim or geo.query_nope_width,
-    )  # fmt: skip
+    )
     head = "  vLLM plugin (the MLA folder served as written, no export; biases and scaled RoPE too): "
     try:
         served = served_shape(shape, "vllm-cpu")
@@ -335,24 +338,48 @@ def engine_rows(src: Any, options: Any, config: Any) -> list[tuple[str, str, str
             reason = reason.replace(joint, "")
         return "not exact: " + reason.rstrip(" ;,")
 
-    rows = [("transformers", "`import mla_convert`, then `AutoModelForCausalLM.from_pretrained(CKPT)`",
-             "exact (this checkpoint)", f"{sum(widths) / len(widths):g} (mean of the per-layer rows)")]  # fmt: skip
-    rows.append(("vLLM (DeepSeek-V3 export)", "`mla-convert export CKPT OUT --target vllm-cpu` (or `vllm`)",
-                 verdict(export_problems(src, options, "vllm-cpu")), "576 (512 + 64)"))  # fmt: skip
+    rows = [
+        (
+            "transformers",
+            "`import mla_convert`, then `AutoModelForCausalLM.from_pretrained(CKPT)`",
+            "exact (this checkpoint)",
+            f"{sum(widths) / len(widths):g} (mean of the per-layer rows)",
+        )
+    ]
+    rows.append(
+        (
+            "vLLM (DeepSeek-V3 export)",
+            "`mla-convert export CKPT OUT --target vllm-cpu` (or `vllm`)",
+            verdict(export_problems(src, options, "vllm-cpu")),
+            "576 (512 + 64)",
+        )
+    )
     try:
         served = served_shape(config, "vllm-cpu")
         plugin, cache = "exact on vLLM's CPU build (its GPU backends not run)", f"{served.cache_width}"
     except ServeError as exc:
         plugin, cache = f"not served: {exc}", "-"
-    rows.append(("vLLM (mla-convert plugin)", "`pip install --no-deps mla-convert` into vLLM's environment, then "
-                 "serve CKPT (docs/serving.md)", plugin, cache))  # fmt: skip
+    rows.append(
+        (
+            "vLLM (mla-convert plugin)",
+            "`pip install --no-deps mla-convert` into vLLM's environment, then serve CKPT (docs/serving.md)",
+            plugin,
+            cache,
+        )
+    )
     gguf = export_problems(src, options, "transformers", "gguf")
     block = cache_block_rank(max(ranks), rope, 32)
     row = (f"{padded} (f16 cache); {block + rope} with its quantized caches (whole blocks of 32)" if block is not None
            else f"{padded} (f16 / bf16 / f32 caches: a rope key of {rope} is not whole blocks of 32, as its quantized "
            "caches need)")
-    rows.append(("llama.cpp (GGUF export)", "`mla-convert export CKPT OUT.gguf --format gguf`", verdict(gguf),
-                 row if not gguf else "-"))  # fmt: skip
+    rows.append(
+        (
+            "llama.cpp (GGUF export)",
+            "`mla-convert export CKPT OUT.gguf --format gguf`",
+            verdict(gguf),
+            row if not gguf else "-",
+        )
+    )
     return rows
 
 
