@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import sys
 from pathlib import Path
@@ -49,3 +50,40 @@ def test_allow_list_is_still_needed() -> None:
     """An allowed import that no longer exists leaves the list (so it cannot hide a new one later)."""
     present = {(e.importer, e.imported) for e in imports_check.edges(imports_check.modules())}
     assert not ALLOWED - present, f"allowed imports that are gone: {sorted(ALLOWED - present)}"
+
+
+#: Private members of torch and transformers our code overrides or sets (``nn.Module._apply``, a config's
+#: ``_attn_implementation``): theirs, so reading them is not reaching into another of our modules.
+THIRD_PARTY = {"_apply", "_attn_implementation"}
+
+
+def _private_names_defined(root: Path) -> set[str]:
+    """Every private name our package defines: functions, classes, module constants and ``self._x`` attributes."""
+    names: set[str] = set()
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def test_no_module_uses_a_private_member_of_another() -> None:
+    """Issue 49: no module under ``mla_convert/`` imports a private name of another module or reads a private member
+    (one our code defines) of an object other than ``self``/``cls``; third-party internals (``torch``'s
+    ``_buffers``, transformers' ``_attn_implementation``) are not ours to rename and are not counted."""
+    root = Path(__file__).resolve().parents[1] / "mla_convert"
+    ours = _private_names_defined(root) - THIRD_PARTY
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mla_convert"):
+                found += [f"{path}:{node.lineno}: imports {node.module}.{a.name}" for a in node.names if a.name in ours]
+            elif isinstance(node, ast.Attribute) and node.attr in ours:
+                base = node.value.id if isinstance(node.value, ast.Name) else None
+                if base not in ("self", "cls"):
+                    found.append(f"{path}:{node.lineno}: reads {base or '<expr>'}.{node.attr}")
+    assert not found, "\n".join(found)

@@ -262,7 +262,7 @@ def write_gguf(
     """
     import gguf
 
-    from mla_convert.export.write import _attention_loader, _reader
+    from mla_convert.export.write import attention_loader, weights_reader
     from mla_convert.mla.configuration import MLAConfig
 
     config = MLAConfig.from_pretrained(str(ckpt))
@@ -273,9 +273,9 @@ def write_gguf(
         raise ExportError(f"{origin} has {n_vocab} tokens and the checkpoint's embedding {config.vocab_size} rows; "
                           "export --format deepseek-v3 instead")
     say(f"tokenizer: {origin}")
-    tensors = _reader(ckpt)
+    tensors = weights_reader(ckpt)
     order = _tensor_plan(plan, config, tensors)
-    load = _attention_loader(plan, config, tensors)
+    load = attention_loader(plan, config, tensors)
     record = gguf_record(plan, final or dtype)
     record["tokenizer"] = origin
     writer = gguf.GGUFWriter(str(path), "deepseek2")

@@ -69,14 +69,14 @@ def export_folder(out: Path, fmt: str) -> Path:
     return out.with_name(f"{out.name}-{fmt}")
 
 
-def _reader(ckpt: Path) -> Any:
+def weights_reader(ckpt: Path) -> Any:
     from mla_convert.sources.checkpoint import SafetensorsTensors
     from mla_convert.sources.weights import weight_map
 
     return SafetensorsTensors(ckpt, weight_map(ckpt))
 
 
-def _attention_loader(
+def attention_loader(
     plan: ExportPlan, config: Any, tensors: Any
 ) -> Callable[[str], torch.Tensor]:
     """``name -> exported tensor``; a layer's attention is computed once, when its first tensor is asked for."""
@@ -417,12 +417,12 @@ def export_checkpoint(
         raise ExportError(why)
     out_dtype: torch.dtype = getattr(torch, dtype)
     plan = plan_export(config, out_dtype, target)
-    tensors = _reader(ckpt)
+    tensors = weights_reader(ckpt)
     layout = layout_of(plan, config, tensors)
     params = sum(t.numel() for t in layout.values())
     with atomic_folder(out) as staged:
         say(f"writing {len(layout)} tensors ({params / 1e6:.1f} M parameters, {plan.record()['dtype']})")
-        files = write_shards(staged, layout, _attention_loader(plan, config, tensors), max_shard_size)
+        files = write_shards(staged, layout, attention_loader(plan, config, tensors), max_shard_size)
         ds = DeepseekV3Config(**plan.config)
         ds.architectures = ["DeepseekV3ForCausalLM"]
         ds.dtype = plan.record()["dtype"]  # type: ignore[attr-defined]

