@@ -30,8 +30,8 @@ TINY_SOURCE = {"num_hidden_layers": 3, "initializer_range": 0.2}
 LOSSY = [
     "--window",
     "64",
-    "--calib-windows",
-    "4",
+    "--calib-tokens",
+    "256",
     "--eval-windows",
     "2",
     "--rope-pairs",
@@ -40,8 +40,8 @@ LOSSY = [
     "28",
 ]
 #: Its exact conversion: every RoPE pair of both KV heads, the latent at full rank (2 heads x 16).
-EXACT = ["--window", "64", "--calib-windows", "4", "--eval-windows", "2", "--rope-mode", "shared",
-         "--rope-strategy", "rotation", "--rope-pairs", "16", "--kv-lora-rank", "32"]  # fmt: skip
+EXACT = ["--window", "64", "--calib-tokens", "256", "--eval-windows", "2", "--rope-strategy", "rotation",
+         "--rope-pairs", "16", "--kv-lora-rank", "32"]  # fmt: skip
 #: The adaptation runs: 6 optimizer steps of 2 x 64 tokens (with --batch-size 2), evaluated at 0 and 6.
 RUN = [
     "--tokens", "768", "--seq-len", "64", "--eval-windows", "1", "--objective", "mix",
