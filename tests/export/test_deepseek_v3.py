@@ -447,7 +447,7 @@ def test_recipe_export_stage_runs_then_skips(tiny_llama, tmp_path):
         "name": "tiny-export",
         "source": str(tiny_llama),
         "output": str(tmp_path / "job"),
-        "factor": {"calib_windows": 2, "window": 64, "eval_windows": 1, "cache_budget": 24, "rope_pairs": 4},
+        "factor": {"calib_tokens": 128, "window": 64, "eval_windows": 1, "cache_budget": 24, "rope_pairs": 4},
         "validate": {"enabled": False},
         "export": {"format": "deepseek-v3", "dtype": "float32"},
     }

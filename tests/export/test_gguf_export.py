@@ -317,7 +317,7 @@ def test_factor_and_recipe_write_the_gguf(bundled_tokenizer, tmp_path, monkeypat
     recipe = tmp_path / "job.yaml"
     recipe.write_text(yaml.safe_dump({
         "name": "gguf", "source": str(src), "output": str(tmp_path / "job"),
-        "factor": {"calib_windows": 2, "window": 64, "eval_windows": 1, "cache_budget": 40},
+        "factor": {"calib_tokens": 128, "window": 64, "eval_windows": 1, "cache_budget": 40},
         "adapt": None, "validate": {"enabled": False}, "export": {"format": "gguf", "dtype": "float32"},
     }, sort_keys=False))  # fmt: skip
     res = CliRunner().invoke(app, ["run", str(recipe)])
