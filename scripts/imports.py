@@ -33,7 +33,10 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("artifacts: manifests, checkpoints, reports", ["mla_convert.artifacts"]),
     ("convert", ["mla_convert.convert"]),
     ("engines: export, serve", ["mla_convert.export", "mla_convert.serve"]),
-    ("tasks: validate, adapt, recipes", ["mla_convert.validate", "mla_convert.adapt", "mla_convert.recipes"]),
+    (
+        "tasks: validate, adapt, recipes, task evaluation",
+        ["mla_convert.validate", "mla_convert.adapt", "mla_convert.recipes", "mla_convert.tasks"],
+    ),
     ("cli", ["mla_convert.cli", "mla_convert.__main__"]),
 ]
 

@@ -22,6 +22,7 @@ from mla_convert.cli.render import (
     validation_failed,
     validation_table,
 )
+from mla_convert.cli.task_cmds import TASKS, run_humaneval_task
 from mla_convert.mla.checkpoint import read_checkpoint_config
 from mla_convert.sources.locate import locate_source
 from mla_convert.validate.options import ValidateOptions
@@ -36,7 +37,15 @@ def load_model(ckpt: Path, require_mla: bool = False) -> Any:
 
 
 def eval_cmd(
-    ckpt: Path = typer.Argument(..., help="A converted checkpoint folder (or any supported source)."),
+    ckpt: Path = typer.Argument(
+        ...,
+        help="A converted checkpoint folder (or any supported source; a .gguf file for --engine llama.cpp).",
+    ),
+    task: str = typer.Option(
+        "perplexity",
+        help="perplexity (on held-out --text) | humaneval (pass@1 on the 164 HumanEval problems, greedy; each program "
+        "runs in its own sandboxed subprocess).",
+    ),
     against: str = typer.Option(None, help="Source model to compare with: perplexity delta, KL, top-1."),
     text: str = typer.Option(
         "wikipedia",
@@ -44,11 +53,29 @@ def eval_cmd(
     ),
     window: int = typer.Option(512, help="Tokens per window."),
     windows: int = typer.Option(8, help="Number of evaluation windows."),
+    engine: str = typer.Option(
+        "auto",
+        help="humaneval: auto (llama.cpp for a .gguf file, else transformers) | transformers | llama.cpp.",
+    ),
+    out: Path = typer.Option(
+        None, help="humaneval: results folder (default humaneval-<name>); resumes a partial run."
+    ),
+    limit: int = typer.Option(None, help="humaneval: only the first N problems."),
+    threads: int = typer.Option(1, help="humaneval on llama.cpp: threads (1 on a busy two-core machine)."),
+    dtype: str = typer.Option("float32", help="humaneval on transformers: float32 | bfloat16."),
+    overwrite: bool = typer.Option(False, help="humaneval: replace an existing --out folder."),
 ) -> None:
-    """Perplexity on held-out text (the evaluation split); with --against, delta, KL and top-1 agreement.
+    """Perplexity on held-out text (the evaluation split); with --against, delta, KL and top-1 agreement. With
+    --task humaneval, pass@1 on HumanEval through transformers or a real llama.cpp.
 
-    Example: mla-convert eval out/smollm2-mla --against smollm2-135m --window 2048 --windows 4
+    Examples: mla-convert eval out/smollm2-mla --against smollm2-135m --window 2048 --windows 4;
+    mla-convert eval qwen2.5-coder-1.5b --task humaneval --engine llama.cpp
     """
+    if task not in TASKS:
+        fail(f"--task {task!r} is not one of {', '.join(TASKS)}")
+    if task == "humaneval":
+        run_humaneval_task(str(ckpt), engine, out, limit, overwrite, threads, dtype)
+        return
     if window < 2 or windows < 1:
         fail(f"--window {window} / --windows {windows}: need at least 2 tokens per window and 1 window")
     with user_errors():  # wrong folders and paths, before the model libraries are imported

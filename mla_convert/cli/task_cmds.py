@@ -1,0 +1,51 @@
+"""``eval --task humaneval``: a model judged on a task, through transformers or a real llama.cpp."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from mla_convert.cli.render import console, fail, note, user_errors
+
+TASKS = ("perplexity", "humaneval")
+ENGINES = ("auto", "transformers", "llama.cpp")
+
+
+def run_humaneval_task(
+    ckpt: str, engine: str, out: Path | None, limit: int | None, overwrite: bool, threads: int, dtype: str
+) -> None:
+    """pass@1 on HumanEval for ``ckpt`` (a converted folder, a source, or a ``.gguf`` for llama.cpp); the summary is
+    printed and written with a row per problem to ``out`` (default ``humaneval-<name>``)."""
+    if engine not in ENGINES:
+        fail(f"--engine {engine!r} is not one of {', '.join(ENGINES)}")
+    if limit is not None and limit < 1:
+        fail(f"--limit {limit}: run at least 1 problem, or leave it out for all 164")
+    if threads < 1:
+        fail(f"--threads {threads}: need at least 1")
+    if dtype not in ("float32", "bfloat16"):
+        fail(f"--dtype {dtype!r} is not one of float32, bfloat16")
+    if engine == "auto":
+        engine = "llama.cpp" if ckpt.endswith(".gguf") else "transformers"
+    name = Path(ckpt).name.removesuffix(".gguf") or "model"
+    dest = out or Path(f"humaneval-{name}")
+    if dest.exists() and not overwrite:
+        fail(f"{dest} already exists; pass --overwrite to replace it or choose another --out")
+    from mla_convert.sources.humaneval import humaneval_problems
+    from mla_convert.tasks.complete import llamacpp_completer, torch_completer
+    from mla_convert.tasks.humaneval import run_humaneval
+
+    with user_errors():
+        problems = humaneval_problems()[:limit]
+        completer = (
+            llamacpp_completer(ckpt, threads) if engine == "llama.cpp" else torch_completer(ckpt, dtype)
+        )
+        summary = run_humaneval(completer, problems, dest, overwrite=overwrite, say=note)
+    console.print(
+        f"humaneval pass@1 {summary['pass@1']:.4f} ({summary['passed']} of {summary['problems']} problems, "
+        f"{summary['ran']['engine']}, greedy, raw prompt); rows in {dest}",
+        highlight=False,
+        markup=False,
+    )
+    if not sys.stdout.isatty():
+        console.print(json.dumps(summary), highlight=False)

@@ -1,0 +1,1 @@
+"""Tasks a converted model is judged on as users judge it: HumanEval (program synthesis), run safely."""
