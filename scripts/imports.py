@@ -35,8 +35,15 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("metrics", ["mla_convert.metrics"]),
     ("precision", ["mla_convert.precision"]),
     ("artifacts: manifests, checkpoints, reports", ["mla_convert.artifacts"]),
-    ("convert", ["mla_convert.convert"]),
-    ("engines: export, serve", ["mla_convert.export", "mla_convert.serve"]),
+    (
+        "engine specs: what each engine accepts (data, config checks), the engine table",
+        ["mla_convert.engines.registry", "mla_convert.engines.*.spec"],
+    ),
+    (
+        "convert, with the conversion shaped for an engine and what each target makes of it",
+        ["mla_convert.convert", "mla_convert.engines.*.shape", "mla_convert.engines.precheck"],
+    ),
+    ("engines: exports, probes, checks, the vLLM plugin", ["mla_convert.engines"]),
     ("tasks: validate, adapt, recipes", ["mla_convert.validate", "mla_convert.adapt", "mla_convert.recipes"]),
     ("cli", ["mla_convert.cli", "mla_convert.__main__"]),
 ]

@@ -45,6 +45,10 @@ def test_a_wildcard_prefix_names_one_segment_and_the_most_specific_wins() -> Non
     assert not names("mla_convert.conv", "mla_convert.convert")
     assert specificity("mla_convert.engines.*.spec") > specificity("mla_convert.engines")
     assert specificity("mla_convert.engines.vllm.spec") > specificity("mla_convert.engines.*.spec")
+    layer = imports_check.layer_of
+    assert layer("mla_convert.engines.vllm.spec") < layer("mla_convert.convert.options.resolve")
+    assert layer("mla_convert.engines.vllm.shape") == layer("mla_convert.convert.options.resolve")
+    assert layer("mla_convert.engines.vllm.check") > layer("mla_convert.convert.options.resolve")
 
 
 def test_no_import_cycle() -> None:
