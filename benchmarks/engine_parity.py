@@ -1,7 +1,7 @@
 """The reference conversion served by llama.cpp and MLX-LM: parity with our model and the cache each engine holds.
 
-Measures with the engines' own checks (``python -m mla_convert.export.llamacpp_check``, the llama.cpp of
-``scripts/llamacpp_env.sh``; ``python -m mla_convert.export.engine_check --mlx-python``, the MLX-LM of
+Measures with the engines' own checks (``python -m mla_convert.engines.llamacpp.check``, the llama.cpp of
+``scripts/llamacpp_env.sh``; ``python -m mla_convert.engines.mlx.check --mlx-python``, the MLX-LM of
 ``scripts/mlx_env.sh``), stores one row per export in ``benchmarks/results/engine_parity.json`` (each row names
 the command that measured it) and writes the ``engine-parity`` block from that file:
 
@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results" / "engine_parity.json"
-LLAMACPP = "python -m mla_convert.export.llamacpp_check CKPT OUT.gguf --llamacpp-python PY --source-gguf SRC.gguf"
-MLX = "python -m mla_convert.export.engine_check CKPT EXPORT --mlx-python PY"
+LLAMACPP = "python -m mla_convert.engines.llamacpp.check CKPT OUT.gguf --llamacpp-python PY --source-gguf SRC.gguf"
+MLX = "python -m mla_convert.engines.mlx.check CKPT EXPORT --mlx-python PY"
 
 
 def _num(x: float) -> str:
@@ -29,7 +29,7 @@ def _num(x: float) -> str:
 
 
 def llamacpp_row(record: dict[str, Any], label: str) -> dict[str, Any]:
-    """A stored row from a :func:`mla_convert.export.llamacpp_check.check_llamacpp` record."""
+    """A stored row from a :func:`mla_convert.engines.llamacpp.check.check_llamacpp` record."""
     g, width = record["greedy"], record["kv_cache_values_per_token_per_layer"]
     cache = f"{width} values, K only"
     if "source_kv_cache" in record:
@@ -42,7 +42,7 @@ def llamacpp_row(record: dict[str, Any], label: str) -> dict[str, Any]:
 
 
 def mlx_row(record: dict[str, Any], label: str) -> dict[str, Any]:
-    """A stored row from a :func:`mla_convert.export.engine_check.check_mlx` record."""
+    """A stored row from a :func:`mla_convert.engines.vllm.check.check_mlx` record."""
     g, layer = record["greedy"], record["kv_cache"]["per_layer"] or {}
     return {"engine": label, "logprob_mean": record["logprob_abs_diff"]["mean"],
             "logprob_max": record["logprob_abs_diff"]["max"], "tokens_scored": record["tokens_scored"],
@@ -87,8 +87,8 @@ def main() -> None:
     if not a.collect:
         if not a.ckpt or not (a.gguf and a.llamacpp_python or a.export and a.mlx_python):
             ap.error("give --ckpt and (--gguf with --llamacpp-python) and/or (--export with --mlx-python), or --collect")
-        from mla_convert.export.engine_check import check_mlx
-        from mla_convert.export.llamacpp_check import check_llamacpp
+        from mla_convert.engines.llamacpp.check import check_llamacpp
+        from mla_convert.engines.vllm.check import check_mlx
 
         rows = []
         if a.gguf and a.llamacpp_python:

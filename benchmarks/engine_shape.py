@@ -8,7 +8,7 @@ never calibrated on):
 
 - the default conversion (per-layer ranks for a 120-value budget) and its ``transformers`` / ``vllm`` served caches;
 - the same served ``transformers`` cache spent as one uniform rank (no padding);
-- ``factor --target vllm``: the conversion shaped to fill vLLM's row (:mod:`mla_convert.convert.options.engine`);
+- ``factor --target vllm``: the conversion shaped to fill vLLM's row (:mod:`mla_convert.engines.vllm.shape`);
 - llama.cpp's row (one ``kv_lora_rank`` for every layer plus the rope head's slots, K only) at the default's asked
   size, 120: per-layer ranks whose padded width is 120 against one rank at 120, and the d_c / rope splits of one
   rank (``--target llama.cpp`` takes its default from these rows: ``measured_splits.json``'s ``llamacpp``).
@@ -30,10 +30,11 @@ import protocol
 
 from mla_convert.convert.layer import steps
 from mla_convert.convert.layer.factorize import allocate_ranks
-from mla_convert.convert.options.engine import ENGINE_ROWS, shape_for_engine
 from mla_convert.convert.options.options import ConvertOptions
 from mla_convert.convert.pipeline.build import convert_windows
-from mla_convert.export.deepseek_v3 import rope_slots
+from mla_convert.engines.deepseek_v3.spec import rope_slots
+from mla_convert.engines.vllm.shape import shape_for_engine
+from mla_convert.engines.vllm.spec import ENGINE_ROWS
 from mla_convert.metrics import evaluate
 
 RESULTS = Path(__file__).parent / "results"

@@ -293,7 +293,7 @@ def kv_rows(log: str, model: str, cache: str, contexts: tuple[int, ...]) -> list
     Raises:
         RuntimeError: the log has not one line per context.
     """
-    from mla_convert.export.llamacpp_check import _KV_LINE, kv_cache
+    from mla_convert.engines.llamacpp.check import _KV_LINE, kv_cache
 
     found = [kv_cache(m.group(0)) for m in _KV_LINE.finditer(log)]
     if len(found) != len(contexts):
@@ -306,8 +306,8 @@ def kv_rows(log: str, model: str, cache: str, contexts: tuple[int, ...]) -> list
 
 def prepare(ckpt: Path, work: Path, python: str, weights: tuple[str, ...]) -> dict[str, Path]:
     """The GGUF files (``source-W``, ``mla-W`` for each weight type), written into ``work`` when missing."""
-    from mla_convert.export.gguf_file import export_gguf
-    from mla_convert.export.llamacpp_env import quantize
+    from mla_convert.engines.llamacpp.env import quantize
+    from mla_convert.engines.llamacpp.gguf_file import export_gguf
     from mla_convert.sources.assets import bundled_gguf_path
 
     work = work.resolve()  # the runner runs in a temporary folder
@@ -349,7 +349,7 @@ def texts(ckpt: Path) -> tuple[list[list[int]], list[int], str, str]:
 
 def measure(a: argparse.Namespace, results: dict[str, Any]) -> None:
     """Measure the missing rows of the chosen parts, storing each as it finishes."""
-    from mla_convert.export.llamacpp_env import find_llamacpp
+    from mla_convert.engines.llamacpp.env import find_llamacpp
 
     python = a.llamacpp_python or find_llamacpp()
     if not python:

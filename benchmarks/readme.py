@@ -124,7 +124,7 @@ def recipe_block(manifest: dict[str, Any]) -> str:
 
 def vllm_parity_block(record: dict[str, Any]) -> str:
     """The vLLM parity table of ``scripts/serve_check.sh`` from its stored record (``vllm_parity.json``)."""
-    from mla_convert.export.engine_check import table
+    from mla_convert.engines.vllm.check import table
 
     return table(record, "bash scripts/serve_check.sh")
 

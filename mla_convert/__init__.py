@@ -7,7 +7,7 @@ before anything imports Triton: the bundled decode kernel can then only run in t
 Triton reads that switch once, when it is first imported.
 
 Two exceptions. Inside vLLM (``vllm`` imported first), as when vLLM loads our plugin
-(:mod:`mla_convert.serve.vllm_plugin`), nothing is registered: vLLM's environment has an older transformers, and the
+(:mod:`mla_convert.engines.vllm.plugin`), nothing is registered: vLLM's environment has an older transformers, and the
 plugin imports only what it needs. The other is the ``mla-convert`` command itself (the console script or ``python -m mla_convert``): it
 starts without torch or transformers, so ``--help`` and bad options answer at once, and each command registers
 (:func:`register`) only when it loads a model. docs/design.md, "A thin CLI".

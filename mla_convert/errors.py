@@ -15,4 +15,4 @@ class UserError(ValueError):
 
 
 class ExportError(UserError):
-    """(:mod:`mla_convert.export`, here so that the model layer can read an export back) A checkpoint the DeepSeek-V3 format cannot express exactly, or a folder that is not an MLA checkpoint."""
+    """(:mod:`mla_convert.engines.deepseek_v3`, here so that the model layer can read an export back) A checkpoint the DeepSeek-V3 format cannot express exactly, or a folder that is not an MLA checkpoint."""

@@ -2,8 +2,12 @@
 cycles and imports that point back up a layer.
 
 Every ``import`` counts: module-level, function-local and ``if TYPE_CHECKING:`` ones alike. A module's layer is
-that of the longest prefix in :data:`LAYERS` naming it; a module may import its own layer (without a cycle) and
-the layers below. Run from the repository root: ``python scripts/imports.py`` prints the figures, each cycle and
+that of the most specific prefix in :data:`LAYERS` naming it; a module may import its own layer (without a cycle) and
+the layers below. A prefix is dotted segments, each a name or ``*`` (any one segment): ``mla_convert.engines.*.spec``
+names ``mla_convert.engines.vllm.spec`` (and anything under it), so one package can sit in several layers (each
+engine's spec below ``convert``, the rest of ``mla_convert.engines`` above it). The most specific prefix is the one
+of most segments, then of fewest ``*``; ``mla_convert.engines.*.spec`` (4 segments) beats ``mla_convert.engines``
+(2). Run from the repository root: ``python scripts/imports.py`` prints the figures, each cycle and
 each back-up import (``importer:line -> imported``) and exits 1 when there is any. ``tests/test_imports.py`` runs
 the same check.
 """
@@ -31,8 +35,15 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("metrics", ["mla_convert.metrics"]),
     ("precision", ["mla_convert.precision"]),
     ("artifacts: manifests, checkpoints, reports", ["mla_convert.artifacts"]),
-    ("convert", ["mla_convert.convert"]),
-    ("engines: export, serve", ["mla_convert.export", "mla_convert.serve"]),
+    (
+        "engine specs: what each engine accepts (data, config checks), the engine table",
+        ["mla_convert.engines.registry", "mla_convert.engines.*.spec"],
+    ),
+    (
+        "convert, with the conversion shaped for an engine and what each target makes of it",
+        ["mla_convert.convert", "mla_convert.engines.*.shape", "mla_convert.engines.precheck"],
+    ),
+    ("engines: exports, probes, checks, the vLLM plugin", ["mla_convert.engines"]),
     (
         "tasks: validate, adapt, recipes, task evaluation",
         ["mla_convert.validate", "mla_convert.adapt", "mla_convert.recipes", "mla_convert.tasks"],
@@ -137,17 +148,30 @@ def cycles(mods: dict[str, Path], graph: list[Edge]) -> list[list[str]]:
     return sorted(found)
 
 
+def names(prefix: str, module: str) -> bool:
+    """Whether ``prefix`` (dotted segments, ``*`` any one segment) names ``module``: it is the module or a package
+    above it. ``names("mla_convert.engines.*.spec", "mla_convert.engines.vllm.spec")`` is True."""
+    want, have = prefix.split("."), module.split(".")
+    return len(want) <= len(have) and all(w in ("*", h) for w, h in zip(want, have, strict=False))
+
+
+def specificity(prefix: str) -> tuple[int, int]:
+    """How specific ``prefix`` is: ``(segments, -wildcards)``; the larger wins where several prefixes name a module."""
+    parts = prefix.split(".")
+    return len(parts), -parts.count("*")
+
+
 def layer_of(module: str) -> int:
-    """The index in :data:`LAYERS` of the longest prefix naming ``module``.
+    """The index in :data:`LAYERS` of the most specific prefix naming ``module`` (:func:`names`, :func:`specificity`).
 
     Raises:
         KeyError: no layer names the module.
     """
-    best, depth = -1, -1
+    best, rank = -1, (-1, 0)
     for i, (_, prefixes) in enumerate(LAYERS):
         for p in prefixes:
-            if (module == p or module.startswith(p + ".")) and len(p) > depth:
-                best, depth = i, len(p)
+            if names(p, module) and specificity(p) > rank:
+                best, rank = i, specificity(p)
     if best < 0:
         raise KeyError(f"no layer in scripts/imports.py LAYERS names {module}")
     return best

@@ -5,7 +5,7 @@
 #
 # The venv lives in $MLA_MLX_VENV_ROOT (default ~/.cache/mla-convert), named by a hash of scripts/mlx.txt: a
 # change of pins builds a new one. It is built in a temporary sibling and renamed into place only when mlx_lm
-# imports, so an interrupted build is never reused. No torch: mla_convert/export/mlx_probe.py imports only MLX-LM.
+# imports, so an interrupted build is never reused. No torch: mla_convert/engines/mlx/probe.py imports only MLX-LM.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 pins="$here/mlx.txt"

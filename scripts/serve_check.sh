@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A real engine on the reference export: build (once) the vLLM CPU venv, convert the bundled SmolLM2 with the
 # README's defaults (or take CKPT), export it with --target vllm-cpu, serve it with vLLM's offline LLM and compare
-# with our model (mla_convert/export/engine_check.py). Writes benchmarks/results/vllm_parity.{json,md} and the
+# with our model (mla_convert/engines/vllm/check.py). Writes benchmarks/results/vllm_parity.{json,md} and the
 # vllm-parity block (benchmarks/readme.py vllm-parity); exits 1 when vLLM does not compute what our model computes.
 #
 #   bash scripts/serve_check.sh [CKPT] [--no-readme]
@@ -31,7 +31,7 @@ echo "serve_check: vLLM's CPU rotary kernel on DeepSeek's shapes (the fault the 
 "$vpy" scripts/vllm_rotary_check.py 2>/dev/null | tail -1
 mkdir -p benchmarks/results
 status=0
-.venv/bin/python -m mla_convert.export.engine_check "$ckpt" "$work/export" --vllm-python "$vpy" \
+.venv/bin/python -m mla_convert.engines.vllm.check "$ckpt" "$work/export" --vllm-python "$vpy" \
     --json benchmarks/results/vllm_parity.json --table benchmarks/results/vllm_parity.md \
     --what "bash scripts/serve_check.sh" || status=$?
 if [ "$readme" = 1 ] && [ "$status" = 0 ]; then

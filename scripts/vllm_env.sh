@@ -31,7 +31,9 @@ PY=${PYTHON:-python3}
 "$tmp/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >&2 2>/dev/null || true
 # mla-convert itself, without its dependencies (vLLM pins its own transformers): its vllm.general_plugins entry point
 # serves our mla folders (docs/serving.md, "vLLM through the plugin"). A copy of this checkout as it is now: tests
-# put their own checkout first (parity.run_probe); a user re-runs `pip install --no-deps .` after an update.
+# put their own checkout first (probing.run_probe); a user re-runs `pip install --no-deps .` after an update.
+# The entry point names mla_convert.engines.vllm.plugin:register (mla_convert.serve.vllm_plugin before issue 49): a
+# venv built before the move names a module that is gone, and this line, part of the venv's hash, rebuilds it.
 "$tmp/bin/python" -m pip install -q --no-deps "$here/.." >&2 2> >(grep -v "^WARNING: Location" >&2)
 "$tmp/bin/python" -c "from importlib.metadata import entry_points as e; \
 assert [p for p in e(group='vllm.general_plugins') if p.value.startswith('mla_convert.')], 'no mla-convert plugin'" >&2

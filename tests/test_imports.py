@@ -34,6 +34,23 @@ def test_every_module_has_a_layer() -> None:
     assert not missing, "modules no layer names (scripts/imports.py LAYERS): " + ", ".join(missing)
 
 
+def test_a_wildcard_prefix_names_one_segment_and_the_most_specific_wins() -> None:
+    """``*`` in a LAYERS prefix stands for one segment; where several prefixes name a module, the one of most
+    segments (then fewest ``*``) gives its layer: each engine's spec below convert, the rest of engines above."""
+    names, specificity = imports_check.names, imports_check.specificity
+    assert names("mla_convert.engines.*.spec", "mla_convert.engines.vllm.spec")
+    assert names("mla_convert.engines.*.spec", "mla_convert.engines.vllm.spec.inner")
+    assert not names("mla_convert.engines.*.spec", "mla_convert.engines.vllm.check")
+    assert not names("mla_convert.engines.*.spec", "mla_convert.engines.spec")
+    assert not names("mla_convert.conv", "mla_convert.convert")
+    assert specificity("mla_convert.engines.*.spec") > specificity("mla_convert.engines")
+    assert specificity("mla_convert.engines.vllm.spec") > specificity("mla_convert.engines.*.spec")
+    layer = imports_check.layer_of
+    assert layer("mla_convert.engines.vllm.spec") < layer("mla_convert.convert.options.resolve")
+    assert layer("mla_convert.engines.vllm.shape") == layer("mla_convert.convert.options.resolve")
+    assert layer("mla_convert.engines.vllm.check") > layer("mla_convert.convert.options.resolve")
+
+
 def test_no_import_cycle() -> None:
     mods, graph = _graph()
     found = imports_check.cycles(mods, graph)

@@ -121,8 +121,8 @@ def test_export_refuses_bfloat16_for_a_conversion_that_failed_the_check(tiny_qwe
     import json
     import shutil
 
-    from mla_convert.export.gguf_file import export_gguf
-    from mla_convert.export.write import ExportError
+    from mla_convert.engines.deepseek_v3.write import ExportError
+    from mla_convert.engines.llamacpp.gguf_file import export_gguf
     from mla_convert.precision import bfloat16_refusal
 
     assert bfloat16_refusal(tiny_qwen2_mla) is None  # its own report: passed

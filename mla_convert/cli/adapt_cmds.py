@@ -60,21 +60,21 @@ def adapt(
         if export:  # the checkpoint's geometry is what adapt keeps: the export's plan, before any training
             import torch
 
-            from mla_convert.export.deepseek_v3 import plan_export
+            from mla_convert.engines.deepseek_v3.mapping import plan_export
             from mla_convert.mla.checkpoint import checkpoint_dtype
             from mla_convert.mla.configuration import MLAConfig
 
             if export == "gguf":
-                from mla_convert.export.deepseek_v3 import ExportError
-                from mla_convert.export.gguf_file import gguf_plan
-                from mla_convert.export.gguf_vocab import tokenizer_problem
+                from mla_convert.engines.deepseek_v3.mapping import ExportError
+                from mla_convert.engines.llamacpp.gguf_file import gguf_plan
+                from mla_convert.engines.llamacpp.gguf_vocab import tokenizer_problem
 
                 gguf_plan(MLAConfig.from_pretrained(str(ckpt)), checkpoint_dtype(ckpt))
                 problem = tokenizer_problem(ckpt)
                 if problem:
                     raise ExportError(problem)
             else:
-                from mla_convert.convert.options.engine import export_target
+                from mla_convert.engines.registry import export_target
 
                 plan_export(
                     MLAConfig.from_pretrained(str(ckpt)), getattr(torch, checkpoint_dtype(ckpt)), export_target(target)

@@ -26,9 +26,10 @@ from mla_convert.cli.render import (
     source_table,
     user_errors,
 )
-from mla_convert.convert.options.engine import ENGINE_ROWS, export_target
 from mla_convert.convert.options.options import ConvertOptions, shard_size_of
 from mla_convert.convert.options.resolve import Resolution, check_sizes_given
+from mla_convert.engines.registry import export_target
+from mla_convert.engines.vllm.spec import ENGINE_ROWS
 from mla_convert.sources.locate import locate_source
 
 SHAPE_HELP = (
@@ -108,7 +109,7 @@ def inspect(
         options, src, max_shard_size, max(1, len(res.rope_candidates)), expected_measurements(res), res.refit_modes
     )
     estimate_lines(options, max_shard_size, lines, given)
-    from mla_convert.convert.options.precheck import export_lines
+    from mla_convert.engines.precheck import export_lines
 
     console.print("\nwhere a conversion with these options serves (each engine: exact or why not, and the cache it "
                   "allocates; checked before any work):", highlight=False)
@@ -169,11 +170,11 @@ def factor(
         if why:
             say(f"{'engine shape' if target in (*ENGINE_ROWS, 'llama.cpp') else 'choices'}: {why}")
         if export:
-            from mla_convert.convert.options.precheck import export_problems
+            from mla_convert.engines.precheck import export_problems
 
             problems = export_problems(src, options, export_target(target), export)
             if export == "gguf" and not any(f.suffix == ".gguf" for f in src.origin_files):
-                from mla_convert.export.gguf_vocab import tokenizer_problem
+                from mla_convert.engines.llamacpp.gguf_vocab import tokenizer_problem
 
                 problem = tokenizer_problem(src.path)  # the HF tokenizer the checkpoint will carry
                 if problem:

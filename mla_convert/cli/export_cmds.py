@@ -15,8 +15,8 @@ from mla_convert.cli.render import (
     note,
     user_errors,
 )
-from mla_convert.convert.options.engine import export_target
 from mla_convert.convert.options.options import shard_size_of
+from mla_convert.engines.registry import export_target
 from mla_convert.mla.checkpoint import read_checkpoint_config
 
 EXPORT_HELP = (
@@ -35,7 +35,7 @@ TARGET_HELP = (
 def check_target(target: str, shaping: bool = True) -> None:
     """``--target``: one of the shapes a conversion is made for (``shaping``: ``factor``, ``inspect``, ``adapt``
     ``--export``), or of a DeepSeek-V3 export's engine shapes (a light check: no torch)."""
-    from mla_convert.convert.options.engine import SHAPE_TARGETS, TARGETS
+    from mla_convert.engines.registry import SHAPE_TARGETS, TARGETS
 
     if not shaping and target == "llama.cpp":
         fail(
@@ -58,7 +58,7 @@ def check_export(out: Path, fmt: str | None, overwrite: bool, target: str = TARG
         fail(f"--export {fmt!r} is not one of {', '.join(EXPORT_FORMATS)}")
     check_target(target)
     if fmt == "gguf":
-        from mla_convert.export.gguf_file import check_gguf_output
+        from mla_convert.engines.llamacpp.gguf_file import check_gguf_output
 
         check_gguf_target(target)
         check_gguf_output(gguf_sibling(out), overwrite)
@@ -85,7 +85,7 @@ def export_after(out: Path, fmt: str, overwrite: bool, target: str = TARGET_DEFA
     Raises:
         typer.Exit: 2 on a refused export, 130 when interrupted.
     """
-    from mla_convert.export.write import export_checkpoint, export_folder
+    from mla_convert.engines.deepseek_v3.write import export_checkpoint, export_folder
 
     try:
         if fmt == "gguf":
@@ -112,7 +112,7 @@ def export_after(out: Path, fmt: str, overwrite: bool, target: str = TARGET_DEFA
 
 def print_export(dest: Path, manifest: dict[str, Any]) -> None:
     """The export line, its cache against the checkpoint and the source, and the serve commands."""
-    from mla_convert.export.serve import serve_commands
+    from mla_convert.engines.deepseek_v3.commands import serve_commands
 
     console.print(export_line(dest, manifest), highlight=False, markup=False)
     for line in serve_commands(str(dest), manifest["export"]):
@@ -120,9 +120,9 @@ def print_export(dest: Path, manifest: dict[str, Any]) -> None:
 
 
 def run_gguf_export(ckpt: Path, out: Path, dtype: str, overwrite: bool, check: bool, cache_block: int = 32) -> None:
-    """Write the GGUF of ``ckpt`` (:func:`~mla_convert.export.gguf_file.export_gguf`) and print what was written, its
+    """Write the GGUF of ``ckpt`` (:func:`~mla_convert.engines.llamacpp.gguf_file.export_gguf`) and print what was written, its
     cache, the parity llama.cpp measured (when it is installed) and how to run it."""
-    from mla_convert.export.gguf_file import export_gguf
+    from mla_convert.engines.llamacpp.gguf_file import export_gguf
 
     with user_errors():
         path, record = export_gguf(ckpt, out, dtype, overwrite, note=note, check=check, cache_block=cache_block)
@@ -218,7 +218,11 @@ def export(
         if format not in EXPORT_FORMATS:
             fail(f"--format {format!r} is not one of {', '.join(EXPORT_FORMATS)}")
         if format == "gguf":
-            from mla_convert.export.gguf_file import GGUF_DTYPES, check_gguf_output, gguf_destination
+            from mla_convert.engines.llamacpp.gguf_file import (
+                GGUF_DTYPES,
+                check_gguf_output,
+                gguf_destination,
+            )
 
             if dtype not in GGUF_DTYPES:
                 fail(f"--dtype {dtype!r} is not one of {', '.join(GGUF_DTYPES)} for --format gguf")
@@ -246,7 +250,7 @@ def export(
         if read_checkpoint_config(ckpt, require_mla=True).get("model_type") != "mla":
             fail(f"{ckpt} is already a DeepSeek-V3 export; export the MLA checkpoint it came from")
         check_output(out, overwrite, source_dir=ckpt)
-    from mla_convert.export.write import export_checkpoint
+    from mla_convert.engines.deepseek_v3.write import export_checkpoint
 
     with user_errors():
         manifest = export_checkpoint(

@@ -1,7 +1,7 @@
 """A DeepSeek-V3 export read back as our MLA model, so that ``validate`` (kernel, decode, cache ledger) and the
 paged/Triton decode run on exactly the geometry the export serves.
 
-The inverse of :mod:`mla_convert.export.deepseek_v3` (here, in the model layer, so that
+The inverse of :mod:`mla_convert.engines.deepseek_v3.mapping` (here, in the model layer, so that
 :func:`~mla_convert.mla.checkpoint.load_checkpoint` reads exports too), for folders it wrote (their manifest has ``export``):
 ``kv_a_layernorm`` becomes our latent norm (``latent_norm: true``, same weights); the interleaved rope rows go
 back to rotate_half; the query scale ``rho`` is divided out of the query rows so ``softmax_scale`` is the source

@@ -316,8 +316,8 @@ def load_recipe(
             if key not in bad:
                 doc.add(("factor", key), msg)
     if recipe is not None and recipe.export is not None and src is not None:  # exact or not, before any work
-        from mla_convert.convert.options.engine import export_target
-        from mla_convert.convert.options.precheck import export_problems
+        from mla_convert.engines.precheck import export_problems
+        from mla_convert.engines.registry import export_target
 
         for msg in export_problems(src, recipe.factor, export_target(recipe.export.target), recipe.export.format):
             doc.add(("export", "target"), _recipe_words(msg))

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mla_convert.convert.options.engine import export_target
+from mla_convert.engines.registry import export_target
 from mla_convert.files import atomic_write_text
 from mla_convert.recipes.load import Resolved, resolved_yaml
 from mla_convert.recipes.plan import (
@@ -179,7 +179,7 @@ def _export(
     recipe: Any, target: Path, done: dict[str, str], overwrite: bool, say: Callable[[str], None]
 ) -> None:
     """The export stage: ``<output>/export`` from the last checkpoint, unless up to date or off."""
-    from mla_convert.export.write import export_checkpoint
+    from mla_convert.engines.deepseek_v3.write import export_checkpoint
 
     if recipe.export is None:
         return
@@ -212,7 +212,7 @@ def _export_gguf(recipe: Any, target: Path, folder: Path, cid: str | None, say: 
     import json
 
     from mla_convert.artifacts.manifest import MANIFEST
-    from mla_convert.export.gguf_file import export_gguf
+    from mla_convert.engines.llamacpp.gguf_file import export_gguf
     from mla_convert.files import atomic_folder
 
     with atomic_folder(folder) as staged:

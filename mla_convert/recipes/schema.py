@@ -23,7 +23,7 @@ from mla_convert.validate.options import LadderSettings
 #: The float types an export writes itself (``deepseek-v3``: float16 is refused there, it cannot hold the latent norm).
 EXPORT_FLOATS = ("auto", "float32", "bfloat16", "float16")
 #: The quantized weight types of ``format: gguf``, through llama.cpp's own quantizer (the keys of
-#: :data:`mla_convert.export.gguf_file.GGUF_QUANTS`; a test keeps the two equal).
+#: :data:`mla_convert.engines.llamacpp.gguf_file.GGUF_QUANTS`; a test keeps the two equal).
 GGUF_QUANT_TYPES = (
     "q8_0",
     "q4_0",

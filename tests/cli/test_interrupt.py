@@ -50,7 +50,7 @@ def test_an_interrupted_export_after_factor_says_the_checkpoint_is_complete(tmp_
     import typer
 
     from mla_convert.cli.export_cmds import export_after
-    from mla_convert.export import gguf_file
+    from mla_convert.engines.llamacpp import gguf_file
 
     def stopped(*args, **kwargs):
         raise KeyboardInterrupt

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from mla_convert.convert.layer.nope_rank import reduce_nope
-from mla_convert.convert.options.engine import shape_for_engine
 from mla_convert.convert.options.options import ConvertOptions, geometry, problems
+from mla_convert.engines.vllm.shape import shape_for_engine
 
 F64 = torch.float64
 

@@ -23,9 +23,8 @@ from typer.testing import CliRunner
 
 import mla_convert  # noqa: F401
 from mla_convert.cli.commands import app
-from mla_convert.convert.options.engine import shape_for_engine
 from mla_convert.convert.options.options import ConvertOptions, OptionsError
-from mla_convert.export.deepseek_v3 import (
+from mla_convert.engines.deepseek_v3.mapping import (
     DS_NORM_EPS,
     LINEAR_MARGIN,
     TARGETS,
@@ -36,6 +35,7 @@ from mla_convert.export.deepseek_v3 import (
     plan_export,
     rope_slots,
 )
+from mla_convert.engines.vllm.shape import shape_for_engine
 from mla_convert.sources.checkpoint import load_source_model, open_source
 
 TOL = 1e-4  # float32 logits
@@ -325,7 +325,7 @@ def _bf16_export_parity(ckpt: Path, export: Path, ids: torch.Tensor) -> tuple[fl
     loading ``ckpt`` with its weights rounded to bfloat16, and ``own``: that rounding's own max |Δlogit| against the
     float32 weights.
 
-    The expectation, from the mapping (``export/deepseek_v3.py``): the export holds the checkpoint's weights rounded
+    The expectation, from the mapping (``engines/deepseek_v3/mapping.py``): the export holds the checkpoint's weights rounded
     to bfloat16 once; embeddings, MLP, norms and ``lm_head`` map by powers of two (the same bfloat16 values), and only
     the attention tensors the layout rescales by other factors (the query rows' softmax-scale ratio, the latent's
     ``1 / sqrt(eps)`` in ``kv_a_layernorm`` and ``kv_b_proj``) round differently. Re-rounding that part of the weights
@@ -465,7 +465,7 @@ def test_recipe_export_stage_runs_then_skips(tiny_llama, tmp_path):
 def test_precheck_answers_before_any_work(tmp_path):
     """From the config and the options alone: exact or not per target, the reason and the fix, the engine cache."""
     from mla_convert.convert.options.options import ConvertOptions
-    from mla_convert.convert.options.precheck import export_lines, export_problems
+    from mla_convert.engines.precheck import export_lines, export_problems
 
     smol = open_source("smollm2-135m")
     assert export_problems(smol, ConvertOptions(), "vllm-cpu") == []

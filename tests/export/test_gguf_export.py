@@ -22,8 +22,8 @@ from typer.testing import CliRunner
 import mla_convert  # noqa: F401
 from mla_convert.cli.commands import app
 from mla_convert.convert.options.options import ConvertOptions
-from mla_convert.convert.options.precheck import export_problems
-from mla_convert.export import gguf_file, gguf_vocab
+from mla_convert.engines.llamacpp import gguf_file, gguf_vocab
+from mla_convert.engines.precheck import export_problems
 from mla_convert.sources.checkpoint import open_source
 
 SMALL = ["--calib-tokens", "128", "--window", "64", "--eval-windows", "1"]
@@ -65,7 +65,7 @@ def _read(path: Path) -> tuple[dict, dict]:
 
 
 def test_gguf_keys_and_tensors_read_back(tiny_ckpt, bundled_tokenizer, tmp_path):
-    from mla_convert.export.deepseek_v3 import export_state_dict
+    from mla_convert.engines.deepseek_v3.mapping import export_state_dict
     from mla_convert.mla.checkpoint import load_checkpoint
 
     out = tmp_path / "tiny.gguf"
@@ -263,7 +263,7 @@ def test_cache_block_padding_is_the_same_function(tiny_ckpt):
     """``--cache-block`` pads the latent with zero columns: the padded plan's attention tensors hold the unpadded
     ones and zeros elsewhere, so llama.cpp computes the same function (``attn_k_b`` / ``attn_v_b`` never weigh the
     padded latent, whose rows of ``attn_kv_a_mqa`` are zero)."""
-    from mla_convert.export.deepseek_v3 import export_attention
+    from mla_convert.engines.deepseek_v3.mapping import export_attention
     from mla_convert.mla.checkpoint import load_checkpoint
 
     model = load_checkpoint(tiny_ckpt).eval()

@@ -34,7 +34,7 @@ def _scored(ckpt) -> int:
     """Tokens an engine check scores: 2 x 127 of text, then every short prompt's (parity.build_request)."""
     from transformers import AutoTokenizer
 
-    from mla_convert.export.parity import build_request
+    from mla_convert.engines.probing import build_request
 
     request = build_request(AutoTokenizer.from_pretrained(str(ckpt)))
     assert sum(len(ids) - 1 for ids in request["score"][:2]) == 254
@@ -42,7 +42,7 @@ def _scored(ckpt) -> int:
 
 
 def test_reference_gguf_is_exact_in_llamacpp(llamacpp_python, reference_gguf, reference_ckpt):
-    from mla_convert.export.llamacpp_check import ABS_MAX, GREEDY_MARGIN, MEAN_MAX, check_llamacpp
+    from mla_convert.engines.llamacpp.check import ABS_MAX, GREEDY_MARGIN, MEAN_MAX, check_llamacpp
     from mla_convert.sources.assets import bundled_gguf_path
 
     out, _ = reference_gguf
@@ -66,8 +66,8 @@ def test_reference_gguf_is_exact_in_llamacpp(llamacpp_python, reference_gguf, re
 def test_reference_gguf_runs_a_q8_0_cache(llamacpp_python, reference_gguf, reference_ckpt):
     """The default GGUF (latent padded to whole blocks of 32: 96 + 64 = 160) runs in llama.cpp with a ``q8_0`` KV
     cache (``type_k`` = ``type_v``, flash attention on), which it refuses for an unpadded 93 + 64 = 157 row; the
-    8-bit latent is held to the looser :data:`~mla_convert.export.llamacpp_check.Q8_CACHE` margins."""
-    from mla_convert.export.llamacpp_check import Q8_CACHE, check_llamacpp
+    8-bit latent is held to the looser :data:`~mla_convert.engines.llamacpp.check.Q8_CACHE` margins."""
+    from mla_convert.engines.llamacpp.check import Q8_CACHE, check_llamacpp
 
     out, _ = reference_gguf
     record = check_llamacpp(reference_ckpt, out, llamacpp_python, cache_type="q8_0")
@@ -86,7 +86,7 @@ def test_export_check_runs_llamacpp(llamacpp_python, tmp_path, monkeypatch):
     from gguf import GGUFReader
     from tiny import copy_tokenizer, write_tiny_llama
 
-    from mla_convert.export import gguf_vocab
+    from mla_convert.engines.llamacpp import gguf_vocab
     from mla_convert.sources.assets import bundled_gguf_path
 
     src = write_tiny_llama(tmp_path / "src")

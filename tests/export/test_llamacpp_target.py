@@ -18,10 +18,10 @@ from tiny import copy_tokenizer, write_tiny_family, write_tiny_llama
 from typer.testing import CliRunner
 
 from mla_convert.cli.commands import app
-from mla_convert.convert.options.llamacpp_shape import Q8_0_BLOCK, split_row
 from mla_convert.convert.options.options import ConvertOptions, OptionsError
 from mla_convert.convert.options.resolve import resolve_options
-from mla_convert.export import gguf_vocab
+from mla_convert.engines.llamacpp import gguf_vocab
+from mla_convert.engines.llamacpp.shape import Q8_0_BLOCK, split_row
 from mla_convert.sources.checkpoint import open_source
 
 SMALL = ["--calib-tokens", "128", "--window", "64", "--eval-windows", "1"]
@@ -123,7 +123,7 @@ def test_refusals_before_any_work(wide_source, tmp_path):
     scaled = open_source(
         write_tiny_llama(tmp_path / "llama3", rope_parameters=LLAMA3, max_position_embeddings=131072)
     )
-    from mla_convert.convert.options.precheck import plain_pairs
+    from mla_convert.engines.precheck import plain_pairs
 
     n = plain_pairs(scaled)
     assert 0 < n < 8
@@ -192,10 +192,10 @@ def test_factor_and_export_give_the_asked_row(target_ckpt, bundled_tokenizer, tm
 
 def test_target_gguf_in_llamacpp(llamacpp_python, target_ckpt, tmp_path, monkeypatch):
     """A real llama.cpp serves the --target llama.cpp conversion's float32 GGUF as our model computes it (the export's
-    own check: prompt log-probabilities and greedy tokens within llamacpp_check's thresholds) and allocates exactly
+    own check: prompt log-probabilities and greedy tokens within engines/llamacpp/check.py's thresholds) and allocates exactly
     the 320 values per token per layer asked, K only. The source is a Hugging Face folder: the tokenizer is written
     by llama.cpp's own converter (gguf_vocab), and the check asserts llama.cpp tokenizes as the checkpoint does."""
-    from mla_convert.export.gguf_file import export_gguf
+    from mla_convert.engines.llamacpp.gguf_file import export_gguf
 
     monkeypatch.setenv("MLA_LLAMACPP_PYTHON", llamacpp_python)
     _, record = export_gguf(target_ckpt, tmp_path / "t.gguf", "float32", llamacpp_python=llamacpp_python)

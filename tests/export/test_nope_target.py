@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 import mla_convert  # noqa: F401
 from mla_convert.cli.commands import app
-from mla_convert.export.deepseek_v3 import VLLM_GPU_HEAD_DIMS
+from mla_convert.engines.deepseek_v3.mapping import VLLM_GPU_HEAD_DIMS
 
 SHAPE = {"hidden_size": 256, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
          "intermediate_size": 256}

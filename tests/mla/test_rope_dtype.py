@@ -117,7 +117,7 @@ def test_device_moves_still_move_the_frequencies() -> None:
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The tiny model saved as an MLA checkpoint (float32, with the bundled tokenizer) and its DeepSeek-V3 export."""
-    from mla_convert.export.write import export_checkpoint
+    from mla_convert.engines.deepseek_v3.write import export_checkpoint
 
     root = tmp_path_factory.mktemp("rope")
     mla = root / "mla"

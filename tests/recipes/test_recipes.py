@@ -556,7 +556,7 @@ def test_export_dtype_follows_the_format(tmp_path):
     DeepSeek-V3 folder; the recipe's list is the exporter's (``gguf_file.GGUF_QUANTS``)."""
     import typing
 
-    from mla_convert.export.gguf_file import GGUF_QUANTS
+    from mla_convert.engines.llamacpp.gguf_file import GGUF_QUANTS
     from mla_convert.recipes.schema import EXPORT_FLOATS, GGUF_QUANT_TYPES, ExportDtype
 
     assert set(GGUF_QUANT_TYPES) == set(GGUF_QUANTS)

@@ -7,16 +7,16 @@ them in one order, so ``ConvertOptions(cache_budget=72)`` converts as ``factor -
 
 1. the cache size: ``--kv-lora-rank``, else ``--cache-budget``, else ``--cache-fraction`` x the source's
    ``2 G head_dim`` values (:func:`~mla_convert.convert.options.options.cache_budget_of`), written into ``cache_budget``;
-2. an engine target's shape (:func:`~mla_convert.convert.options.engine.shape_for_engine`), unless the user gave their own;
+2. an engine target's shape (:func:`~mla_convert.engines.vllm.shape.shape_for_engine`), unless the user gave their own;
    for ``--target llama.cpp`` the cache size is llama.cpp's served row, spent as one rank and a plain rope head
-   (:func:`~mla_convert.convert.options.llamacpp_shape.shape_for_llamacpp`; refuses what llama.cpp cannot run exactly);
+   (:func:`~mla_convert.engines.llamacpp.shape.shape_for_llamacpp`; refuses what llama.cpp cannot run exactly);
 3. the RoPE split and levers measured best for the budget where not given
    (:func:`~mla_convert.convert.options.suggest.follow_budget`: measured on another model, a prior, and said so); the
    split's pairs are then measured on the source itself among candidates around that prior
    (:func:`~mla_convert.convert.options.candidates.rope_candidates`), and the rope strategy and ``o_proj`` refit mode
    too where not given (the conversion chooses, before converting);
 4. with an export asked for, a scaled-RoPE source's selection steered to the pairs one plain RoPE table holds
-   (:func:`~mla_convert.convert.options.precheck.steer_for_export`).
+   (:func:`~mla_convert.engines.precheck.steer_for_export`).
 
 Each choice's origin is recorded (:attr:`Resolution.choices`, the manifest's ``choices``). Config only: no weights,
 no torch.
@@ -136,11 +136,11 @@ def resolve_options(
         options: the options as parsed (defaults filled in).
         src: the source's shape (config only).
         target: ``transformers`` | ``vllm`` | ``vllm-cpu`` | ``llama.cpp``
-            (:data:`~mla_convert.convert.options.engine.SHAPE_TARGETS`).
+            (:data:`~mla_convert.engines.registry.SHAPE_TARGETS`).
         given: the option names the user set (typed on the command line, a recipe's keys with a value); default:
             the fields a Python caller passed with a value other than None (``options.model_fields_set``).
         export: the export format asked for (``--export``), None for none: a scaled-RoPE source's selection is
-            then steered to pairs one plain RoPE table holds (:func:`~mla_convert.convert.options.precheck.steer_for_export`).
+            then steered to pairs one plain RoPE table holds (:func:`~mla_convert.engines.precheck.steer_for_export`).
 
     Returns:
         The :class:`Resolution`; its options still need :func:`~mla_convert.convert.options.options.check_options`.
@@ -150,9 +150,10 @@ def resolve_options(
             engine target's shape (``--rope-mode per-head`` for vLLM, ...).
     """
     from mla_convert.convert.options.candidates import rope_candidates
-    from mla_convert.convert.options.engine import ENGINE_ROWS, shape_for_engine
-    from mla_convert.convert.options.llamacpp_shape import LLAMACPP, shape_for_llamacpp
     from mla_convert.convert.options.suggest import follow_budget, measured_rope_pairs
+    from mla_convert.engines.llamacpp.shape import LLAMACPP, shape_for_llamacpp
+    from mla_convert.engines.vllm.shape import shape_for_engine
+    from mla_convert.engines.vllm.spec import ENGINE_ROWS
 
     if given is None:  # a Python caller: the fields it passed, None meaning "not set"
         given = {k for k in options.model_fields_set if getattr(options, k) is not None}
@@ -199,7 +200,7 @@ def resolve_options(
             if getattr(options, k) != getattr(before, k):
                 choices[k] = prior
     if export:
-        from mla_convert.convert.options.precheck import scaled_rope_problem, steer_for_export
+        from mla_convert.engines.precheck import scaled_rope_problem, steer_for_export
 
         before = options
         held = "transformers" if target == LLAMACPP else target
@@ -261,7 +262,7 @@ MEASURED_STRATEGIES = ("2-norm", "rotation")
 def _other_strategies(options: ConvertOptions, src: SourceShape, export: str | None, target: str) -> tuple[str, ...]:
     """The strategies of :data:`MEASURED_STRATEGIES` other than ``options``' that keep its pairs on ``src`` (and,
     with ``export``, that a scaled source's export holds)."""
-    from mla_convert.convert.options.precheck import scaled_rope_problem
+    from mla_convert.engines.precheck import scaled_rope_problem
 
     out = []
     for s in MEASURED_STRATEGIES:

@@ -22,7 +22,6 @@ from mla_convert.artifacts.output import write_carried
 from mla_convert.artifacts.report import write_report
 from mla_convert.artifacts.shards import DEFAULT_MAX_SHARD_SIZE, write_shards
 from mla_convert.convert.options.options import ConvertOptions, check_options
-from mla_convert.convert.options.precheck import engine_table
 from mla_convert.convert.options.resolve import Resolution, resolve_options
 from mla_convert.convert.pipeline.device import calib_precision_note, frozen_heap, resolve_device, trim_heap
 from mla_convert.convert.pipeline.passes import run_passes
@@ -30,6 +29,7 @@ from mla_convert.convert.pipeline.records import ProgressFn, Streamed, Texts
 from mla_convert.convert.pipeline.split_report import split_record, split_sentence
 from mla_convert.convert.pipeline.stream import StreamedConversion
 from mla_convert.convert.pipeline.workdir import check_start, close_work, open_work, publish
+from mla_convert.engines.precheck import engine_table
 from mla_convert.errors import UserError
 from mla_convert.metrics import EvalResult
 from mla_convert.sources.checkpoint import SourceModel

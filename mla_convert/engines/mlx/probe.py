@@ -3,9 +3,9 @@
 Run with the python of a venv that has MLX-LM (``scripts/mlx_env.sh`` builds the CPU one); it imports nothing of
 mla-convert (nor torch), so it runs beside any MLX-LM install::
 
-    python mlx_probe.py EXPORT REQUEST.json RESULT.json
+    python probe.py EXPORT REQUEST.json RESULT.json
 
-``REQUEST.json``: the request of :func:`mla_convert.export.parity.build_request` (``score``, ``greedy``,
+``REQUEST.json``: the request of :func:`mla_convert.engines.probing.build_request` (``score``, ``greedy``,
 ``new_tokens``; ``dtype``: ``float32`` / ``bfloat16`` casts MLX's parameters, ``null`` keeps the file's).
 ``RESULT.json``: for each ``score`` sequence the log-probability MLX gives each token after the first
 (``prompt_logprobs``, one forward pass of the whole sequence: MLX-LM's prefill path, the latent expanded by
@@ -111,5 +111,5 @@ def _kv_cache(cache: list[Any]) -> dict[str, Any]:
 
 if __name__ == "__main__":
     if len(sys.argv) != 4:
-        sys.exit("usage: python mlx_probe.py EXPORT REQUEST.json RESULT.json")
+        sys.exit("usage: python probe.py EXPORT REQUEST.json RESULT.json")
     main(*sys.argv[1:])

@@ -1,12 +1,12 @@
 """The llama.cpp venv (``scripts/llamacpp_env.sh``) from this side: finding its python (:func:`find_llamacpp`) and
-running llama.cpp's quantizer with it (:func:`quantize`, the script :mod:`mla_convert.export.llamacpp_quantize`)."""
+running llama.cpp's quantizer with it (:func:`quantize`, the script :mod:`mla_convert.engines.llamacpp.quantize`)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from mla_convert.export.deepseek_v3 import ExportError
+from mla_convert.engines.deepseek_v3.mapping import ExportError
 
 #: Quantized types (``--dtype``) -> ``llama_ftype`` of llama.cpp's quantizer (include/llama.h).
 GGUF_QUANTS = {
@@ -50,7 +50,7 @@ def quantize(
     """
     import subprocess
 
-    script = Path(__file__).with_name("llamacpp_quantize.py")
+    script = Path(__file__).with_name("quantize.py")
     code = GGUF_QUANTS[dtype] if ftype is None else ftype
     flags = ["--allow-requantize"] if allow_requantize else []
     done = subprocess.run([python, str(script), str(src), str(dst), str(code), *flags, *keep],

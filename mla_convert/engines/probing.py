@@ -2,9 +2,9 @@
 continuations), running a probe script in the engine's own venv, and the comparison with our model (``|d log p|``
 of every scored token, greedy margins, the bfloat16 rounding floors and the thresholds they set).
 
-:mod:`.engine_check` holds vLLM and MLX-LM to these, :mod:`.llamacpp_check` llama.cpp; the probes
-(:mod:`.vllm_probe`, :mod:`.mlx_probe`, :mod:`.llamacpp_probe`) are the scripts beside this module that the engines
-run. The thresholds and how they were measured: :mod:`.engine_check`'s docstring.
+:mod:`mla_convert.engines.vllm.check` and :mod:`mla_convert.engines.mlx.check` hold vLLM and MLX-LM to these,
+:mod:`mla_convert.engines.llamacpp.check` llama.cpp; the probes (each engine folder's ``probe.py``) are the scripts
+the engines run. The thresholds and how they were measured: :mod:`mla_convert.engines.vllm.check`'s docstring.
 """
 
 from __future__ import annotations
@@ -64,9 +64,9 @@ def scored_text(request: dict[str, Any]) -> str:
 
 
 def run_probe(
-    python: str, probe: str, export: Path, request: dict[str, Any], engine: str, this_package: bool = False
+    python: str, probe: Path, export: Path, request: dict[str, Any], engine: str, this_package: bool = False
 ) -> tuple[dict[str, Any], str]:
-    """Run the probe script ``probe`` (a file beside this module) with ``python`` on ``export``; returns (its result,
+    """Run the probe script ``probe`` (an engine folder's ``probe.py``) with ``python`` on ``export``; returns (its result,
     its log). ``this_package``: the engine imports this very ``mla_convert`` (its folder alone on ``PYTHONPATH``,
     ahead of any copy installed there): the vLLM plugin as this checkout has it.
 
@@ -78,7 +78,7 @@ def run_probe(
 
 
 def run_probes(
-    python: str, probe: str, jobs: list[tuple[Path, dict[str, Any]]], engine: str, this_package: bool = False
+    python: str, probe: Path, jobs: list[tuple[Path, dict[str, Any]]], engine: str, this_package: bool = False
 ) -> tuple[list[dict[str, Any]], str]:
     """:func:`run_probe` for several ``(folder, request)`` jobs; more than one runs in one process (the probe's
     ``--jobs`` form: one engine import for all); returns their results in order and the process's log.
@@ -88,7 +88,6 @@ def run_probes(
     """
     import os
 
-    script = Path(__file__).with_name(probe)
     limit = TIMEOUT_S + JOB_S * (len(jobs) - 1)
     with tempfile.TemporaryDirectory(prefix=f"mla-{engine.lower().replace(' ', '-')}-") as tmp:
         files = []
@@ -104,7 +103,7 @@ def run_probes(
             env["PYTHONPATH"] = str(Path(tmp) / "path")
         args = files[0] if len(files) == 1 else ["--jobs", str(Path(tmp) / "jobs.json")]
         try:
-            done = subprocess.run([python, str(script), *args], capture_output=True, text=True, timeout=limit,
+            done = subprocess.run([python, str(probe), *args], capture_output=True, text=True, timeout=limit,
                                   cwd=tmp, env=env)
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"{engine} did not finish within {limit} s") from None
@@ -210,3 +209,23 @@ def floor_record(ours_bf16: torch.Tensor, source_bf16: torch.Tensor | None) -> d
     src = None if source_bf16 is None else {"mean": float(source_bf16.mean()), "max": float(source_bf16.max())}
     return {"ours_bf16_abs_diff": {"mean": float(ours_bf16.mean()), "max": float(ours_bf16.max())},
             "source_bf16_abs_diff": src}
+
+
+def floor_text(record: dict[str, Any]) -> str:
+    """The source's bfloat16 rounding floor of a check's record, as its parity table shows it (mean / max |d log p|,
+    or why there is none)."""
+    if "source_bf16_abs_diff" not in record:
+        return "not measured (a record from before the source's floor)"
+    f = record["source_bf16_abs_diff"]
+    return "source not available (the max allowed is the fixed one)" if f is None else f"{f['mean']:.3f} / {f['max']:.3f}"
+
+
+def report(record: dict[str, Any], text: str, json_path: Path | None, table_path: Path | None) -> int:
+    """A check's command-line ending: ``record`` written as JSON to ``json_path`` and its table ``text`` to
+    ``table_path`` (each when given), the table printed; the exit status, 0 when the record passed, else 1."""
+    if json_path:
+        json_path.write_text(json.dumps(record, indent=1) + "\n")
+    if table_path:
+        table_path.write_text(text)
+    print(text)
+    return 0 if record["passed"] else 1

@@ -3,8 +3,8 @@
 Run with the python of a venv that has vLLM (``scripts/vllm_env.sh`` builds the CPU one); it imports nothing of
 mla-convert, so it runs beside any vLLM install::
 
-    python vllm_probe.py EXPORT REQUEST.json RESULT.json
-    python vllm_probe.py --jobs JOBS.json       # [[FOLDER, REQUEST.json, RESULT.json], ...] in one process
+    python probe.py EXPORT REQUEST.json RESULT.json
+    python probe.py --jobs JOBS.json       # [[FOLDER, REQUEST.json, RESULT.json], ...] in one process
 
 ``REQUEST.json``: ``{"score": [[token ids], ...], "greedy": [[token ids], ...], "new_tokens": N, "dtype":
 "bfloat16", "custom_ops": false}``. ``RESULT.json``: for each ``score`` sequence the log-probability vLLM gives
@@ -127,6 +127,6 @@ if __name__ == "__main__":
             main(*job)
             gc.collect()  # the previous engine and its KV cache go before the next loads
     elif len(sys.argv) != 4:
-        sys.exit("usage: python vllm_probe.py EXPORT REQUEST.json RESULT.json | --jobs JOBS.json")
+        sys.exit("usage: python probe.py EXPORT REQUEST.json RESULT.json | --jobs JOBS.json")
     else:
         main(*sys.argv[1:])

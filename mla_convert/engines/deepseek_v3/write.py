@@ -5,7 +5,7 @@ checkpoint it came from.
 The folder holds sharded safetensors (huggingface_hub's plan, :mod:`mla_convert.artifacts.shards`), a
 ``DeepseekV3Config`` ``config.json``, everything the checkpoint carries (tokenizer, chat templates, generation
 config, license, the source's README), a model card, and ``mla_manifest.json``: the parent checkpoint's fields,
-its canonical id, the mapping choices (:meth:`~mla_convert.export.deepseek_v3.ExportPlan.record`) and the parity
+its canonical id, the mapping choices (:meth:`~mla_convert.engines.deepseek_v3.mapping.ExportPlan.record`) and the parity
 measured here. Written to a temporary sibling folder and renamed into place when complete.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from mla_convert.export.deepseek_v3 import (
+from mla_convert.engines.deepseek_v3.mapping import (
     ExportError,
     ExportPlan,
     attention_layout,
@@ -33,7 +33,7 @@ from mla_convert.export.deepseek_v3 import (
 FORMATS = ("deepseek-v3",)
 #: Parity runs on the whole model (:func:`parity`: logits and greedy tokens through stock ``generate()``) when both
 #: float32 models fit in this many bytes (4 x parameters each); above it, one decoder layer at a time
-#: (:func:`layer_parity`, :mod:`mla_convert.export.layerwise`: per-layer outputs and the logits, no greedy tokens).
+#: (:func:`layer_parity`, :mod:`mla_convert.engines.deepseek_v3.layerwise`: per-layer outputs and the logits, no greedy tokens).
 PARITY_MAX_BYTES = 2 * 1024**3
 #: ``export_checkpoint(parity_mode=...)``: ``auto`` chooses by :data:`PARITY_MAX_BYTES`.
 PARITY_MODES = ("auto", "whole-model", "layer-by-layer")
@@ -221,7 +221,7 @@ def parity(ckpt: Path, staged: Path, tokenizer_dir: Path, dtype: torch.dtype = t
 def layer_parity(
     ckpt: Path, staged: Path, tokenizer_dir: Path, dtype: torch.dtype, residual_scale: float
 ) -> dict[str, Any]:
-    """The layer-by-layer parity (:func:`mla_convert.export.layerwise.layerwise`) on the same windows as
+    """The layer-by-layer parity (:func:`mla_convert.engines.deepseek_v3.layerwise.layerwise`) on the same windows as
     :func:`parity`: each stock ``DeepseekV3DecoderLayer`` (the export's tensors) against our layer (the
     checkpoint's, rounded to ``dtype``) on our hidden state, max |Δ| per layer and relative to the layer output's
     scale, and max |Δlogit| of the two streams (float32). Memory: two decoder layers and one ``lm_head`` slice,
@@ -230,7 +230,7 @@ def layer_parity(
     Raises:
         ExportError: a missing tensor, a layer stock transformers' class does not take (named).
     """
-    from mla_convert.export.layerwise import layerwise
+    from mla_convert.engines.deepseek_v3.layerwise import layerwise
 
     ids = parity_windows(tokenizer_dir)
     record, _ = layerwise(ckpt, staged, ids, dtype, residual_scale)
@@ -277,7 +277,7 @@ def check_parity(ckpt: Path, result: dict[str, Any], export_dtype: str) -> None:
 
 def model_card(ckpt: Path, plan: ExportPlan, check: dict[str, Any] | None) -> str:
     """README.md of an export: what it is, how to load and serve it, its cache against the checkpoint and the source."""
-    from mla_convert.export.serve import cache_line, serve_commands
+    from mla_convert.engines.deepseek_v3.commands import cache_line, serve_commands
 
     record = plan.record()
     lines = [
@@ -373,7 +373,7 @@ def export_checkpoint(
         note: called with progress lines.
         dtype: dtype of the written tensors: ``auto`` (the checkpoint's; bfloat16 for the vLLM targets), ``float32``,
             ``bfloat16``.
-        target: the engine shape (:data:`~mla_convert.export.deepseek_v3.TARGETS`).
+        target: the engine shape (:data:`~mla_convert.engines.deepseek_v3.mapping.TARGETS`).
         parity_mode: one of :data:`PARITY_MODES`: ``auto`` (by size), ``whole-model`` or ``layer-by-layer``.
 
     Returns:

@@ -4,7 +4,7 @@ Stock transformers' own ``DeepseekV3DecoderLayer`` (the class ``DeepseekV3ForCau
 ``meta``-device skeleton of the export's config, so nothing is allocated) holds layer ``i``'s tensors read from the
 staged export with safetensors' ``safe_open`` (that layer's only); our
 :class:`~mla_convert.mla.modeling.MLADecoderLayer` holds the checkpoint's layer-``i`` tensors (rounded to the
-export's dtype, as :func:`mla_convert.export.write.parity` rounds our whole model). Both run in float32 on the
+export's dtype, as :func:`mla_convert.engines.deepseek_v3.write.parity` rounds our whole model). Both run in float32 on the
 real-text windows, each window alone (``[1, T]``, as the whole-model check runs them), with the inputs
 ``DeepseekV3Model.forward`` gives its layers: positions ``arange(T)``, the rotary embedding class of the
 export's config, and ``create_causal_mask`` of that config.
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mla_convert.export.deepseek_v3 import ExportError
+from mla_convert.engines.deepseek_v3.mapping import ExportError
 
 #: The module stock transformers' DeepSeek-V3 classes come from (anything else is not the stock model).
 STOCK_MODULE = "transformers.models.deepseek_v3.modeling_deepseek_v3"

@@ -2,23 +2,23 @@
 
 With mla-convert installed in vLLM's environment (``pip install --no-deps mla-convert``; ``scripts/vllm_env.sh``
 does it), every vLLM process loads :func:`register` through the entry point group ``vllm.general_plugins``; then
-``LLM(model=CKPT)`` and ``vllm serve CKPT`` run :class:`mla_convert.serve.vllm_model.MLAForCausalLM` on vLLM's own
+``LLM(model=CKPT)`` and ``vllm serve CKPT`` run :class:`mla_convert.engines.vllm.model.MLAForCausalLM` on vLLM's own
 MLA attention layer and latent KV cache (an ``MLAAttentionSpec`` of one head of ``kv_lora_rank + rope`` values per
 token per layer).
 
 This module imports only what vLLM's environment holds (torch, its transformers, pydantic): never our model code,
-which needs a newer transformers. :func:`~mla_convert.convert.options.accepts.served_shape` is the one place that says
+which needs a newer transformers. :func:`~mla_convert.engines.vllm.spec.served_shape` is the one place that says
 which widths vLLM gets.
 """
 
 from __future__ import annotations
 
-from mla_convert.convert.options.accepts import served_shape
+from mla_convert.engines.vllm.spec import served_shape
 
 #: The architecture name of our checkpoints' ``config.json`` (``architectures``), as vLLM's registry knows it.
 ARCHITECTURE = "MLAForCausalLM"
 #: ``module:class`` of the vLLM model (imported by vLLM when a checkpoint asks for it).
-MODEL_CLASS = "mla_convert.serve.vllm_model:MLAForCausalLM"
+MODEL_CLASS = "mla_convert.engines.vllm.model:MLAForCausalLM"
 
 
 def engine_target() -> str:

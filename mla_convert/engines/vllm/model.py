@@ -1,9 +1,9 @@
 """Our ``mla`` checkpoints as a vLLM model, on vLLM's own MLA attention layer (``MultiHeadLatentAttentionWrapper``
-around ``MLAAttention``) and its latent KV cache. Loaded by vLLM through :mod:`mla_convert.serve.vllm_plugin`;
+around ``MLAAttention``) and its latent KV cache. Loaded by vLLM through :mod:`mla_convert.engines.vllm.plugin`;
 imports only vLLM, torch and our torch-only algebra.
 
 The checkpoint (docs/math.md) is mapped, exactly, onto the shape vLLM's MLA backends take
-(:func:`~mla_convert.convert.options.accepts.served_shape`), with zero rows and columns only:
+(:func:`~mla_convert.engines.vllm.spec.served_shape`), with zero rows and columns only:
 
 * **Latent.** Layer ``l``'s rank ``r_l`` is padded to one ``kv_lora_rank`` (512): zero rows of
   ``kv_a_proj_with_mqa`` (and its bias), zero columns of ``kv_b_proj``; the cache holds zeros there. The optional
@@ -35,9 +35,9 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.llama import LlamaMLP
 
-from mla_convert.convert.options.accepts import ServedShape, ServeError, served_shape
+from mla_convert.engines.vllm.plugin import engine_target
+from mla_convert.engines.vllm.spec import ServedShape, ServeError, served_shape
 from mla_convert.mla.algebra import apply_rope, rope_angles
-from mla_convert.serve.vllm_plugin import engine_target
 
 
 class PairRotary(nn.Module):

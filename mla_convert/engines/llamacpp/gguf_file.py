@@ -3,7 +3,7 @@
 llama.cpp (``src/models/deepseek2.cpp``, llama-cpp-python 0.3.36) runs MLA at any width when
 ``attention.key_length_mla`` / ``value_length_mla`` are set and ``attn_k_b`` / ``attn_v_b`` replace ``attn_kv_b``: its
 cache is K-only, ``kv_lora_rank + qk_rope_head_dim`` values per token per layer, the latent doubling as V. The
-tensors are the DeepSeek-V3 export's (:func:`~mla_convert.export.deepseek_v3.plan_export` with ``--target
+tensors are the DeepSeek-V3 export's (:func:`~mla_convert.engines.deepseek_v3.mapping.plan_export` with ``--target
 transformers``: interleaved RoPE slots of one plain ``rope_theta``, the latent padded to one ``kv_lora_rank``, the
 bias-free linear latent norm, the softmax-scale ratio folded into ``q_proj``, the residual scale that gives every
 norm the source's epsilon) under llama.cpp's names, and ``kv_b_proj`` split the way llama.cpp's
@@ -15,12 +15,12 @@ interleaved layout llama.cpp's ``LLAMA_ROPE_TYPE_NORM`` rotates). Metadata as it
 0) and no expert count (absent = 0; 1 aborts the loader), ``head_count_kv`` 1 (MQA over the latent),
 ``key_length`` = ``kv_lora_rank + rope``, ``value_length`` = ``kv_lora_rank``, one ``layer_norm_rms_epsilon``.
 
-Tokenizer and chat template (:mod:`~mla_convert.export.gguf_vocab`): the ``tokenizer.*`` keys of the GGUF the
+Tokenizer and chat template (:mod:`~mla_convert.engines.llamacpp.gguf_vocab`): the ``tokenizer.*`` keys of the GGUF the
 checkpoint was converted from, else the checkpoint's Hugging Face tokenizer written by llama.cpp's own converter
 (``--vocab-only``); the chat template is the checkpoint's ``chat_template.jinja`` where it has one. Types: ``float32``, ``float16``,
 ``bfloat16`` (``auto``: the checkpoint's); 1-D tensors are float32 and ``attn_kv_a_mqa`` keeps float32 in a float16
 file (its scaled latent rows are subnormal in float16). Quantized types (``q8_0``, ``q4_k_m``...) go through
-llama.cpp's own quantizer (:mod:`~mla_convert.export.llamacpp_quantize`, run by the python of a llama.cpp venv)
+llama.cpp's own quantizer (:mod:`~mla_convert.engines.llamacpp.quantize`, run by the python of a llama.cpp venv)
 with ``attn_kv_a_mqa`` kept float32 for the same reason. The file is written to a temporary sibling and renamed.
 """
 
@@ -37,10 +37,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from mla_convert.convert.options.accepts import cache_block_rank
-from mla_convert.export.deepseek_v3 import DS_NORM_EPS, ExportError, ExportPlan, plan_export
-from mla_convert.export.gguf_vocab import tokenizer_fields
-from mla_convert.export.llamacpp_env import GGUF_QUANTS, KEEP_F32, find_llamacpp, quantize
+from mla_convert.engines.deepseek_v3.mapping import DS_NORM_EPS, ExportError, ExportPlan, plan_export
+from mla_convert.engines.llamacpp.env import GGUF_QUANTS, KEEP_F32, find_llamacpp, quantize
+from mla_convert.engines.llamacpp.gguf_vocab import tokenizer_fields
+from mla_convert.engines.llamacpp.spec import cache_block_rank
 
 #: Float types a GGUF export writes directly, and their ggml type ids (F32 0, F16 1, BF16 30).
 GGUF_FLOATS = {"float32": 0, "float16": 1, "bfloat16": 30}
@@ -52,7 +52,7 @@ _FILE_TYPES = {"float32": 0, "float16": 1, "bfloat16": 32}
 #: q5_1, iq4_nl hold 32 values a block); f16 / bf16 / f32 caches take any width.
 CACHE_BLOCK = 32
 #: The GGUF string key that carries the export's llama.cpp parity (a JSON summary of
-#: :func:`~mla_convert.export.llamacpp_check.check_llamacpp`'s record, or why it was not measured): written as
+#: :func:`~mla_convert.engines.llamacpp.check.check_llamacpp`'s record, or why it was not measured): written as
 #: :data:`PARITY_BYTES` spaces, then filled in place once the staged file has been served (:func:`fill_parity`), so
 #: the file that is renamed into place carries what was measured on it.
 PARITY_KEY = "mla_convert.parity"
@@ -131,7 +131,7 @@ def gguf_plan(config: Any, dtype: str, cache_block: int = CACHE_BLOCK) -> Export
     (its cache runs in f16 / bf16 / f32 only: :func:`quant_cache_block` 1).
 
     Raises:
-        ExportError: what :func:`~mla_convert.export.deepseek_v3.plan_export` refuses, or an MLP activation
+        ExportError: what :func:`~mla_convert.engines.deepseek_v3.mapping.plan_export` refuses, or an MLP activation
             llama.cpp's deepseek2 does not compute (it hard-codes SiLU).
     """
     if getattr(config, "hidden_act", "silu") != "silu":
@@ -210,7 +210,7 @@ def gguf_record(plan: ExportPlan, dtype: str) -> dict[str, Any]:
 
 def _tensor_plan(plan: ExportPlan, config: Any, tensors: Any) -> list[tuple[str, str, tuple[int, ...]]]:
     """``(gguf name, DeepSeek-V3 source name, torch shape)`` of every tensor, in file order."""
-    from mla_convert.export.write import layout_of
+    from mla_convert.engines.deepseek_v3.write import layout_of
 
     h = int(config.num_attention_heads)
     out: list[tuple[str, str, tuple[int, ...]]] = []
@@ -258,11 +258,11 @@ def write_gguf(
 
     Raises:
         ExportError: a checkpoint llama.cpp cannot run exactly (:func:`gguf_plan`), a tokenizer that cannot be
-            carried (:func:`~mla_convert.export.gguf_vocab.tokenizer_fields`), a vocabulary that does not match the embedding.
+            carried (:func:`~mla_convert.engines.llamacpp.gguf_vocab.tokenizer_fields`), a vocabulary that does not match the embedding.
     """
     import gguf
 
-    from mla_convert.export.write import attention_loader, weights_reader
+    from mla_convert.engines.deepseek_v3.write import attention_loader, weights_reader
     from mla_convert.mla.configuration import MLAConfig
 
     config = MLAConfig.from_pretrained(str(ckpt))
@@ -337,7 +337,7 @@ def export_gguf(
         llamacpp_python: the python of a llama.cpp venv, for the quantized types and the check (None:
             :func:`find_llamacpp`).
         check: serve the file in llama.cpp before it is renamed into place and compare with ``ckpt``
-            (:func:`~mla_convert.export.llamacpp_check.check_llamacpp`) when llama.cpp is installed; a float file
+            (:func:`~mla_convert.engines.llamacpp.check.check_llamacpp`) when llama.cpp is installed; a float file
             over the thresholds is refused. ``record["parity"]`` holds the record, or why it was not measured.
         cache_block: pad the latent with zero columns to whole blocks of this many values
             (:func:`cache_block_rank`; default 32, the block of llama.cpp's quantized caches: without it a
@@ -449,7 +449,7 @@ def _parity(ckpt: Path, path: Path, python: str | None, say: Callable[[str], Non
     if python is None:
         return ("parity in llama.cpp not measured: no llama.cpp found (bash scripts/llamacpp_env.sh builds one; "
                 "MLA_LLAMACPP_PYTHON names its python)")
-    from mla_convert.export.llamacpp_check import check_llamacpp
+    from mla_convert.engines.llamacpp.check import check_llamacpp
 
     say("measuring parity: the file in llama.cpp against the MLA checkpoint (float32, real text)")
     try:

@@ -14,7 +14,7 @@ Two sources, in this order:
    for the source model. Its other keys are dropped.
 
 The export's llama.cpp check then asserts that llama.cpp tokenizes the check's prompts as the checkpoint's tokenizer
-does (:mod:`~mla_convert.export.llamacpp_check`).
+does (:mod:`~mla_convert.engines.llamacpp.check`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from mla_convert.export.deepseek_v3 import ExportError
+from mla_convert.engines.deepseek_v3.mapping import ExportError
 
 #: The files of a Hugging Face tokenizer a checkpoint may carry (copied to the converter's staging folder).
 HF_TOKENIZER_FILES = (
@@ -87,13 +87,13 @@ def has_hf_tokenizer(folder: Path) -> bool:
 
 def vocab_converter() -> Path | None:
     """llama.cpp's ``convert_hf_to_gguf.py`` as ``scripts/llamacpp_env.sh`` keeps it (``<venv>/llama.cpp``, beside
-    its ``gguf-py`` and ``conversion`` package), for the venv :func:`~mla_convert.export.llamacpp_env.find_llamacpp`
+    its ``gguf-py`` and ``conversion`` package), for the venv :func:`~mla_convert.engines.llamacpp.env.find_llamacpp`
     finds; None without one.
 
     Raises:
         ExportError: ``MLA_LLAMACPP_PYTHON`` names no file.
     """
-    from mla_convert.export.llamacpp_env import find_llamacpp
+    from mla_convert.engines.llamacpp.env import find_llamacpp
 
     python = find_llamacpp()
     if python is None:

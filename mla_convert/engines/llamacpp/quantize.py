@@ -2,7 +2,7 @@
 
 Run with the python of a llama.cpp venv (``scripts/llamacpp_env.sh``); it imports only ``llama_cpp``::
 
-    python llamacpp_quantize.py IN.gguf OUT.gguf FTYPE [--allow-requantize] [KEEP_F32_PATTERN ...]
+    python quantize.py IN.gguf OUT.gguf FTYPE [--allow-requantize] [KEEP_F32_PATTERN ...]
 
 ``FTYPE`` is a ``llama_ftype`` number (include/llama.h: 0 ALL_F32, 1 MOSTLY_F16, 7 Q8_0, 15 Q4_K_M, ...).
 ``--allow-requantize`` lets quantized input tensors through (dequantized, then written as ``FTYPE``: how the
@@ -38,7 +38,7 @@ def main(src: str, dst: str, ftype: int, keep: list[str], allow_requantize: bool
 
 if __name__ == "__main__":
     if len(sys.argv) < 4:
-        sys.exit("usage: python llamacpp_quantize.py IN.gguf OUT.gguf FTYPE [--allow-requantize] [KEEP_F32_PATTERN ...]")
+        sys.exit("usage: python quantize.py IN.gguf OUT.gguf FTYPE [--allow-requantize] [KEEP_F32_PATTERN ...]")
     rest = sys.argv[4:]
     requantize = "--allow-requantize" in rest
     sys.exit(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), [x for x in rest if x != "--allow-requantize"], requantize))

@@ -2,7 +2,7 @@
 
 Run with the python of a llama.cpp venv (``scripts/llamacpp_env.sh``); it imports only ``llama_cpp`` and ``numpy``::
 
-    python llamacpp_probe.py MODEL.gguf REQUEST.json RESULT.json
+    python probe.py MODEL.gguf REQUEST.json RESULT.json
 
 ``REQUEST.json``: ``{"score": [[token ids], ...], "greedy": [[token ids], ...], "new_tokens": N, "texts": [str],
 "n_ctx": 1024, "cache_type": "f16"}`` (``cache_type`` one of :data:`CACHE_TYPES`). ``RESULT.json``: for each ``score`` sequence the log-probability llama.cpp gives each token after
@@ -80,5 +80,5 @@ def main(model: str, request_path: str, result_path: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 4:
-        sys.exit("usage: python llamacpp_probe.py MODEL.gguf REQUEST.json RESULT.json")
+        sys.exit("usage: python probe.py MODEL.gguf REQUEST.json RESULT.json")
     main(*sys.argv[1:])

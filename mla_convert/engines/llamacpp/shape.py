@@ -2,8 +2,8 @@
 
 llama.cpp's ``deepseek2`` caches K only: one row of ``kv_lora_rank + qk_rope_head_dim`` values per token per layer,
 with **one** ``kv_lora_rank`` for every layer (the GGUF pads per-layer ranks to the largest,
-:mod:`mla_convert.export.gguf_file`) and one rope head of the slots of one plain ``rope_theta`` table
-(:func:`~mla_convert.export.deepseek_v3.rope_slots`). So with ``--target llama.cpp`` the cache size asked
+:mod:`mla_convert.engines.llamacpp.gguf_file`) and one rope head of the slots of one plain ``rope_theta`` table
+(:func:`~mla_convert.engines.deepseek_v3.mapping.rope_slots`). So with ``--target llama.cpp`` the cache size asked
 (``--cache-fraction``, ``--cache-budget``; default 31.25 % of the source's K + V) is the *served* row ``W``, and the
 conversion spends it as
 
@@ -19,7 +19,7 @@ width). The rank is moved to a multiple of 32 when the row allows it (the rest t
 
 Refused before any work, with the reason and the fix: what llama.cpp cannot run exactly (attention or MLP biases, an
 MLP activation other than SiLU, a RoPE scaling that leaves no pair at its plain frequency, a rope head per KV head).
-A llama3/YaRN source keeps only the pairs its scaling leaves plain (:func:`~mla_convert.convert.options.precheck.plain_pairs`),
+A llama3/YaRN source keeps only the pairs its scaling leaves plain (:func:`~mla_convert.engines.precheck.plain_pairs`),
 and the rank takes the rest of the row.
 """
 
@@ -31,12 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from mla_convert.convert.options.options import ConvertOptions, OptionsError, geometry, source_width
+from mla_convert.engines.llamacpp.spec import LLAMACPP, Q8_0_BLOCK
 
-#: The ``--target`` value (not an export target: ``--export gguf`` writes it, ``--export deepseek-v3`` gives the
-#: ``transformers`` widths).
-LLAMACPP = "llama.cpp"
-#: llama.cpp's ``q8_0`` block: its quantized K cache needs ``kv_lora_rank`` (the V view) and the row divisible by it.
-Q8_0_BLOCK = 32
 #: The rope share of the row when nothing is measured (the per-layer split measured at 31.25 %).
 UNMEASURED_SHARE = 0.4
 
@@ -101,7 +97,7 @@ def shape_for_llamacpp(
     Raises:
         OptionsError: what llama.cpp cannot run exactly, or options that contradict one row; the fix in the message.
     """
-    from mla_convert.convert.options.precheck import export_problems, plain_pairs, rope_type
+    from mla_convert.engines.precheck import export_problems, plain_pairs, rope_type
 
     if options.rope_mode != "shared":
         raise OptionsError(

@@ -3,7 +3,7 @@
 :func:`export_problems` reads only the source's config and the options (no weights), so ``factor --export``,
 ``inspect`` and ``run --dry-run`` answer before a tensor is read. Each problem names what breaks exactness and the
 options that fix it. What depends on the data (which RoPE pairs a data-driven strategy keeps) is checked again on
-the finished checkpoint by :func:`~mla_convert.export.deepseek_v3.plan_export`; here a selection that *could* need
+the finished checkpoint by :func:`~mla_convert.engines.deepseek_v3.mapping.plan_export`; here a selection that *could* need
 more rope slots than an engine target holds is refused with the options that guarantee it.
 
 A source with a static RoPE scaling (``linear``, ``llama3``, ``yarn``; issue 34) exports when the pairs the options
@@ -12,7 +12,7 @@ can keep all have their plain frequency ``rope_theta^(-2k/d)``: llama3 and YaRN 
 and a prefix of the plain table is itself a plain table the export's one rope head holds (``rope_theta^(2P/d)``
 over ``P`` slots). :func:`steer_for_export` brings ``factor --export`` (and recipes with an export) to such a prefix
 where the user did not choose the selection; :func:`export_problems` refuses any other selection with that fix.
-The check is :func:`~mla_convert.convert.options.accepts.rope_slots` itself, on the source's float32 frequencies from
+The check is :func:`~mla_convert.engines.deepseek_v3.spec.rope_slots` itself, on the source's float32 frequencies from
 transformers' own rotary table (``SourceModel.inv_freq``); YaRN's attention factor is folded into ``q_proj`` by the
 conversion (docs/math.md contract 3), so it needs nothing of the export.
 
@@ -26,20 +26,20 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from mla_convert.convert.options.accepts import (
-    GEOMETRIC_RTOL,
+from mla_convert.engines.deepseek_v3.spec import GEOMETRIC_RTOL, rope_slots
+from mla_convert.engines.llamacpp.spec import cache_block_rank
+from mla_convert.engines.registry import TARGETS
+from mla_convert.engines.vllm.spec import (
     PLUGIN_ROUTE,
     VLLM_CPU_HEAD_DIMS,
     VLLM_GPU_HEAD_DIMS,
     VLLM_KV_LORA_RANK,
-    ExportError,
     ServeError,
-    cache_block_rank,
-    rope_slots,
+    engine_nope_width,
     served_shape,
-    transformers_inv_freq,
 )
-from mla_convert.convert.options.engine import TARGETS
+from mla_convert.errors import ExportError
+from mla_convert.mla.algebra import transformers_inv_freq
 
 #: The strategies whose kept pairs follow from the options alone (the others read calibration data).
 FIXED_STRATEGIES = ("high", "low", "uniform")
@@ -58,7 +58,7 @@ def plain_pairs(src: Any) -> int:
 
     Compares ``src.inv_freq`` (``[head_dim/2]`` float32 radians per token, transformers' own rotary table of the
     source's scaling) with the ``default`` table engines compute from ``rope_theta`` (float32), to
-    :data:`~mla_convert.export.deepseek_v3.GEOMETRIC_RTOL` relative. ``head_dim/2`` for an unscaled source; for
+    :data:`~mla_convert.engines.deepseek_v3.spec.GEOMETRIC_RTOL` relative. ``head_dim/2`` for an unscaled source; for
     Llama-3-8B's llama3 scaling (theta 5e5, factor 8, high_freq_factor 4, original 8192) 29 of 64; 0 for ``linear``.
     """
     from mla_convert.sources.checkpoint import rope_parameters
@@ -86,7 +86,7 @@ def scaled_rope_problem(src: Any, options: Any, target: str) -> str | None:
     cannot, or the source is not scaled), with the options that fix it.
 
     The pairs the options may keep (every pair for ``2-norm``/``rotation``) go through
-    :func:`~mla_convert.convert.options.accepts.rope_slots` with the source's frequencies and the target's slot count
+    :func:`~mla_convert.engines.deepseek_v3.spec.rope_slots` with the source's frequencies and the target's slot count
     (32 for ``vllm``/``vllm-cpu``): what ``plan_export`` will check on the finished checkpoint.
     """
     from mla_convert.convert.options.options import geometry
@@ -162,12 +162,11 @@ def export_problems(src: Any, options: Any, target: str = "transformers", fmt: s
     Args:
         src: a :class:`~mla_convert.sources.checkpoint.SourceModel` (config and shapes only).
         options: the :class:`~mla_convert.convert.options.options.ConvertOptions`.
-        target: one of :data:`~mla_convert.export.deepseek_v3.TARGETS`.
+        target: one of :data:`~mla_convert.engines.registry.TARGETS`.
         fmt: ``deepseek-v3`` or ``gguf`` (llama.cpp's ``deepseek2``: the checkpoint's widths, ``--target
             transformers`` only; no attention or MLP bias, SiLU MLP, one plain rope table; float16 is fine there,
             the file keeps ``attn_kv_a_mqa`` float32).
     """
-    from mla_convert.convert.options.engine import engine_nope_width
     from mla_convert.convert.options.options import geometry
 
     if target not in TARGETS:
@@ -286,9 +285,9 @@ def export_lines(src: Any, options: Any, given: Collection[str] = ()) -> list[st
 
 
 def plugin_line(src: Any, options: Any) -> str:
-    """The ``inspect`` line of vLLM's plugin route (:mod:`mla_convert.serve.vllm_plugin`): the checkpoint served as
+    """The ``inspect`` line of vLLM's plugin route (:mod:`mla_convert.engines.vllm.plugin`): the checkpoint served as
     written, biases and scaled RoPE included, or the first reason vLLM's CPU backends cannot take its widths
-    (:func:`~mla_convert.convert.options.accepts.served_shape` on the shape ``options`` give, the mean latent standing for
+    (:func:`~mla_convert.engines.vllm.spec.served_shape` on the shape ``options`` give, the mean latent standing for
     the per-layer ranks, which are allocated only by the conversion)."""
     from types import SimpleNamespace
 

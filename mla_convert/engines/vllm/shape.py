@@ -11,7 +11,10 @@ plus one shared rope head of 64 dims (FlashMLA on GPU, ``AMX_MLA`` on CPU; its G
   a per-layer rank allocation under a smaller budget would only be padded to 512 there.
 
 At the served cache (what the engine allocates) this uses every cached value; ``benchmarks/engine_shape.py`` measures
-it against the default conversion at the same served cache.
+it against the default conversion at the same served cache. The row and the head widths are vLLM's spec
+(:mod:`~mla_convert.engines.vllm.spec`); this module shapes :class:`~mla_convert.convert.options.options.ConvertOptions`
+to them, so it sits in the convert layer (scripts/imports.py), called by the one option resolution
+(:mod:`~mla_convert.convert.options.resolve`).
 """
 
 from __future__ import annotations
@@ -19,24 +22,8 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from mla_convert.convert.options.options import ConvertOptions, OptionsError, SourceShape, geometry
+from mla_convert.engines.vllm.spec import ENGINE_HEAD_DIMS, ENGINE_ROWS, engine_nope_width
 
-#: Engine targets that fix the served row: target -> (kv_lora_rank, qk_rope_head_dim) the engine allocates.
-ENGINE_ROWS = {"vllm": (512, 64), "vllm-cpu": (512, 64)}
-#: (qk_nope_head_dim, qk_rope_head_dim, v_head_dim) each engine target's prefill accepts, smallest first (vLLM's GPU
-#: MLA prefill on Hopper; its CPU backends AMX_MLA, CPU_SDPA_MLA): the export pads to the smallest holding the
-#: checkpoint's widths, the conversion reduces a wider query NoPE width (``--qk-nope-head-dim``).
-ENGINE_HEAD_DIMS = {"vllm": ((64, 64, 128), (128, 64, 128), (192, 64, 256)), "vllm-cpu": ((128, 64, 128),)}
-#: Every export ``--target``: ``transformers`` (any shape) and the engine rows.
-TARGETS = ("transformers", *ENGINE_ROWS)
-#: Every ``factor``/``inspect``/recipe ``--target``: the export targets and ``llama.cpp``
-#: (:mod:`mla_convert.convert.options.llamacpp_shape`; served from ``--export gguf``).
-SHAPE_TARGETS = (*TARGETS, "llama.cpp")
-
-
-def export_target(target: str) -> str:
-    """The DeepSeek-V3 export's engine shape for a conversion ``--target``: ``llama.cpp`` reads the checkpoint's own
-    widths (``transformers``; its GGUF is ``--export gguf``), the others are their own."""
-    return "transformers" if target == "llama.cpp" else target
 #: Explicit options that choose another shape: with one of them the conversion is left as asked (the export pads
 #: it to the engine row), and the reason says what the row would hold instead.
 OWN_SHAPE = ("rope_mode", "cache_budget", "cache_fraction")
@@ -147,14 +134,3 @@ def _nope_width(options: ConvertOptions, src: SourceShape, target: str, given: C
         f"({src.num_kv_heads} KV heads - 2)) is over the {max(widths)} the engine's prefill takes, so "
         f"--qk-nope-head-dim {width}: a per-head rank-{width} form of the NoPE score ({how})"
     )
-
-
-def engine_nope_width(target: str, head_dim: int, kv_lora_rank: int | None) -> int | None:
-    """The ``--qk-nope-head-dim`` for ``target`` (``vllm`` | ``vllm-cpu``): the smallest engine NoPE width at least
-    ``min(head_dim, kv_lora_rank)`` (the reduction is then exact), else the widest; None when no engine shape
-    holds a ``head_dim``-wide value head."""
-    widths = [n for n, _, v in ENGINE_HEAD_DIMS[target] if head_dim <= v]
-    if not widths:
-        return None
-    exact = [n for n in widths if n >= min(head_dim, kv_lora_rank or head_dim)]
-    return min(exact) if exact else max(widths)

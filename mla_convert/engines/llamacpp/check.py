@@ -1,11 +1,11 @@
 """Serve a GGUF export in a real llama.cpp and compare with our MLA model: the proof that ``--format gguf`` is exact.
 
-``python -m mla_convert.export.llamacpp_check CKPT MODEL.gguf --llamacpp-python PY [--source-gguf SRC.gguf] [--json OUT]``
+``python -m mla_convert.engines.llamacpp.check CKPT MODEL.gguf --llamacpp-python PY [--source-gguf SRC.gguf] [--json OUT]``
 
-The request is :func:`~mla_convert.export.parity.build_request`'s (real text windows and prompts through
-CKPT's tokenizer) and the comparison :func:`~mla_convert.export.parity.agreement` (log-probability of every
+The request is :func:`~mla_convert.engines.probing.build_request`'s (real text windows and prompts through
+CKPT's tokenizer) and the comparison :func:`~mla_convert.engines.probing.agreement` (log-probability of every
 scored token, greedy tokens against our argmax), as for vLLM. llama.cpp (``PY``, a venv from
-``scripts/llamacpp_env.sh``) runs :mod:`~mla_convert.export.llamacpp_probe`: float32 weights (the GGUF's), f16
+``scripts/llamacpp_env.sh``) runs :mod:`~mla_convert.engines.llamacpp.probe`: float32 weights (the GGUF's), f16
 cache, 1 thread. Passed when mean |d log p| <= :data:`MEAN_MAX` and max <= :data:`ABS_MAX`, every greedy token is our
 argmax or within :data:`GREEDY_MARGIN` logits of it, llama.cpp tokenizes the prompts as CKPT's tokenizer does, and
 its KV cache is K-only with ``kv_lora_rank + qk_rope_head_dim`` values per token per layer (the latent and the rope
@@ -15,7 +15,7 @@ Thresholds (float32 weights, f16 cache): measured on the SmolLM2 reference expor
 2 threads) mean 0.0011 / max 0.0085 over 2 x 128 tokens before the latent was padded to blocks of 32 (9.4e-04 /
 0.011 after: README's engine table), 32/32 greedy tokens our argmax (the f16 cache's rounding; a tester saw mean
 0.001 / max 0.028 over 2 x 256); ``attn_k_b`` with its heads in reverse order (a mapping bug that loads)
-gives mean 0.28 / max 2.5. A bfloat16 GGUF is held to the bfloat16 thresholds every bf16 engine is held to (:data:`~mla_convert.export.parity.MEAN_MAX`, ``ABS_MAX``, ``GREEDY_MARGIN``: the reference's bf16 GGUF
+gives mean 0.28 / max 2.5. A bfloat16 GGUF is held to the bfloat16 thresholds every bf16 engine is held to (:data:`~mla_convert.engines.probing.MEAN_MAX`, ``ABS_MAX``, ``GREEDY_MARGIN``: the reference's bf16 GGUF
 measured mean 0.0152 / max 0.0802, its weights rounded once more than the float32 checkpoint's). Quantized files are measured with the same code and are not held to these
 thresholds (``quantized: true``). Raises nothing on a mismatch: the record says ``passed: false``.
 """
@@ -49,12 +49,12 @@ _BYTES = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 34 / 32}
 
 
 def run_llamacpp(python: str, model: Path, request: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """Run :mod:`~mla_convert.export.llamacpp_probe` with ``python`` on ``model``; returns (its result, its log).
+    """Run :mod:`~mla_convert.engines.llamacpp.probe` with ``python`` on ``model``; returns (its result, its log).
 
     Raises:
         RuntimeError: the llama.cpp process failed or timed out (the message ends with its last log lines).
     """
-    probe = Path(__file__).with_name("llamacpp_probe.py")
+    probe = Path(__file__).with_name("probe.py")
     with tempfile.TemporaryDirectory(prefix="mla-llamacpp-") as tmp:
         req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
         req.write_text(json.dumps(request))
@@ -116,8 +116,8 @@ def check_llamacpp(
     from transformers import AutoTokenizer
 
     from mla_convert import register
-    from mla_convert.export import parity
-    from mla_convert.export.parity import PROMPTS, agreement, build_request
+    from mla_convert.engines import probing
+    from mla_convert.engines.probing import PROMPTS, agreement, build_request
     from mla_convert.mla.checkpoint import load_checkpoint
 
     register()  # the checkpoint's config type, before its tokenizer is read (else transformers warns about `mla`)
@@ -137,7 +137,7 @@ def check_llamacpp(
     mean_max, abs_max, margin = (
         Q8_CACHE
         if cache_type != "f16"
-        else (parity.MEAN_MAX, parity.ABS_MAX, parity.GREEDY_MARGIN)
+        else (probing.MEAN_MAX, probing.ABS_MAX, probing.GREEDY_MARGIN)
         if bf16
         else (MEAN_MAX, ABS_MAX, GREEDY_MARGIN)
     )
@@ -157,7 +157,7 @@ def check_llamacpp(
         "engine": f"llama.cpp (llama-cpp-python {result['llama_cpp']}, CPU, 1 thread, {cache_type} cache)",
         "dtype": record.get("dtype"),
         "quantized": quantized,
-        "text": parity.scored_text(request),
+        "text": probing.scored_text(request),
         "tokens_scored": int(diff.numel()),
         "logprob_abs_diff": {"mean": float(diff.mean()), "max": float(diff.max())},
         "greedy": {
@@ -207,14 +207,14 @@ def main(argv: list[str] | None = None) -> int:
     """Command line (module docstring); exit 1 when the GGUF does not match."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m mla_convert.export.llamacpp_check", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m mla_convert.engines.llamacpp.check", description=__doc__.splitlines()[0])
     p.add_argument("ckpt", type=Path)
     p.add_argument("model", type=Path)
     p.add_argument("--llamacpp-python", required=True)
     p.add_argument("--source-gguf", type=Path)
     p.add_argument("--json", type=Path)
     p.add_argument("--cache-type", default="f16", help="llama.cpp's KV cache type: f16 | q8_0 | q4_0")
-    p.add_argument("--what", default="python -m mla_convert.export.llamacpp_check")
+    p.add_argument("--what", default="python -m mla_convert.engines.llamacpp.check")
     a = p.parse_args(argv)
     record = check_llamacpp(a.ckpt, a.model, a.llamacpp_python, a.source_gguf, a.cache_type)
     if a.json:

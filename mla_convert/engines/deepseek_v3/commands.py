@@ -18,7 +18,7 @@ def serve_commands(path: str, record: dict[str, Any]) -> list[str]:
     """The commands that load/serve the export at ``path`` (lines of a shell/python block).
 
     Args:
-        record: the export's mapping record (:meth:`~mla_convert.export.deepseek_v3.ExportPlan.record`).
+        record: the export's mapping record (:meth:`~mla_convert.engines.deepseek_v3.mapping.ExportPlan.record`).
     """
     target, rope = record["target"], 2 * record["rope"]["slots"]
     load = [

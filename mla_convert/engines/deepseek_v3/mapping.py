@@ -31,7 +31,7 @@ rewritten to their own DeepSeek scalings), ``rms_norm_eps`` for every norm (tran
 
 Refused: several rope heads, attention or MLP biases (Qwen2: vLLM and SGLang drop them), float16 (the scaled
 latent is subnormal there), kept frequencies of a scaled source RoPE that no plain table gives (the pairs llama3
-and YaRN leave unscaled, the fastest ones, are a plain table and export: ``convert/options/precheck.py``).
+and YaRN leave unscaled, the fastest ones, are a plain table and export: ``engines/precheck.py``).
 Everything is computed in float64 from the stored tensors and rounded once to the checkpoint's dtype.
 """
 
@@ -44,16 +44,16 @@ from typing import Any
 
 import torch
 
-from mla_convert.convert.options.accepts import (
+from mla_convert.engines.deepseek_v3.spec import RopeSlots, rope_slots
+from mla_convert.engines.registry import TARGETS
+from mla_convert.engines.vllm.spec import (
     PLUGIN_ROUTE,
     VLLM_CPU_HEAD_DIMS,
     VLLM_GPU_HEAD_DIMS,
     VLLM_KV_LORA_RANK,
-    ExportError,
-    RopeSlots,
-    rope_slots,
+    engine_nope_width,
 )
-from mla_convert.convert.options.engine import TARGETS, engine_nope_width
+from mla_convert.errors import ExportError
 from mla_convert.mla.export_reader import DS_NORM_EPS
 
 #: The expert keys of a dense export (``config.json``): every count 0. transformers' ``DeepseekV3Config`` takes ints

@@ -1,1 +1,0 @@
-"""Serving our own ``mla`` checkpoints in other engines (vLLM: :mod:`mla_convert.serve.vllm_plugin`)."""
