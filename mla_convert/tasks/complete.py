@@ -3,7 +3,7 @@ checkpoint decoding through its latent cache) or a GGUF through a real llama.cpp
 
 * :class:`TorchCompleter`: ``generate()`` with ``do_sample=False`` and the stop strings; a converted model runs its
   absorbed path, its cache holding only ``[c_kv | k_rope]`` per token and layer.
-* :class:`LlamaCppCompleter`: the script :mod:`mla_convert.tasks.llamacpp_complete` in the llama.cpp venv
+* :class:`LlamaCppCompleter`: the script :mod:`mla_convert.engines.llamacpp.complete` in the llama.cpp venv
   (``scripts/llamacpp_env.sh``), one process for all prompts, its lines read as they come.
 """
 
@@ -103,7 +103,9 @@ class LlamaCppCompleter:
         out: list[str] = [""] * len(prompts)
         if not prompts:
             return out
-        script = Path(__file__).with_name("llamacpp_complete.py")
+        from mla_convert.engines.llamacpp import complete
+
+        script = Path(complete.__file__)
         with tempfile.TemporaryDirectory(prefix="mla-llamacpp-") as tmp:
             request = Path(tmp) / "request.json"
             payload = {
@@ -164,7 +166,7 @@ def llamacpp_completer(spec: str, threads: int = 1) -> LlamaCppCompleter:
     Raises:
         UserError: no llama.cpp venv, or ``spec`` is not a GGUF (the message says how to make one).
     """
-    from mla_convert.export.llamacpp_env import find_llamacpp
+    from mla_convert.engines.llamacpp.env import find_llamacpp
     from mla_convert.sources.locate import locate_source
 
     python = find_llamacpp()

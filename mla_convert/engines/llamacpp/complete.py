@@ -2,7 +2,7 @@
 
 Run with the python of a llama.cpp venv (``scripts/llamacpp_env.sh``); it imports only ``llama_cpp`` and ``numpy``::
 
-    python llamacpp_complete.py REQUEST.json
+    python complete.py REQUEST.json
 
 ``REQUEST.json``: ``{"model": GGUF, "prompts": [str, ...], "max_new_tokens": N, "stop": [str, ...], "threads": T,
 "n_ctx": C, "cache_type": "f16"}``. Each prompt is tokenized by llama.cpp (the model's BOS rule, no special-token
@@ -77,5 +77,5 @@ def main(request_path: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python llamacpp_complete.py REQUEST.json")
+        sys.exit("usage: python complete.py REQUEST.json")
     main(sys.argv[1])
