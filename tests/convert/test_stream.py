@@ -157,6 +157,43 @@ def test_resume_gives_the_uninterrupted_result(tiny_src: Path, tmp_path: Path, s
         _convert(tiny_src, tmp_path / "other", **lossy, resume=True)
 
 
+def test_a_work_folder_of_another_layout_is_refused_clearly(tiny_src: Path, tmp_path: Path) -> None:
+    """A job stopped by a version whose pickles name other module paths (issue 49 moved them) is refused with the
+    fix, before any work: by its ``work_format``, and by a pickle naming a module this version lacks."""
+    import json
+
+    from mla_convert.convert.pipeline.workdir import JOB, load_torch
+
+    out = tmp_path / "out"
+
+    def stop(name: str, n: int, total: int) -> None:
+        if name == "convert":
+            raise Stop
+
+    with pytest.raises(Stop):
+        _convert(tiny_src, out, **LOSSY, progress=stop)
+    job = work_dir(out) / JOB
+    record = json.loads(job.read_text())
+    del record["work_format"]  # what a job stopped before the layout was versioned holds
+    job.write_text(json.dumps(record))
+    with pytest.raises(ResumeError, match="another layout .*format 1, this one reads 2.*--overwrite"):
+        _convert(tiny_src, out, **LOSSY, resume=True)
+    import sys
+    import types
+
+    gone = types.ModuleType("mla_convert.convert.rope_split")  # a module path of the old layout
+    plan = type("Plan", (), {"__module__": gone.__name__})
+    gone.Plan = plan  # type: ignore[attr-defined]
+    sys.modules[gone.__name__] = gone
+    try:
+        old = tmp_path / "old.pt"
+        torch.save({"plan": plan()}, old)
+    finally:
+        del sys.modules[gone.__name__]
+    with pytest.raises(ResumeError, match="another work-folder layout"):
+        load_torch(old)
+
+
 def test_overwrite_drops_a_stopped_job(tiny_src: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
 

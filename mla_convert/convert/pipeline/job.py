@@ -28,7 +28,7 @@ from mla_convert.convert.pipeline.passes import run_passes
 from mla_convert.convert.pipeline.records import ProgressFn, Streamed, Texts
 from mla_convert.convert.pipeline.split_report import split_record, split_sentence
 from mla_convert.convert.pipeline.stream import StreamedConversion
-from mla_convert.convert.pipeline.workdir import check_start, close_work, open_work, publish
+from mla_convert.convert.pipeline.workdir import WORK_FORMAT, check_start, close_work, open_work, publish
 from mla_convert.engines.precheck import engine_table
 from mla_convert.errors import UserError
 from mla_convert.metrics import EvalResult
@@ -230,6 +230,7 @@ def job_record(src: SourceModel, options: ConvertOptions, max_shard_size: str | 
         "options": options.model_dump(),
         "max_shard_size": max_shard_size,
         "tool": __version__,
+        "work_format": WORK_FORMAT,
     }
 
 

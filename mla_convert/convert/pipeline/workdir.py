@@ -24,6 +24,10 @@ from mla_convert.files import atomic_write_text
 JOB = "job.json"
 PROGRESS = "progress.json"
 STATE = "state.pt"
+#: The layout of the work folder's pickles (they name the classes that wrote them, by module path). Raised whenever
+#: those classes move or change shape; a stopped job of another layout cannot be resumed, and says so.
+#: 2: ``convert/`` split into ``options/ stats/ layer/ pipeline/`` and ``engines/`` (issue 49).
+WORK_FORMAT = 2
 
 
 class ResumeError(UserError):
@@ -49,6 +53,12 @@ def check_start(out: Path, job: dict[str, Any], resume: bool, overwrite: bool, s
         if not (work / JOB).is_file():
             raise ResumeError(f"nothing to resume: {work} holds no stopped conversion for {out}; drop --resume")
         saved = json.loads((work / JOB).read_text())
+        if saved.get("work_format") != job.get("work_format"):
+            raise ResumeError(
+                f"the stopped conversion in {work} was written by an mla-convert whose work folder has another layout "
+                f"(format {saved.get('work_format', 1)}, this one reads {job.get('work_format')}); it cannot be "
+                "resumed: start over with --overwrite"
+            )
         if saved != job:
             diff = []
             for k in sorted(set(saved) | set(job)):
@@ -102,10 +112,19 @@ def save_torch(path: Path, obj: Any) -> None:
 
 
 def load_torch(path: Path) -> Any:
-    """Load a file written by :func:`save_torch` (our own pickles: plans, statistics, tensors)."""
+    """Load a file written by :func:`save_torch` (our own pickles: plans, statistics, tensors).
+
+    Raises:
+        ResumeError: the pickle names a class this version does not have (a work folder of another layout).
+    """
     import torch
 
-    return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except (ModuleNotFoundError, AttributeError) as exc:
+        raise ResumeError(
+            f"{path} was written by an mla-convert of another work-folder layout ({exc}); start over with --overwrite"
+        ) from None
 
 
 def publish(staged: Path, out: Path) -> None:

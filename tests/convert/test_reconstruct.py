@@ -1,0 +1,99 @@
+"""The fitted reconstruction step's oracle (issue 50, Required 4), on SmolLM2's first layers (real weights, real
+text): the source block's attention inputs and outputs come from transformers' own attention modules (hooks), never
+from our statistics code.
+
+* On an exact conversion (every RoPE pair, full rank) there is nothing to fit: no step is taken, no weight moves.
+* On the default lossy conversion the fitted block's held-out error is below the closed form's, and the fit is kept.
+* The keep-if-better rule: a fit that cannot help (a learning rate far too large) is dropped and every weight is
+  restored bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tiny import convert
+
+from mla_convert.convert.layer.reconstruct import reconstruct_attention, relative_error
+
+
+def source_attention_pairs(
+    source: torch.nn.Module, ids: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's attention ``(input, output)`` ``[N, T, hidden]`` in transformers' own model on ``ids [N, T]``:
+    the normalised hidden states its attention module receives and the output it returns."""
+    pairs: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = [([], []) for _ in source.model.layers]
+
+    def hook(i: int):  # noqa: ANN202
+        def capture(_m, args, kwargs, out):  # noqa: ANN001, ANN202
+            pairs[i][0].append(kwargs.get("hidden_states", args[0] if args else None).detach())
+            pairs[i][1].append(out[0].detach())
+
+        return capture
+
+    handles = [
+        layer.self_attn.register_forward_hook(hook(i), with_kwargs=True)
+        for i, layer in enumerate(source.model.layers)
+    ]
+    try:
+        with torch.no_grad():
+            for row in ids:
+                source(input_ids=row[None], use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return [(torch.cat(x), torch.cat(y)) for x, y in pairs]
+
+
+@pytest.fixture(scope="module")
+def pairs(smol_head, smol_tokenizer, wiki_splits):
+    """Layer 0's source attention pairs on 8 x 128 calibration-split tokens (fit) and on 4 x 128 tokens of the
+    adaptation split (decide; no conversion reads it)."""
+    from mla_convert.text.windows import token_windows
+
+    model = smol_head[1]
+    fit = token_windows(smol_tokenizer, wiki_splits["calibration"], 128, 8, bos=False)
+    held = token_windows(smol_tokenizer, wiki_splits["adaptation"], 128, 4, bos=False)
+    return source_attention_pairs(model, fit)[0], source_attention_pairs(model, held)[0]
+
+
+def test_an_exact_layer_is_not_touched(smol_head, smol_windows, pairs):
+    exact = convert(smol_head[0], *smol_windows, rope_mode="per-head", rope_strategy="high", rope_pairs=32,
+                    cache_budget=None, kv_lora_rank=192)  # fmt: skip
+    attn = exact.model.model.layers[0].self_attn
+    before = copy.deepcopy(attn.state_dict())
+    (x, y), (hx, hy) = pairs
+    assert relative_error(attn, x, y) < 1e-5  # the closed form is the source's function: zero loss
+    r = reconstruct_attention(attn, x, y, hx, hy)
+    assert r.steps == 0 and not r.kept
+    assert all(torch.equal(before[k], v) for k, v in attn.state_dict().items())
+
+
+def test_a_lossy_layer_fits_below_its_closed_form(smol_default, pairs):
+    attn = copy.deepcopy(smol_default.model.model.layers[0].self_attn)
+    (x, y), (hx, hy) = pairs
+    closed = relative_error(attn, hx, hy)
+    assert closed > 1e-3  # the default conversion drops information here
+    r = reconstruct_attention(attn, x, y, hx, hy, steps=60)
+    assert r.kept and r.before == pytest.approx(closed, rel=1e-6)
+    assert r.after < 0.95 * closed
+    assert relative_error(attn, hx, hy) == pytest.approx(
+        r.after, rel=1e-5
+    )  # the kept weights are the fitted ones
+    # what it may not touch: the RoPE frequencies and the shapes (the cache width)
+    ref = smol_default.model.model.layers[0].self_attn
+    assert torch.equal(attn.rope_inv_freq, ref.rope_inv_freq)
+    assert {k: v.shape for k, v in attn.state_dict().items()} == {
+        k: v.shape for k, v in ref.state_dict().items()
+    }
+
+
+def test_a_fit_that_does_not_help_is_dropped(smol_default, pairs):
+    attn = copy.deepcopy(smol_default.model.model.layers[0].self_attn)
+    before = copy.deepcopy(attn.state_dict())
+    (x, y), (hx, hy) = pairs
+    r = reconstruct_attention(attn, x, y, hx, hy, steps=5, lr=10.0)
+    assert not r.kept and r.after == r.before
+    assert all(torch.equal(before[k], v) for k, v in attn.state_dict().items())
