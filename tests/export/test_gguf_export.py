@@ -332,3 +332,19 @@ def test_factor_and_recipe_write_the_gguf(bundled_tokenizer, tmp_path, monkeypat
     res = CliRunner().invoke(app, ["run", str(recipe)])
     assert res.exit_code == 0, res.output + str(res.exception)
     assert "factor: skipped, up to date" in res.output and "export: skipped" in res.output, res.output
+
+
+def test_gguf_refuses_attention_biases_in_gguf_words():
+    """A Qwen2-style conversion's biases have no tensor in llama.cpp's deepseek2 graph: the GGUF export says so in
+    GGUF's terms, not with the DeepSeek-V3 export's message about vLLM and SGLang (issue 50)."""
+    from types import SimpleNamespace
+
+    from mla_convert.engines.deepseek_v3.mapping import ExportError
+    from mla_convert.engines.llamacpp.gguf_file import gguf_plan
+
+    config = SimpleNamespace(hidden_act="silu", q_bias=True, kv_a_bias=True, o_bias=False)
+    with pytest.raises(ExportError) as refused:
+        gguf_plan(config, "bfloat16")
+    message = str(refused.value)
+    assert "no GGUF export is exact" in message and "q_proj, kv_a" in message and "deepseek2" in message
+    assert "SGLang" not in message and "DeepSeek-V3 export" not in message

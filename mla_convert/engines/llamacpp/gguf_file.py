@@ -131,12 +131,20 @@ def gguf_plan(config: Any, dtype: str, cache_block: int = CACHE_BLOCK) -> Export
     (its cache runs in f16 / bf16 / f32 only: :func:`quant_cache_block` 1).
 
     Raises:
-        ExportError: what :func:`~mla_convert.engines.deepseek_v3.mapping.plan_export` refuses, or an MLP activation
+        ExportError: attention biases (no tensor for them in llama.cpp's deepseek2 graph; the message names GGUF),
+            what :func:`~mla_convert.engines.deepseek_v3.mapping.plan_export` refuses, or an MLP activation
             llama.cpp's deepseek2 does not compute (it hard-codes SiLU).
     """
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ExportError(f"the MLP activation is {config.hidden_act!r}; llama.cpp's deepseek2 computes SiLU only, so "
                           "no GGUF export is exact: export --format deepseek-v3 --target transformers")
+    biased = [n for n, on in (("q_proj", config.q_bias), ("kv_a", config.kv_a_bias), ("o_proj", config.o_bias)) if on]
+    if biased:
+        raise ExportError(
+            f"the converted attention has biases ({', '.join(biased)}: a Qwen2-style source's q/k/v biases) and "
+            "llama.cpp's deepseek2 graph has no attention bias tensors, so no GGUF export is exact; serve this "
+            "checkpoint through transformers (mla-convert generate / eval) or vLLM with our plugin"
+        )
     plan = plan_export(config, torch.bfloat16 if dtype == "bfloat16" else torch.float32, "transformers")
     d_r = 2 * len(plan.rope.inv_freq)
     width = cache_block_rank(plan.kv_lora_rank, d_r, cache_block)
