@@ -1,6 +1,6 @@
 """The fitted reconstruction step (issue 50, Required 4), measured on SmolLM2-135M before it becomes a default.
 
-The default conversion (``factor``'s options, the search included) is made in memory with its calibration statistics;
+The default conversion (``factor``'s options with the split and levers its search chose for SmolLM2, given) is made in memory with its calibration statistics;
 then, layer after layer, each converted attention block is fitted by gradient to the source block's attention outputs
 (:func:`mla_convert.convert.layer.reconstruct.reconstruct_attention`) on the refit windows the conversion kept, its
 inputs the converted model's own (``sequential``: the layers below already fitted) or the source's (``teacher``),
@@ -54,7 +54,9 @@ def main() -> None:
     args = ap.parse_args()
     started = time.perf_counter()
     proto = protocol.load(None, 8, {"wiki@512": 16, "news@512": 8})
-    conv = convert_windows(proto.src, ConvertOptions(), proto.calibration, proto.held_out, keep_stats=True)
+    # the searched default's choice for SmolLM2 (manifests/smollm2-135m-reference.json), given: no search to rerun
+    options = ConvertOptions(rope_pairs=24, rope_strategy="2-norm", refit_o_proj="teacher")
+    conv = convert_windows(proto.src, options, proto.calibration, proto.held_out, keep_stats=True)
     mla, stats = conv.model, conv.stats
     convert_s = time.perf_counter() - started
     texts = {"dev": proto.dev, **proto.evals}

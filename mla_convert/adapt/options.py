@@ -29,7 +29,7 @@ class AdaptOptions(BaseModel):
     )
     text: str = Field(
         "wikipedia",
-        description="wikipedia | news | shakespeare | comma-separated .txt / .jsonl / .json / .parquet / .csv files or folders",
+        description="wikipedia | news | shakespeare | python (the standard library's sources) | comma-separated .txt / .jsonl / .json / .parquet / .csv files or folders",
     )
     data: list[str] | None = Field(
         None,
@@ -74,7 +74,7 @@ class AdaptOptions(BaseModel):
     eval_windows: int = Field(8, ge=1, description="validation windows of seq_len tokens")
     also_eval: str | None = Field(
         None,
-        description="a second text (its evaluation split) evaluated alongside: wikipedia | news | shakespeare | paths",
+        description="a second text (its evaluation split) evaluated alongside: wikipedia | news | shakespeare | python | paths",
     )
     chat_prompts: int = Field(
         8,

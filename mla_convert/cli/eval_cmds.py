@@ -49,7 +49,7 @@ def eval_cmd(
     against: str = typer.Option(None, help="Source model to compare with: perplexity delta, KL, top-1."),
     text: str = typer.Option(
         "wikipedia",
-        help="wikipedia | news | shakespeare | comma-separated .txt / .jsonl / .json / .parquet / .csv files or folders.",
+        help="wikipedia | news | shakespeare | python (the standard library's sources) | comma-separated .txt / .jsonl / .json / .parquet / .csv files or folders.",
     ),
     window: int = typer.Option(512, help="Tokens per window."),
     windows: int = typer.Option(8, help="Number of evaluation windows."),

@@ -16,6 +16,8 @@ The parsed Wikipedia articles are cached on disk as JSON (see :func:`wikipedia_d
 from __future__ import annotations
 
 import json
+import sys
+import sysconfig
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from pathlib import Path
@@ -46,8 +48,8 @@ __all__ = [
 ]
 
 #: Names of the bundled corpora a text spec may give instead of paths.
-BUNDLED_CORPORA = ("wikipedia", "news", "shakespeare")
-_NAMES = "'wikipedia', 'news', 'shakespeare'"
+BUNDLED_CORPORA = ("wikipedia", "news", "shakespeare", "python")
+_NAMES = "'wikipedia', 'news', 'shakespeare', 'python'"
 #: Wikipedia articles shorter than this (characters, after cleaning) are skipped.
 MIN_WIKI_CHARS = 500
 #: Bump when the cleaning (:mod:`mla_convert.text.wikitext`) changes so cached parses are rebuilt.
@@ -159,6 +161,32 @@ def shakespeare_documents() -> list[Document]:
     return docs
 
 
+def python_documents() -> list[Document]:
+    """Return the Python standard library's own top-level modules, one document per file: real code nobody here
+    wrote, shipped with the interpreter (no download), for perplexity on code (issue 50).
+
+    Returns:
+        One document per ``<stdlib>/*.py`` file (sorted by name, at least 1 KB), ids ``python:<version>/<name>``
+        (the interpreter's ``major.minor``: another Python has other sources, and says so).
+
+    Raises:
+        TextError: The standard library's folder holds no such file.
+    """
+    folder = Path(sysconfig.get_paths()["stdlib"])
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    docs = []
+    for path in sorted(folder.glob("*.py")):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if len(text) >= 1024:
+            docs.append(Document.make(f"python:{version}/{path.name}", f"Python {version} {path.name}", text))
+    if not docs:
+        raise TextError(f"no Python sources in {folder}; --text python reads the interpreter's standard library")
+    return docs
+
+
 def local_documents(
     paths: Sequence[Path],
     field: str = "text",
@@ -243,7 +271,7 @@ def parse_text_spec(spec: str) -> str | list[Path]:
     """Read a text spec (the ``--text`` option): a bundled corpus name, or comma-separated paths.
 
     Args:
-        spec: ``"wikipedia"``, ``"news"`` or ``"shakespeare"`` (case and surrounding spaces ignored), or comma-separated
+        spec: ``"wikipedia"``, ``"news"``, ``"shakespeare"`` or ``"python"`` (case and surrounding spaces ignored), or comma-separated
             ``.txt`` files and/or folders of them (spaces around each entry ignored, ``~`` expanded).
 
     Returns:
@@ -292,6 +320,7 @@ def load_documents(spec: str | Path | Sequence[Path]) -> list[Document]:
             "wikipedia": wikipedia_documents,
             "news": news_documents,
             "shakespeare": shakespeare_documents,
+            "python": python_documents,
         }[parsed]()
     if isinstance(spec, Path):
         return local_documents([spec])

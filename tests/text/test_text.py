@@ -390,3 +390,20 @@ def test_chat_text_too_short_for_the_budget_is_said(tmp_path: Path) -> None:
     report = json.loads((out / "report.json").read_text())
     assert any("where 400 were asked" in w for w in report["warnings"])
     assert "**Warning:** the calibration text gives" in (out / "report.md").read_text()
+
+
+def test_python_corpus_is_the_standard_library_and_splits_by_file():
+    """``--text python``: the interpreter's own modules, one document per file; the evaluation split (what perplexity
+    on code reads) shares no file with calibration (issue 50: calibration never reads evaluation data)."""
+    import sys
+
+    from mla_convert.text.corpora import load_documents
+    from mla_convert.text.windows import split_documents
+
+    docs = load_documents("python")
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert len(docs) > 100 and all(d.id.startswith(f"python:{version}/") for d in docs)
+    assert any(d.id.endswith("/textwrap.py") and "def dedent(" in d.text for d in docs)
+    parts = split_documents(docs)
+    ids = {k: {d.id for d in v} for k, v in parts.items()}
+    assert ids["evaluation"] and ids["calibration"] and not ids["evaluation"] & ids["calibration"]

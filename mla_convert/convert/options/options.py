@@ -141,7 +141,7 @@ class ConvertOptions(BaseModel):
     )
     text: str = Field(
         "wikipedia",
-        description="calibration/evaluation text: wikipedia | news | shakespeare | comma-separated files or folders",
+        description="calibration/evaluation text: wikipedia | news | shakespeare | python (the standard library's sources) | comma-separated files or folders",
     )
     calib_tokens: int = Field(
         16384,
