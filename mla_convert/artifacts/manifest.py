@@ -68,6 +68,16 @@ class ManifestMismatch(ManifestError):
 
 # ---------------------------------------------------------------------------------------------- build
 
+#: Options added after the pinned reference manifest, with their off value: recorded only when set, so a conversion
+#: that does not use them keeps the canonical id an earlier version gave it.
+ADDED_OPTIONS: dict[str, Any] = {"reconstruct_steps": 0}
+
+
+def recorded_options(dump: dict[str, Any]) -> dict[str, Any]:
+    """The options a manifest records: every field, less each of :data:`ADDED_OPTIONS` at its off value."""
+    return {k: v for k, v in dump.items() if k not in ADDED_OPTIONS or v != ADDED_OPTIONS[k]}
+
+
 
 class ConversionOptions(Protocol):
     """What a conversion's manifest reads of its options (a :class:`~mla_convert.convert.options.options.ConvertOptions`)."""
@@ -144,7 +154,7 @@ def conversion_manifest(
             "files": [{"name": f.name, "sha256": sha256_file(f)} for f in src.origin_files],
             "tokenizer_sha256": tokenizer_digest(src),
         },
-        "options": options.model_dump(),
+        "options": recorded_options(options.model_dump()),
         "choices": dict(choices or {}),
         "rope": {
             "mode": options.rope_mode,

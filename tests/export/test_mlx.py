@@ -41,7 +41,7 @@ def f32_export(reference_ckpt, tmp_path_factory):
 
 
 def test_reference_export_is_exact_in_mlx(mlx_python, f32_export, reference_ckpt):
-    from mla_convert.engines.vllm.check import MLX_FLOAT32, MLX_NEW_TOKENS, check_mlx
+    from mla_convert.engines.mlx.check import MLX_FLOAT32, MLX_NEW_TOKENS, check_mlx
 
     record = check_mlx(reference_ckpt, f32_export, mlx_python)
     assert record["passed"], record["reasons"]

@@ -1,7 +1,7 @@
 """The per-layer converter: one layer of a conversion as a composition of steps, each a small unit with a typed input
 and output (docs/math.md; docs/design.md §The per-layer converter):
 
-    plan -> factor -> assemble -> round -> refit
+    plan -> factor -> assemble -> round -> reconstruct -> refit
 
 * **plan** (:func:`plan_step`): the layer's partial-RoPE plan and the weighted K/V matrix it factors, from the
   source weights and the calibration statistics (:class:`Planned`);
@@ -9,6 +9,8 @@ and output (docs/math.md; docs/design.md §The per-layer converter):
 * **assemble** (:func:`assemble_step`): the MLA attention tensors, float32 (:class:`Assembled`);
 * **round** (:func:`round_step`): the MLA decoder layer on the device, every weight rounded to the output dtype as the
   checkpoint holds it (:class:`Rounded`);
+* **reconstruct** (:func:`reconstruct_step`): with ``reconstruct_steps``, the whole attention of a lossy layer fitted by
+  gradient to the source's outputs, kept where held-out error falls (a :class:`Rounded` again);
 * **refit** (:func:`refit_step`): the ``o_proj`` refit, where one is asked for (:class:`Refitted`).
 
 :class:`LayerConverter` composes them; ``factor``'s pass 2 (:mod:`mla_convert.convert.pipeline.stream`) and the search's
@@ -24,11 +26,12 @@ import torch
 
 from mla_convert.convert.layer.factorize import Factors, LayerTarget, factor_layer
 from mla_convert.convert.layer.layers import check_fits, layer_prefix, mla_layer
+from mla_convert.convert.layer.reconstruct import reconstruct_attention
 from mla_convert.convert.layer.refit import refit_o_proj
 from mla_convert.convert.layer.rope import RopePlan
 from mla_convert.convert.layer.steps import is_lossless, layer_state, plan_and_target
 from mla_convert.convert.options.options import ConvertOptions
-from mla_convert.convert.stats.calibration import LayerStats
+from mla_convert.convert.stats.calibration import HeldOut, LayerStats
 from mla_convert.mla.configuration import MLAConfig
 from mla_convert.mla.modeling import MLADecoderLayer
 from mla_convert.sources.checkpoint import SourceModel
@@ -209,6 +212,31 @@ def round_step(
     return Rounded(assembled, rounded_layer(config, layer, assembled.attn, device, dtype), layer.index)
 
 
+def reconstruct_step(
+    rounded: Rounded, inputs: RefitInputs | None, held: HeldOut | None, steps: int, device: torch.device,
+    dtype: torch.dtype,
+) -> Rounded:
+    """The fitted reconstruction of a lossy layer (:func:`~mla_convert.convert.layer.reconstruct.reconstruct_attention`)
+    on the refit's windows and inputs (the converted model's own where ``inputs.converted`` is given), decided on the
+    held-out pairs ``held``; the layer's weights and the assembled tensors it writes become the fitted ones (rounded to
+    ``dtype``) where the fit is kept. Nothing is done without ``steps``, inputs, held-out pairs, or for an exact layer.
+    """
+    if steps <= 0 or inputs is None or held is None or not rounded.assembled.factored.lossy:
+        return rounded
+    layer = rounded.layer
+    with torch.no_grad():
+        x = layer.input_layernorm(inputs.converted.to(device)) if inputs.converted is not None else inputs.x
+    assert x is not None, "a reconstruction needs the source's inputs or the converted refit windows"
+    fit = reconstruct_attention(
+        layer.self_attn, x.to(device), inputs.out.to(device), held.x.to(device), held.out.to(device), steps, dtype=dtype
+    )
+    if not fit.kept:
+        return rounded
+    state = layer.self_attn.state_dict()
+    attn = {k: state[k].detach().float().cpu().clone() for k in rounded.assembled.attn}
+    return Rounded(Assembled(rounded.assembled.factored, attn), layer, rounded.index)
+
+
 @torch.no_grad()
 def refit_step(
     rounded: Rounded, inputs: RefitInputs | None, device: torch.device, dtype: torch.dtype, check: bool = True
@@ -270,6 +298,7 @@ class LayerConverter:
         planned: Planned,
         refit: RefitInputs | None = None,
         x_mean: torch.Tensor | None = None,
+        held: HeldOut | None = None,
     ) -> Refitted:
         """Factor, assemble, round and refit ``layer`` from its plan (the steps of the module docstring).
 
@@ -278,9 +307,12 @@ class LayerConverter:
             planned: its plan (:meth:`plan`, or the one pass 1 saved).
             refit: what an ``o_proj`` refit fits on; None: no refit.
             x_mean: the attention input's mean ``[D]`` (with ``options.qk_nope_head_dim``: the NoPE reduction).
+            held: held-out attention pairs that decide a fitted reconstruction (``options.reconstruct_steps``);
+                None: no reconstruction (the search's candidates).
         """
         i, opts = layer.index, self.options
         factored = factor_step(planned, self.config.kv_lora_rank[i], opts.factorization)
         assembled = assemble_step(self.src, layer, factored, self.config.qk_nope_head_dim, opts.qk_nope_head_dim, x_mean)
         rounded = round_step(self.config, layer, assembled, self.device, self.dtype, self.check)
+        rounded = reconstruct_step(rounded, refit, held, opts.reconstruct_steps, self.device, self.dtype)
         return refit_step(rounded, refit, self.device, self.dtype, self.check)

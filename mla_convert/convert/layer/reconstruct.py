@@ -98,6 +98,7 @@ def reconstruct_attention(
         The :class:`Reconstruction` (errors before and after, whether kept, steps, seconds).
     """
     started = time.perf_counter()
+    x, y, held_x, held_y = x.detach(), y.detach(), held_x.detach(), held_y.detach()
     before = relative_error(attn, held_x, held_y, batch)
     if relative_error(attn, x, y, batch) < EXACT_ERROR:
         return Reconstruction(before, before, False, 0, time.perf_counter() - started)

@@ -118,6 +118,14 @@ class ConvertOptions(BaseModel):
             "none": "retired; no refit measured x21.12 against teacher's x4.49 at 72 values (docs/results.md levers): "
             "use teacher or sequential, or leave it out (a refit is kept only where it helps on held-out windows)"}},
     )
+    reconstruct_steps: int = Field(
+        0,
+        ge=0,
+        le=100_000,
+        description="fitted reconstruction: Adam steps per lossy layer fitting its whole converted attention to the "
+        "source's outputs on the refit's windows and inputs, kept only where held-out error falls "
+        "(convert/layer/reconstruct.py); 0: off (being measured: benchmarks/reconstruct.py)",
+    )
     kv_lora_rank: int | None = Field(
         None, description="latent width d_c for every layer (replaces --cache-fraction and --cache-budget)"
     )

@@ -366,7 +366,7 @@ class StreamedConversion:
             x, out = p1["refit"]
             refit = RefitInputs(x, out, s["mla_refit"] if self.sequential else None, self.sequential and st["lossy_seen"])
         converted = LayerConverter(self.src, self.options, config, self.device, self.dtype).convert(
-            layer_src, planned, refit, p1["x_mean"]
+            layer_src, planned, refit, p1["x_mean"], p1["held"]
         )
         del layer_src
         layer, attn, fit_w, lossy = converted.layer, converted.attn, converted.fit_w, converted.lossy
