@@ -71,6 +71,7 @@ COLLECTORS: dict[str, Callable[[], str]] = {
     "engine-shape": lambda: _mod("engine_shape").collect_block(),
     "llamacpp-bench": lambda: _mod("llamacpp").block(_json("llamacpp.json")),  # type: ignore[arg-type]
     "bfloat16": lambda: _mod("bfloat16").block(),
+    "humaneval": lambda: _mod("humaneval").block(),
 }
 
 

@@ -57,18 +57,16 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def block() -> str:
+    """The docs/results.md block (between its markers), from the stored results (``benchmarks/collect.py``)."""
+    return table(json.loads(RESULTS.read_text()))
+
+
 def collect() -> None:
     """Write the table between the markers of docs/results.md."""
-    results = json.loads(RESULTS.read_text())
-    text = DOC.read_text()
-    start, end = "<!-- humaneval:start -->", "<!-- humaneval:end -->"
-    block = f"{start}\n{table(results)}\n{end}"
-    if start in text:
-        text = text[: text.index(start)] + block + text[text.index(end) + len(end) :]
-    else:
-        text = text.rstrip("\n") + "\n\n## HumanEval (tasks)\n\n" + block + "\n"
-    DOC.write_text(text)
-    print(f"humaneval: {DOC}")
+    from blocks import replace_block
+
+    print(f"humaneval: {replace_block('humaneval', block())}")
 
 
 def main() -> None:
