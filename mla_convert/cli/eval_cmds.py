@@ -9,7 +9,7 @@ from typing import Any
 
 import typer
 
-from mla_convert.cli.flags import build_options, options_from
+from mla_convert.cli.flags import build_options, given_on_command_line, options_from
 from mla_convert.cli.render import (
     STATE,
     console,
@@ -24,7 +24,7 @@ from mla_convert.cli.render import (
 )
 from mla_convert.cli.task_cmds import TASKS, run_humaneval_task
 from mla_convert.mla.checkpoint import read_checkpoint_config
-from mla_convert.sources.locate import locate_source
+from mla_convert.sources.locate import BUILTIN_MODELS, locate_source
 from mla_convert.validate.options import ValidateOptions
 
 
@@ -74,12 +74,25 @@ def eval_cmd(
     if task not in TASKS:
         fail(f"--task {task!r} is not one of {', '.join(TASKS)}")
     if task == "humaneval":
+        ignored = [f"--{n}" for n in ("against", "text", "window", "windows") if given_on_command_line(n)]
+        if ignored:
+            verb = "belongs" if len(ignored) == 1 else "belong"
+            fail(f"{', '.join(ignored)} {verb} to --task perplexity; --task humaneval scores the model alone")
         run_humaneval_task(str(ckpt), engine, out, limit, overwrite, threads, dtype)
         return
+    task_only = [
+        f"--{n}" for n in ("engine", "out", "limit", "threads", "dtype", "overwrite") if given_on_command_line(n)
+    ]
+    if task_only:
+        verb = "belongs" if len(task_only) == 1 else "belong"
+        fail(f"{', '.join(task_only)} {verb} to --task humaneval; perplexity runs through transformers")
     if window < 2 or windows < 1:
         fail(f"--window {window} / --windows {windows}: need at least 2 tokens per window and 1 window")
     with user_errors():  # wrong folders and paths, before the model libraries are imported
-        read_checkpoint_config(ckpt, require_mla=False)
+        # a built-in source name or a .gguf file: read as a source (a folder is any checkpoint)
+        bundled = str(ckpt).lower() in BUILTIN_MODELS or (ckpt.is_file() and ckpt.suffix == ".gguf")
+        if not bundled:
+            read_checkpoint_config(ckpt, require_mla=False)
         if against:
             locate_source(against)
     from transformers import AutoTokenizer
@@ -91,9 +104,12 @@ def eval_cmd(
 
     with user_errors():
         docs = split_documents(load_documents(text))["evaluation"]  # bad text answers before the model loads
-        model = load_model(ckpt)
+        if bundled:
+            source = open_source(ckpt)
+            model, tok = load_source_model(source), AutoTokenizer.from_pretrained(str(source.path))
+        else:
+            model, tok = load_model(ckpt), AutoTokenizer.from_pretrained(str(ckpt))
         ref = load_source_model(open_source(against)) if against else None
-        tok = AutoTokenizer.from_pretrained(str(ckpt))
         ids = token_windows(tok, docs, window, windows, bos=adds_bos(tok))
         with progress_bar() as cb:
             res = evaluate(model, ids, ref, progress=lambda n: cb("evaluate", n, len(ids)))

@@ -6,7 +6,10 @@ import json
 import sys
 from pathlib import Path
 
-from mla_convert.cli.render import console, fail, note, user_errors
+import typer
+
+from mla_convert.cli.flags import given_on_command_line
+from mla_convert.cli.render import console, err_console, fail, note, user_errors
 
 TASKS = ("perplexity", "humaneval")
 ENGINES = ("auto", "transformers", "llama.cpp")
@@ -35,12 +38,25 @@ def run_humaneval_task(
     from mla_convert.tasks.complete import llamacpp_completer, torch_completer
     from mla_convert.tasks.humaneval import run_humaneval
 
+    if engine == "llama.cpp" and given_on_command_line("dtype"):
+        note(f"note: --dtype {dtype} is for --engine transformers; llama.cpp runs the GGUF's own types")
+    if engine == "transformers" and given_on_command_line("threads"):
+        note("note: --threads is for --engine llama.cpp; transformers uses torch's threads (OMP_NUM_THREADS)")
     with user_errors():
         problems = humaneval_problems()[:limit]
         completer = (
             llamacpp_completer(ckpt, threads) if engine == "llama.cpp" else torch_completer(ckpt, dtype)
         )
-        summary = run_humaneval(completer, problems, dest, overwrite=overwrite, say=note)
+        try:
+            summary = run_humaneval(completer, problems, dest, overwrite=overwrite, say=note)
+        except KeyboardInterrupt:
+            partial = dest.with_name(dest.name + ".partial")
+            err_console.print(
+                f"interrupted: the problems finished so far are in {partial}; run the same command again to resume",
+                highlight=False,
+                markup=False,
+            )
+            raise typer.Exit(130) from None
     console.print(
         f"humaneval pass@1 {summary['pass@1']:.4f} ({summary['passed']} of {summary['problems']} problems, "
         f"{summary['ran']['engine']}, greedy, raw prompt); rows in {dest}",
