@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mla_convert.artifacts.manifest import recorded_options
 from mla_convert.convert.options.options import cache_budget_of, geometry
 from mla_convert.recipes.schema import Recipe
 
@@ -92,7 +93,7 @@ def factor_stage(recipe: Recipe, choices: dict[str, str] | None = None) -> tuple
     missing = [name for name in m.get("outputs", {}) if not (folder / name).is_file()]
     if missing:
         return stale(f"{missing[0]} listed in the manifest is missing")
-    want = _norm(recipe.factor.model_dump())
+    want = recorded_options(_norm(recipe.factor.model_dump()))  # as a manifest records them
     got = m.get("options")
     if isinstance(got, dict):
         want |= {k: got.get(k) for k in searched_keys(m, choices)}

@@ -374,7 +374,7 @@ class Fakes:
         self, src: Any, out: Path, options: Any, overwrite: bool = False, progress: Any = None,
         resolution: Any = None,
     ) -> dict:
-        from mla_convert.artifacts.manifest import write_manifest
+        from mla_convert.artifacts.manifest import recorded_options, write_manifest
         from mla_convert.artifacts.output import check_output
         from mla_convert.files import atomic_folder
 
@@ -385,7 +385,7 @@ class Fakes:
             (tmp / "report.json").write_text(json.dumps(FACTOR_REPORT))
             manifest = {
                 "source": {"origin": src.origin, "family": src.family.name},
-                "options": options.model_dump(),
+                "options": recorded_options(options.model_dump()),  # as conversion_manifest records them
                 "ranks": [7],
             }
             write_manifest(tmp, manifest, ["config.json", "report.json"])
