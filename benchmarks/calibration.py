@@ -26,7 +26,7 @@ from transformers import AutoTokenizer
 
 from mla_convert.convert.options.options import ConvertOptions
 from mla_convert.convert.pipeline.build import convert_windows
-from mla_convert.convert.pipeline.job import HELD_OUT_WINDOWS, calibration_windows
+from mla_convert.convert.pipeline.text import HELD_OUT_WINDOWS, calibration_windows
 from mla_convert.metrics import evaluate
 from mla_convert.sources.checkpoint import load_source_model, open_source
 from mla_convert.text.corpora import load_documents

@@ -27,26 +27,13 @@ RUNS = Path(__file__).resolve().parent / "runs" / "chat-calib"
 RESULT = Path(__file__).resolve().parent / "results" / "chat_calibration.md"
 
 
-def calibration_chats(path: Path, count: int = 400, chunk: int = 1200) -> Path:
-    """Write ``count`` conversations from the Wikipedia calibration split's articles to ``path`` (JSON lines): each
-    article is cut into ``chunk``-character passages, one conversation per passage, so the chat file carries more
-    than the default 16,384 calibration tokens after ``factor``'s own split (a shorter file calibrates on less, with a
-    warning)."""
-    from mla_convert.text.corpora import load_documents
-    from mla_convert.text.windows import split_documents
+def calibration_chats(path: Path) -> Path:
+    """Write the ``wikipedia-chat`` corpus's conversations (:func:`mla_convert.text.chats.wikipedia_conversations`:
+    built from the Wikipedia calibration split's articles) to ``path`` as JSON lines, the file this table's row
+    calibrated on (``factor --text wikipedia-chat`` now reads the same conversations directly)."""
+    from mla_convert.text.chats import wikipedia_conversations
 
-    docs = split_documents(load_documents("wikipedia"))["calibration"]
-    passages = [(d, d.text[i : i + chunk]) for d in docs for i in range(0, len(d.text) - chunk // 2, chunk)]
-    rows = []
-    for d, text in passages[:: max(1, len(passages) // count)][:count]:
-        sentences = text.replace("\n", " ").split(". ")
-        rows.append({"messages": [
-            {"role": "user", "content": "Summarize this passage:\n\n" + text},
-            {"role": "assistant", "content": ". ".join(sentences[:2]).strip() + "."},
-            {"role": "user", "content": "Which article is it from?"},
-            {"role": "assistant", "content": d.title or " ".join(sentences[0].split()[:6])},
-        ]})  # fmt: skip
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for _, m in wikipedia_conversations()))
     return path
 
 

@@ -24,7 +24,7 @@ from blocks import replace_block
 
 from mla_convert.convert.options.options import ConvertOptions
 from mla_convert.convert.pipeline.build import convert_windows
-from mla_convert.convert.pipeline.job import HELD_OUT_WINDOWS
+from mla_convert.convert.pipeline.text import HELD_OUT_WINDOWS
 from mla_convert.metrics import evaluate
 
 DEV_WINDOWS = 8

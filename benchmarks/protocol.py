@@ -1,7 +1,7 @@
 """The text every training-free benchmark scores on, from one place (issue 27's protocol).
 
 - calibration and held-out windows: exactly what ``factor`` takes by default
-  (:func:`mla_convert.convert.pipeline.job.calibration_windows`: the token budget spread across the Wikipedia calibration
+  (:func:`mla_convert.convert.pipeline.text.calibration_windows`: the token budget spread across the Wikipedia calibration
   split's documents);
 - dev windows (they choose defaults and splits): spread across the Wikipedia *adaptation* split, which no
   conversion reads;
@@ -18,7 +18,7 @@ import torch
 from transformers import AutoTokenizer
 
 from mla_convert.convert.options.options import ConvertOptions
-from mla_convert.convert.pipeline.job import calibration_windows
+from mla_convert.convert.pipeline.text import calibration_windows
 from mla_convert.sources.checkpoint import SourceModel, load_source_model, open_source
 from mla_convert.text.corpora import load_documents
 from mla_convert.text.windows import split_documents, spread_windows, token_windows

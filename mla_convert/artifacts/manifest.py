@@ -70,7 +70,7 @@ class ManifestMismatch(ManifestError):
 
 #: Options added after the pinned reference manifest, with their off value: recorded only when set, so a conversion
 #: that does not use them keeps the canonical id an earlier version gave it.
-ADDED_OPTIONS: dict[str, Any] = {"reconstruct_steps": 0}
+ADDED_OPTIONS: dict[str, Any] = {"reconstruct_steps": 0, "calib_data": None}
 
 
 def recorded_options(dump: dict[str, Any]) -> dict[str, Any]:

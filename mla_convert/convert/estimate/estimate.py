@@ -6,7 +6,7 @@ the tensor headers and the options (no weight is read). This module sizes a conv
 The estimates follow the streamed conversion (:mod:`mla_convert.convert.pipeline.stream`, run by
 :func:`~mla_convert.convert.pipeline.job.run_factor`) on the CPU. Symbols: ``L`` layers, ``d`` hidden size, ``H``/``G``
 query/KV heads of width ``h``, ``V`` vocabulary, ``T`` tokens per window, ``N`` calibration, ``M`` held-out
-(:data:`~mla_convert.convert.pipeline.job.HELD_OUT_WINDOWS`, at most 4) and ``E`` evaluation windows, ``P`` probe tokens
+(:data:`~mla_convert.convert.pipeline.text.HELD_OUT_WINDOWS`, at most 4) and ``E`` evaluation windows, ``P`` probe tokens
 (``min(128, T)``), ``r = nope_width + G h`` rows of the weighted K/V matrix, ``p`` the parameters of one source
 decoder layer, ``s`` its bytes as stored, ``b`` bytes per value of the written dtype.
 
@@ -202,7 +202,7 @@ def factor_shape(options: ConvertOptions, src: Any, refit_modes: Collection[str]
     ``num_heads``, ``num_kv_heads``, ``head_dim``, ``hidden_size``, ``config``, ``weight_map``, ``shape(name)``,
     ``storage_dtype(name)`` and ``gguf_file``.
     """
-    from mla_convert.convert.pipeline.job import HELD_OUT_WINDOWS
+    from mla_convert.convert.pipeline.text import HELD_OUT_WINDOWS
 
     geo = geometry(options, src)
     n_l, h, g, hd, d = src.num_layers, src.num_heads, src.num_kv_heads, src.head_dim, src.hidden_size

@@ -16,6 +16,8 @@ from typing import Any, Literal, Protocol, get_args
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mla_convert.errors import UserError
+from mla_convert.text.corpora import TextError
+from mla_convert.text.specs import parse_data_spec
 
 RopeMode = Literal["per-head", "shared"]
 RopeStrategy = Literal["high", "low", "uniform", "2-norm", "rotation"]
@@ -149,7 +151,15 @@ class ConvertOptions(BaseModel):
     )
     text: str = Field(
         "wikipedia",
-        description="calibration/evaluation text: wikipedia | news | shakespeare | python (the standard library's sources) | comma-separated files or folders",
+        description="calibration/evaluation text: wikipedia | news | shakespeare | python (the standard library's sources) | code (gensim's Python sources) | wikipedia-chat (chat-templated) | comma-separated files or folders",
+    )
+    calib_data: list[str] | None = Field(
+        None,
+        description="calibration mixture, one source each (repeat the flag): SOURCE[,weight=W][,field=|messages=NAME] "
+        "as adapt --data reads it, e.g. wikipedia,weight=2 wikipedia-chat code (code: gensim's Python sources); each "
+        "source's share of the calibration windows is its weight (default 1), drawn from its calibration split; "
+        "replaces --text for calibration, while the report's evaluation stays on --text's evaluation split",
+        json_schema_extra={"metavar": "SPEC"},
     )
     calib_tokens: int = Field(
         16384,
@@ -324,6 +334,14 @@ def problems(options: ConvertOptions, src: SourceShape | None) -> list[tuple[str
     for key in ("calib_tokens", "calib_windows", "window", "eval_windows", "rope_context"):
         if getattr(options, key) is not None and getattr(options, key) < 1:
             out.append((key, f"{getattr(options, key)} is too small: must be at least 1"))
+    for spec in options.calib_data or []:
+        try:
+            parsed = parse_data_spec(spec)
+        except TextError as exc:
+            out.append(("calib_data", str(exc).removeprefix("--data ")))
+            continue
+        if parsed.loss != "all":
+            out.append(("calib_data", f"{spec!r}: loss= is an adaptation key (adapt --data); drop it here"))
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", options.device):
         out.append(("device", f"{options.device!r} is not one of auto, cpu, cuda, cuda:N"))
     if options.rope_pairs < 0:

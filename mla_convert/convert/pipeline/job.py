@@ -10,7 +10,7 @@ import platform
 import resource
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -28,135 +28,13 @@ from mla_convert.convert.pipeline.passes import run_passes
 from mla_convert.convert.pipeline.records import ProgressFn, Streamed, Texts
 from mla_convert.convert.pipeline.split_report import split_record, split_sentence
 from mla_convert.convert.pipeline.stream import StreamedConversion
+from mla_convert.convert.pipeline.text import prepare_text
 from mla_convert.convert.pipeline.workdir import WORK_FORMAT, check_start, close_work, open_work, publish
 from mla_convert.engines.precheck import engine_table
 from mla_convert.errors import UserError
 from mla_convert.metrics import EvalResult
 from mla_convert.sources.checkpoint import SourceModel
 from mla_convert.sources.integrity import preflight
-from mla_convert.text.corpora import Document, TextError, load_documents, parse_text_spec
-from mla_convert.text.windows import (
-    SpreadWindows,
-    adds_bos,
-    documents_record,
-    split_documents,
-    spread_windows,
-    token_windows,
-)
-
-#: Held-out calibration windows: per-layer attention error and the o_proj refit's keep/revert check
-#: (several, so one window's noise cannot decide it; every window's loss is recorded).
-HELD_OUT_WINDOWS = 4
-
-
-#: How far calibration windows are spread: the calibration split is tokenized up to this many times the windows
-#: taken (all of the bundled texts' splits), and the windows are drawn evenly across what was tokenized.
-CALIBRATION_SPAN = 64
-
-
-@dataclass
-class TextSplit:
-    """Token windows for each role, and the documents behind them.
-
-    Attributes:
-        name: the text's name (``wikipedia``, ``news``, ``local files``...).
-        calibration: ``[N, T]`` statistics windows, spread across the calibration documents.
-        held_out: ``[M, T]`` held-out calibration windows (attention error, ``o_proj`` refit check), ``M <= 4``.
-        evaluation: ``[E, T]`` evaluation windows (the first of the evaluation split).
-        records: role -> the documents' ids, hashes and lengths.
-        calibration_documents: distinct documents the calibration windows touch (None without an EOS id).
-    """
-
-    name: str
-    calibration: torch.Tensor
-    held_out: torch.Tensor
-    evaluation: torch.Tensor
-    records: dict[str, list[dict[str, Any]]]
-    calibration_documents: int | None = None
-
-
-def calibration_windows(
-    tokenizer: Any, docs: list[Document], window: int, count: int, count_documents: bool = True
-) -> SpreadWindows:
-    """The calibration and held-out windows ``factor`` uses: ``count`` (and up to :data:`HELD_OUT_WINDOWS`
-    held-out) windows of ``window`` tokens spread evenly across the calibration documents ``docs``.
-    ``count_documents=False`` for text whose documents hold EOS themselves (chat-templated turns end with it): the
-    windows' documents are then not counted (``documents`` None) rather than miscounted.
-
-    Raises:
-        TextError: the documents give fewer than 2 windows.
-    """
-    every = token_windows(
-        tokenizer, docs, window, CALIBRATION_SPAN * (count + HELD_OUT_WINDOWS), bos=adds_bos(tokenizer)
-    )
-    if every.shape[0] < 2:
-        raise TextError(
-            f"calibration text gives {every.shape[0]} window(s) of {window} tokens; need at least 2 "
-            "(use more text or a shorter --window)"
-        )
-    eos = getattr(tokenizer, "eos_token_id", None) if count_documents else None
-    return spread_windows(every, count, HELD_OUT_WINDOWS, eos)
-
-
-def text_documents(text: str, tokenizer: Any) -> tuple[list[Document], str]:
-    """The documents of a ``--text`` spec and its recorded name: a bundled corpus, comma-separated files, or a data
-    file with ``field=NAME`` / ``messages=NAME`` (:func:`~mla_convert.text.specs.parse_data_spec`; chat rows
-    rendered with ``tokenizer``'s chat template).
-
-    Raises:
-        TextError: what the spec's reader raises; ``weight=`` or ``loss=``, which only adaptation reads.
-    """
-    if "=" not in text:
-        spec = parse_text_spec(text)
-        return load_documents(spec), spec if isinstance(spec, str) else "local files"
-    from mla_convert.text.specs import parse_data_spec, spec_documents
-
-    data = parse_data_spec(text)
-    if data.weight is not None or data.loss != "all":
-        raise TextError(
-            f"--text {text!r}: weight= and loss= are adaptation keys (adapt --data); drop them here"
-        )
-    keys = data.label()[len(data.source) :]  # ",messages=NAME": the files are recorded by hash, not by path
-    return spec_documents(data, tokenizer), ("local files" if data.kind == "local" else data.source) + keys
-
-
-def prepare_text(tokenizer: Any, options: ConvertOptions) -> TextSplit:
-    """Load, split by document and tokenize calibration/evaluation text.
-
-    The calibration windows (``options.calibration_windows()`` of ``options.window`` tokens: the token budget)
-    and up to :data:`HELD_OUT_WINDOWS` held-out windows are drawn evenly across the calibration split
-    (:func:`~mla_convert.text.windows.spread_windows`), so they span its documents, not the first few. A text with
-    ``field=``/``messages=`` (``chats.jsonl,messages=messages``, read as ``adapt --data`` reads it) gives one
-    document per row; chat rows are rendered with the tokenizer's chat template, so an instruct model calibrates on
-    what it serves.
-
-    Raises:
-        TextError: missing/empty text, too short for the requested windows, or ``weight=``/``loss=`` (adaptation
-            keys) in the text.
-    """
-    docs, name = text_documents(options.text, tokenizer)
-    splits = split_documents(docs)
-    chat = (
-        "messages=" in options.text
-    )  # rendered turns end with EOS: the separator count is not a document count
-    picked = calibration_windows(
-        tokenizer,
-        splits["calibration"],
-        options.window,
-        options.calibration_windows(),
-        count_documents=not chat,
-    )
-    evaluation = token_windows(
-        tokenizer, splits["evaluation"], options.window, options.eval_windows, bos=adds_bos(tokenizer)
-    )
-    return TextSplit(
-        name,
-        picked.calibration,
-        picked.held_out,
-        evaluation,
-        {role: documents_record(d) for role, d in splits.items()},
-        picked.documents,
-    )
 
 
 def peak_rss_mb() -> float:
