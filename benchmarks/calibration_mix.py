@@ -10,6 +10,7 @@ Shakespeare (a domain no row calibrates on); plus the chat KL and top-1 agreemen
 to 8 chat prompts (``adapt``'s probe, news-evaluation prompts) and the greedy continuation of "The capital of France is".
 
     .venv/bin/python benchmarks/calibration_mix.py [--model smollm2-135m|qwen2.5-coder-1.5b] [--rows NAME,...]
+    .venv/bin/python benchmarks/calibration_mix.py --model M --rows NAME --ckpt OUT   # score a conversion factor wrote
     .venv/bin/python benchmarks/calibration_mix.py --collect    # the table (docs/results.md block calibration-mix)
 
 Rows are merged into ``benchmarks/results/calibration_mix.json`` as each finishes (a stopped run keeps its rows).
@@ -53,8 +54,10 @@ def greedy(model: torch.nn.Module, ids: torch.Tensor, n: int) -> torch.Tensor:
     return ids[0, -n:]
 
 
-def measure(model_name: str, rows: list[str]) -> None:
-    """Convert and score each row of ``rows`` (names of :data:`MIXTURES`), merging each into :data:`RESULTS`."""
+def measure(model_name: str, rows: list[str], ckpt: Path | None = None) -> None:
+    """Convert and score each row of ``rows`` (names of :data:`MIXTURES`), merging each into :data:`RESULTS`; with
+    ``ckpt``, the one row is scored on that checkpoint (written by ``factor`` with that calibration and the levers of
+    :data:`LEVERS`, which its manifest must show) instead of converting."""
     from transformers import AutoTokenizer
 
     from mla_convert.adapt.chat import build_chat_probe, chat_divergence
@@ -84,10 +87,13 @@ def measure(model_name: str, rows: list[str]) -> None:
         }
     for row in rows:
         started = time.perf_counter()
-        options = ConvertOptions(calib_data=MIXTURES[row], device="cpu", **LEVERS[model_name])
-        text = prepare_text(tok, options)
-        conv = convert_windows(src, options, text.calibration, text.held_out)
-        model = conv.model.eval()
+        if ckpt is not None:
+            model, cache = checkpoint_row(ckpt, model_name, row)
+        else:
+            options = ConvertOptions(calib_data=MIXTURES[row], device="cpu", **LEVERS[model_name])
+            text = prepare_text(tok, options)
+            conv = convert_windows(src, options, text.calibration, text.held_out)
+            model, cache = conv.model.eval(), conv.config.kv_lora_rank
         scored = {k: evaluate(model, v, source) for k, v in evals.items()}
         chat = chat_divergence(model, source, probe) if probe is not None else {}
         results[f"{model_name} {row}"] = {
@@ -95,7 +101,8 @@ def measure(model_name: str, rows: list[str]) -> None:
             "calibration": row,
             "calib_data": MIXTURES[row],
             "levers": LEVERS[model_name],
-            "cache": conv.config.kv_lora_rank,
+            "cache": cache,
+            "checkpoint": None if ckpt is None else ckpt.name,  # a factor output (its manifest checked: same row)
             "perplexity": {k: r.perplexity for k, r in scored.items()},
             "kl": {k: r.kl for k, r in scored.items()},
             **chat,
@@ -103,8 +110,28 @@ def measure(model_name: str, rows: list[str]) -> None:
             "seconds": round(time.perf_counter() - started, 1),
             "machine": f"{platform.platform()}, {torch.get_num_threads()} threads",
         }
+        # merged into the file as it is now (another model's run may have written rows since this one started)
+        results = {**(json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}), **results}
         RESULTS.write_text(json.dumps(results, indent=1) + "\n")
         print(table(results), flush=True)
+
+
+def checkpoint_row(ckpt: Path, model_name: str, row: str) -> tuple[torch.nn.Module, Any]:
+    """The MLA model ``factor`` wrote to ``ckpt`` and its latent widths, after checking that its manifest's
+    calibration and levers are the row's.
+
+    Raises:
+        SystemExit: the checkpoint was made otherwise.
+    """
+    from mla_convert.mla.checkpoint import load_checkpoint
+
+    options = json.loads((ckpt / "mla_manifest.json").read_text())["options"]
+    calib = options.get("calib_data") or [options["text"]]
+    wrong = {k: options.get(k) for k, v in LEVERS[model_name].items() if options.get(k) != v}
+    if calib != MIXTURES[row] or wrong:
+        raise SystemExit(f"{ckpt}: calibration {calib} and levers {options} are not row {row!r}'s")
+    model = load_checkpoint(ckpt).eval()
+    return model, model.config.kv_lora_rank
 
 
 def table(results: dict[str, Any]) -> str:
@@ -139,6 +166,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m", choices=sorted(LEVERS))
     ap.add_argument("--rows", default=",".join(MIXTURES), help="comma-separated names of MIXTURES")
+    ap.add_argument("--ckpt", type=Path, help="score this factor output as the one row --rows names")
     ap.add_argument("--collect", action="store_true", help="measure nothing: the table into docs/results.md")
     args = ap.parse_args()
     if args.collect:
@@ -148,7 +176,7 @@ def main() -> None:
         print(body)
         replace_block("calibration-mix", body)
         return
-    measure(args.model, [r.strip() for r in args.rows.split(",")])
+    measure(args.model, [r.strip() for r in args.rows.split(",")], args.ckpt)
 
 
 if __name__ == "__main__":

@@ -140,6 +140,26 @@ def agreement(ours: Any, request: dict[str, Any], result: dict[str, Any]) -> tup
     return torch.cat(d), margins
 
 
+def agreement_record(
+    request: dict[str, Any], result: dict[str, Any], diff: torch.Tensor, margins: list[list[float]], worst: float
+) -> dict[str, Any]:
+    """The part of every engine check's record that compares tokens: the scored text, ``|d log p|`` (nats; mean and
+    max over ``diff [N]``) and the greedy continuations with their worst margin (``worst``) and how many of the
+    engine's tokens are our argmax."""
+    return {
+        "text": scored_text(request),
+        "tokens_scored": int(diff.numel()),
+        "logprob_abs_diff": {"mean": float(diff.mean()), "max": float(diff.max())},
+        "greedy": {
+            "prompts": list(PROMPTS),
+            "tokens": [g["tokens"] for g in result["greedy"]],
+            "max_margin": worst,
+            "argmax_equal": sum(m == 0.0 for row in margins for m in row),
+            "count": sum(len(row) for row in margins),
+        },
+    }
+
+
 def against_ours(
     ckpt: Path, request: dict[str, Any], result: dict[str, Any]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[list[float]]]:

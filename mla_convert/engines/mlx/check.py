@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from mla_convert.engines.probing import (
-    PROMPTS,
     against_ours,
+    agreement_record,
     allowed_margin,
     allowed_max,
     allowed_mean,
@@ -31,7 +31,6 @@ from mla_convert.engines.probing import (
     floor_text,
     report,
     run_probe,
-    scored_text,
 )
 
 #: MLX-LM's text (:func:`check_mlx`): fewer tokens than vLLM's, since MLX's Linux CPU wheel multiplies matrices with
@@ -105,17 +104,8 @@ def compare_mlx(ckpt: Path, export: Path, request: dict[str, Any], result: dict[
     return {
         "engine": f"MLX-LM {result['mlx_lm']} (MLX {result['mlx']}, {result['device']})",
         "dtype": model["dtype"],
-        "text": scored_text(request),
-        "tokens_scored": int(diff.numel()),
-        "logprob_abs_diff": {"mean": float(diff.mean()), "max": float(diff.max())},
+        **agreement_record(request, result, diff, margins, worst),
         **floor_record(bf16, src_bf16),
-        "greedy": {
-            "prompts": list(PROMPTS),
-            "tokens": [g["tokens"] for g in result["greedy"]],
-            "max_margin": worst,
-            "argmax_equal": sum(m == 0.0 for row in margins for m in row),
-            "count": sum(len(row) for row in margins),
-        },
         "model": model,
         "kv_cache": {"layers": len(layers), "per_layer": layers[0] if layers else None},
         "kv_cache_values_per_token_per_layer": record["kv_lora_rank"] + rope,

@@ -39,8 +39,8 @@ from typing import Any
 from mla_convert.engines.probing import (
     ABS_MAX,
     FLOOR_FACTOR,
-    PROMPTS,
     against_ours,
+    agreement_record,
     allowed_margin,
     allowed_max,
     allowed_mean,
@@ -50,7 +50,6 @@ from mla_convert.engines.probing import (
     report,
     run_probe,
     run_probes,
-    scored_text,
 )
 
 #: The script vLLM's python runs (:mod:`mla_convert.engines.vllm.probe`).
@@ -93,17 +92,8 @@ def compare(ckpt: Path, width: int, request: dict[str, Any], result: dict[str, A
         "backends": backends,
         "dtype": result["model"]["dtype"],
         "custom_ops": result["custom_ops"],
-        "text": scored_text(request),
-        "tokens_scored": int(diff.numel()),
-        "logprob_abs_diff": {"mean": float(diff.mean()), "max": float(diff.max())},
+        **agreement_record(request, result, diff, margins, worst),
         **floor_record(bf16, src_bf16),
-        "greedy": {
-            "prompts": list(PROMPTS),
-            "tokens": [g["tokens"] for g in result["greedy"]],
-            "max_margin": worst,
-            "argmax_equal": sum(m == 0.0 for row in margins for m in row),
-            "count": sum(len(row) for row in margins),
-        },
         "kv_cache": cache,
         "kv_cache_values_per_token_per_layer": width,
         "thresholds": {"mean": round(mean_max, 4), "max": round(abs_max, 4), "greedy_margin": round(margin, 4)},
