@@ -14,6 +14,7 @@ template.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 
 from mla_convert.text.corpora import Document
 
-__all__ = ["ChatProbe", "build_chat_probe", "chat_divergence"]
+__all__ = ["ChatProbe", "build_chat_probe", "chat_divergence", "chat_prompts"]
 
 INSTRUCTION = "Summarize this news article in two sentences.\n\n"
 ARTICLE_CHARS = 600
@@ -43,8 +44,17 @@ class ChatProbe:
     record: dict[str, Any]
 
 
-def _prompts(tokenizer: Any, chat_docs: list[Document], count: int) -> tuple[list[str], dict[str, Any]]:
+def chat_prompts(
+    tokenizer: Any, chat_docs: list[Document], count: int, questions: Sequence[str] | None = None
+) -> tuple[list[str], dict[str, Any]]:
     """Rendered prompt strings (ending with the assistant header) and their provenance."""
+    if questions is not None:
+        texts = [
+            str(tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                              add_generation_prompt=True))
+            for q in questions
+        ]  # fmt: skip
+        return texts, {"source": "fixed questions", "questions": list(questions)}
     held = [d for d in chat_docs if d.loss_spans]
     if held:
         picked = held[:count]
@@ -75,6 +85,7 @@ def build_chat_probe(
     chat_docs: list[Document],
     count: int = 8,
     answer_tokens: int = 32,
+    questions: Sequence[str] | None = None,
 ) -> ChatProbe | None:
     """Render ``count`` chat prompts and let ``source`` answer each greedily (``answer_tokens`` at most).
 
@@ -82,13 +93,14 @@ def build_chat_probe(
         tokenizer: the checkpoint's tokenizer; None is returned when it has no chat template.
         source: the frozen source model (a transformers causal LM, float32).
         chat_docs: held-out chat documents with ``loss_spans`` (may be empty: news prompts are used).
+        questions: user turns to ask instead (``eval --task chat``'s fixed questions); ``count`` is then ignored.
 
     Returns:
         The probe, or None without a chat template.
     """
     if not getattr(tokenizer, "chat_template", None):
         return None
-    texts, record = _prompts(tokenizer, chat_docs, count)
+    texts, record = chat_prompts(tokenizer, chat_docs, count, questions)
     device = next(source.parameters()).device
     sequences, starts = [], []
     for text in texts:

@@ -22,7 +22,7 @@ from mla_convert.cli.render import (
     validation_failed,
     validation_table,
 )
-from mla_convert.cli.task_cmds import TASKS, run_humaneval_task
+from mla_convert.cli.task_cmds import TASKS, run_chat_task, run_humaneval_task
 from mla_convert.mla.checkpoint import read_checkpoint_config
 from mla_convert.sources.locate import BUILTIN_MODELS, locate_source
 from mla_convert.validate.options import ValidateOptions
@@ -44,7 +44,8 @@ def eval_cmd(
     task: str = typer.Option(
         "perplexity",
         help="perplexity (on held-out --text) | humaneval (pass@1 on the 164 HumanEval problems, greedy; each program "
-        "runs in its own sandboxed subprocess).",
+        "runs in its own sandboxed subprocess) | chat (8 fixed questions: greedy answers against --against's, the "
+        "source's by default).",
     ),
     against: str = typer.Option(None, help="Source model to compare with: perplexity delta, KL, top-1."),
     text: str = typer.Option(
@@ -66,7 +67,8 @@ def eval_cmd(
     overwrite: bool = typer.Option(False, help="humaneval: replace an existing --out folder."),
 ) -> None:
     """Perplexity on held-out text (the evaluation split); with --against, delta, KL and top-1 agreement. With
-    --task humaneval, pass@1 on HumanEval through transformers or a real llama.cpp.
+    --task humaneval, pass@1 on HumanEval through transformers or a real llama.cpp. With --task chat, greedy answers to
+    fixed questions against the source's.
 
     Examples: mla-convert eval out/smollm2-mla --against smollm2-135m --window 2048 --windows 4;
     mla-convert eval qwen2.5-coder-1.5b --task humaneval --engine llama.cpp
@@ -83,6 +85,13 @@ def eval_cmd(
     task_only = [
         f"--{n}" for n in ("engine", "out", "limit", "threads", "dtype", "overwrite") if given_on_command_line(n)
     ]
+    if task == "chat":
+        ignored = [f"--{n}" for n in ("text", "window", "windows") if given_on_command_line(n)] + task_only
+        if ignored:
+            verb = "does" if len(ignored) == 1 else "do"
+            fail(f"{', '.join(ignored)} {verb} not apply to --task chat (fixed questions, transformers, float32)")
+        run_chat_task(str(ckpt), against)
+        return
     if task_only:
         verb = "belongs" if len(task_only) == 1 else "belong"
         fail(f"{', '.join(task_only)} {verb} to --task humaneval; perplexity runs through transformers")

@@ -1,4 +1,5 @@
-"""``eval --task humaneval``: a model judged on a task, through transformers or a real llama.cpp."""
+"""``eval --task humaneval`` and ``--task chat``: a model judged on a task (HumanEval through transformers or a real
+llama.cpp; fixed chat questions against its source)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import typer
 from mla_convert.cli.flags import given_on_command_line
 from mla_convert.cli.render import console, err_console, fail, note, user_errors
 
-TASKS = ("perplexity", "humaneval")
+TASKS = ("perplexity", "humaneval", "chat")
 ENGINES = ("auto", "transformers", "llama.cpp")
 
 
@@ -65,3 +66,44 @@ def run_humaneval_task(
     )
     if not sys.stdout.isatty():
         console.print(json.dumps(summary), highlight=False)
+
+
+def run_chat_task(ckpt: str, against: str | None) -> None:
+    """``eval CKPT --task chat``: :func:`mla_convert.tasks.chat.run_chat` against ``against`` (default: the source
+    CKPT's manifest names, when it is a built-in one); prints each question's two answers and the scores."""
+    from mla_convert.sources.locate import BUILTIN_MODELS
+
+    with user_errors():
+        path = Path(ckpt)
+        manifest = path / "mla_manifest.json"
+        origin = json.loads(manifest.read_text()).get("source", {}).get("origin") if manifest.is_file() else None
+        against = against or (origin if origin in BUILTIN_MODELS else None)
+        if against is None:
+            fail(f"{ckpt}: name the source to compare with: --against SOURCE (its manifest names no built-in source)")
+            return
+        from transformers import AutoTokenizer
+
+        from mla_convert.mla.checkpoint import load_checkpoint
+        from mla_convert.sources.checkpoint import load_source_model, open_source
+        from mla_convert.tasks.chat import run_chat
+
+        src = open_source(against)
+        if ckpt.lower() in BUILTIN_MODELS or path.suffix == ".gguf":
+            model = load_source_model(open_source(ckpt))
+        else:
+            model = load_checkpoint(path, require_mla=False)
+        tok = AutoTokenizer.from_pretrained(str(src.path))
+        result = run_chat(model, load_source_model(src), tok, path.name or ckpt)
+    for q, a, b in zip(result["questions"], result["source_answers"], result["answers"], strict=True):
+        mark = "same" if a == b else "differs"
+        console.print(f"Q: {q}\n  source: {a!r}\n  model ({mark}): {b!r}", highlight=False, markup=False)
+    console.print(
+        f"chat: {result['same_answers']} of {len(result['questions'])} greedy answers the same as {against}'s "
+        f"(first {result['answer_tokens']} tokens), {100 * result['prefix_match']:.1f} % of the source's answer "
+        f"tokens matched before the first difference; teacher-forced on the source's answers KL "
+        f"{result['chat_kl']:.4f} nats/token, top-1 {result['chat_top1']:.4f}",
+        highlight=False,
+        markup=False,
+    )
+    if not sys.stdout.isatty():
+        console.print(json.dumps({**result, "against": against}), highlight=False)
