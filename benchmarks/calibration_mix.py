@@ -11,7 +11,8 @@ to 8 chat prompts (``adapt``'s probe, news-evaluation prompts) and the greedy co
 
     .venv/bin/python benchmarks/calibration_mix.py [--model smollm2-135m|qwen2.5-coder-1.5b] [--rows NAME,...]
     .venv/bin/python benchmarks/calibration_mix.py --model M --rows NAME --ckpt OUT   # score a conversion factor wrote
-    .venv/bin/python benchmarks/calibration_mix.py --collect    # the table (docs/results.md block calibration-mix)
+    .venv/bin/python benchmarks/calibration_mix.py --collect    # the table (docs/results.md block calibration-mix;
+                                                                # also python benchmarks/collect.py calibration-mix)
 
 Rows are merged into ``benchmarks/results/calibration_mix.json`` as each finishes (a stopped run keeps its rows).
 """
@@ -162,6 +163,11 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def block() -> str:
+    """The ``calibration-mix`` block (docs/results.md) from the stored rows."""
+    return table(json.loads(RESULTS.read_text()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m", choices=sorted(LEVERS))
@@ -172,7 +178,7 @@ def main() -> None:
     if args.collect:
         from blocks import replace_block
 
-        body = table(json.loads(RESULTS.read_text()))
+        body = block()
         print(body)
         replace_block("calibration-mix", body)
         return

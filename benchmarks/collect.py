@@ -66,6 +66,7 @@ COLLECTORS: dict[str, Callable[[], str]] = {
         [json.loads(x) for x in _text("calibration.jsonl").splitlines()], 16
     ),
     "chat-calibration": lambda: _mod("chat_calibration").collect_block(),
+    "calibration-mix": lambda: _mod("calibration_mix").block(),
     "export": lambda: _mod("export").table(_json("export.json")),  # type: ignore[arg-type]
     "export-transformers": lambda: _mod("export").transformers_block(_json("export.json")),  # type: ignore[arg-type]
     "engine-shape": lambda: _mod("engine_shape").collect_block(),

@@ -77,10 +77,33 @@ def fail(message: str) -> None:
     raise typer.Exit(2)
 
 
+#: Free bytes under which a write failure that does not name its cause (torch.save's "iostream error") is a full disk.
+NEARLY_FULL = 64 * 2**20
+
+
+def disk_full(exc: BaseException) -> str | None:
+    """The folder whose disk is full when ``exc`` is a write that ran out of space (``ENOSPC``, or a writer's
+    message saying so; torch's zip writer only says "iostream error", so then a nearly full temporary folder or
+    working folder decides), else None."""
+    import errno
+    import shutil
+    import tempfile
+
+    folders = [tempfile.gettempdir(), os.getcwd()]
+    low = [f for f in folders if shutil.disk_usage(f).free < NEARLY_FULL]
+    text = str(exc)
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC or "No space left on device" in text:
+        return getattr(exc, "filename", None) or (low[0] if low else "the output's disk")
+    if isinstance(exc, RuntimeError) and ("iostream error" in text or "unexpected pos" in text) and low:
+        return low[0]
+    return None
+
+
 @contextmanager
 def user_errors() -> Iterator[None]:
     """Turn the package's input errors (:class:`~mla_convert.errors.UserError`) into one ``error:`` line and exit
-    code 2; an interrupt says nothing was written (130)."""
+    code 2; a full disk (:func:`disk_full`) into one line that says so and how to go on; an interrupt says nothing
+    was written (130)."""
     try:
         yield
     except UserError as exc:
@@ -88,6 +111,14 @@ def user_errors() -> Iterator[None]:
     except KeyboardInterrupt:
         err_console.print("interrupted: nothing was written")
         raise typer.Exit(130) from None
+    except Exception as exc:
+        where = disk_full(exc)
+        if where is None:
+            raise
+        fail(
+            f"no space left on the disk of {where} ({type(exc).__name__}); free some and run the same command again "
+            "(factor: add --resume to continue from its work folder, which keeps every finished layer)"
+        )
 
 
 @contextmanager

@@ -440,3 +440,28 @@ def test_bad_calibration_mixture(src: Path, good_text: Path, tmp_path: Path) -> 
     )  # fmt: skip
     run_bad_factor(src, tmp_path / "out", good_text, "--calib-data", str(tmp_path / "missing.txt"),
                    needles=("missing.txt: no such file or folder",))  # fmt: skip
+
+
+def test_a_full_disk_is_one_line_that_says_how_to_go_on(
+    src: Path, good_text: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write that runs out of space mid-conversion (``ENOSPC``; torch.save's bare "iostream error" on a nearly full
+    disk) is one ``error:`` line naming the full disk and ``--resume``, not a traceback; other errors still raise."""
+    import errno
+
+    import mla_convert.cli.render as render
+    import mla_convert.convert.pipeline.job as pipeline
+
+    def full(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "work" / "state.pt"))
+
+    monkeypatch.setattr(pipeline, "StreamedConversion", full)
+    result = invoke(factor_args(src, tmp_path / "out", good_text))
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    errors = [line for line in result.stderr.splitlines() if not line.startswith("warning: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: no space left on the disk of"), result.stderr
+    assert "state.pt (OSError)" in errors[0] and "--resume" in errors[0]
+    assert render.disk_full(RuntimeError("basic_ios::clear: iostream error")) is None  # this disk has room
+    monkeypatch.setattr(render, "NEARLY_FULL", 2**62)  # every disk "nearly full": torch's message is then read as such
+    assert render.disk_full(RuntimeError("basic_ios::clear: iostream error")) is not None
+    assert render.disk_full(RuntimeError("a real bug")) is None
