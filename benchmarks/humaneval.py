@@ -1,6 +1,7 @@
 """HumanEval pass@1 of sources and conversions (issue 50): each row one ``mla-convert eval MODEL --task humaneval`` run.
 
     .venv/bin/python benchmarks/humaneval.py --name NAME --model MODEL [--engine llama.cpp|transformers] [--limit N]
+        [--dtype float32|bfloat16]
     .venv/bin/python benchmarks/humaneval.py --collect
 
 A run writes its per-problem rows and summary to ``benchmarks/results/humaneval/NAME/`` (resumable: an interrupted
@@ -24,12 +25,14 @@ RUNS = ROOT / "benchmarks" / "results" / "humaneval"
 DOC = ROOT / "docs" / "results.md"
 
 
-def run(name: str, model: str, engine: str, limit: int | None) -> dict[str, Any]:
+def run(name: str, model: str, engine: str, limit: int | None, dtype: str | None = None) -> dict[str, Any]:
     """One ``eval --task humaneval`` run into ``RUNS/name``; returns its summary."""
     out = RUNS / name
     cmd = [sys.executable, "-m", "mla_convert", "eval", model, "--task", "humaneval", "--engine", engine, "--out", str(out)]
     if limit:
         cmd += ["--limit", str(limit)]
+    if dtype:
+        cmd += ["--dtype", dtype]
     subprocess.run(cmd, check=True)
     summary = json.loads((out / "humaneval.json").read_text())
     summary["command"] = "mla-convert " + " ".join(cmd[3:]).replace(str(ROOT) + "/", "")
@@ -75,6 +78,7 @@ def main() -> None:
     ap.add_argument("--model", help="a source (name, folder, .gguf) or a converted folder")
     ap.add_argument("--engine", default="auto", choices=("auto", "transformers", "llama.cpp"))
     ap.add_argument("--limit", type=int, default=None, help="only the first N problems")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), help="transformers: the weights' dtype")
     ap.add_argument("--collect", action="store_true", help="write the docs/results.md table; run nothing")
     args = ap.parse_args()
     if args.collect:
@@ -82,7 +86,7 @@ def main() -> None:
         return
     if not args.name or not args.model:
         ap.error("--name and --model are needed to run (or --collect)")
-    summary = run(args.name, args.model, args.engine, args.limit)
+    summary = run(args.name, args.model, args.engine, args.limit, args.dtype)
     results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
     results[args.name] = summary
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")

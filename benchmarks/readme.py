@@ -54,7 +54,10 @@ def reference_block(manifest: dict[str, Any]) -> str:
         f"| KL(source ‖ MLA), nats/token | | {rec['kl']:.3f} |",
         f"| top-1 agreement | | {rec['top1']:.1%} |",
         f"| mean held-out attention-output error per layer | | {rec['mean_attn_rel_error']:.3f} |",
-        f"| calibration | | {cal['tokens']:,} tokens spread across the {len(cal['documents'])} documents of the calibration split |",
+        f"| calibration | | {cal['tokens']:,} tokens "
+        + (f"of {cal['text']} (the default mixture, one share each), drawn across the {len(cal['documents'])} "
+           "documents of their calibration splits |" if opts.get("calib_data") else
+           f"spread across the {len(cal['documents'])} documents of the calibration split |"),
         f"| time: source pass / convert + eval passes / whole command ({run['threads']} threads, on the machine "
         f"that made the pin; timings by stage on an idle machine are in the scale table of docs/results.md) | | "
         f"{t['source_pass_s']:.0f} s / {t['convert_pass_s']:.0f} s / {run['wall_s']:.0f} s |",

@@ -88,6 +88,24 @@ def _bfloat16_line(report: dict[str, Any]) -> str:
     return f"{gate_line(rec)} ({rec['measured_on']}; passed when the converted mean is within 2 x the source's)."
 
 
+def _calibration_line(report: dict[str, Any]) -> str:
+    """Which text the statistics came from: ``calibration on N tokens [of a mixture] from [k of] the m calibration
+    documents`` (k is not counted where chat-templated turns hold EOS themselves)."""
+    text = report["text"]
+    mixture = report["options"].get("calib_data")
+    used = text.get("calibration_documents_used")
+    where = f"from {used} of the" if used else "drawn across the"
+    what = f" of {text['name']} (one share per source, weighted)" if mixture else ""
+    return f"calibration on {text['calibration_tokens']} tokens{what} {where} {len(text['calibration'])} calibration documents"
+
+
+def _weights_lines(report: dict[str, Any]) -> list[str]:
+    """The weights ledger's lines (what the converted model stores against the source, per engine, and the
+    break-even), then a blank line; none for a report written before the ledger."""
+    lines = (report.get("weights") or {}).get("lines") or []
+    return ["Weights against the source:", "", *[f"- {line}" for line in lines], ""] if lines else []
+
+
 def to_markdown(report: dict[str, Any]) -> str:
     """The report as Markdown (``report.md``)."""
     m = report["model"]
@@ -102,11 +120,9 @@ def to_markdown(report: dict[str, Any]) -> str:
         f"Chosen for the cache budget: {report['run'].get('rope_pairs_chosen_by') or 'nothing (all given)'}.",
         "",
         f"Measured on {e['tokens']} held-out tokens ({e['windows']} windows of {e['window']}) of "
-        f"{report['text']['name']} evaluation documents ({len(report['text']['evaluation'])} documents); "
-        f"calibration on {report['text']['calibration_tokens']} tokens from "
-        f"{report['text'].get('calibration_documents_used') or '?'} of the {len(report['text']['calibration'])} "
-        "calibration documents (disjoint from the evaluation ones); per-layer attention error on held-out "
-        "calibration tokens.",
+        f"{report['options'].get('text', report['text']['name'])} evaluation documents "
+        f"({len(report['text']['evaluation'])} documents); {_calibration_line(report)} (disjoint from the evaluation "
+        "ones); per-layer attention error on held-out calibration tokens.",
         "",
         *[f"**Warning:** {w}" + "\n" for w in report.get("warnings", [])],
         "| measure | source | converted |",
@@ -125,6 +141,7 @@ def to_markdown(report: dict[str, Any]) -> str:
         "",
         _bfloat16_line(report),
         "",
+        *_weights_lines(report),
         "| layer | rope pairs | rank d_c | cache | energy | K/V rel err | K/V rel err (act) | attn rel err |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]

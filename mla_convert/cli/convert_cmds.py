@@ -102,6 +102,12 @@ def inspect(
     console.print(cache_table(src, suggestions(src, MEASURED_SPLITS)))
     if why:
         console.print(f"\nfactor with these options takes {why}", highlight=False, markup=False)
+    from mla_convert.convert.estimate.weights import estimate_ledger
+
+    console.print("\nweights against the source (what the converted model stores, and where it starts to save memory):",
+                  highlight=False)
+    for line in estimate_ledger(src, options).lines():
+        console.print(f"  {line}", highlight=False, markup=False)
     given = [k for k in ConvertOptions.model_fields if given_on_command_line(k)]
     from mla_convert.convert.options.resolve import expected_measurements
 

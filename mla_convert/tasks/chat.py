@@ -49,8 +49,6 @@ def run_chat(model: Any, source: Any, tokenizer: Any, name: str, answer_tokens: 
     Raises:
         ChatTaskError: the tokenizer has no chat template.
     """
-    import torch
-
     from mla_convert.adapt.chat import build_chat_probe, chat_divergence, chat_prompts
     from mla_convert.tasks.complete import TorchCompleter
 
@@ -61,15 +59,10 @@ def run_chat(model: Any, source: Any, tokenizer: Any, name: str, answer_tokens: 
     prompts, _ = chat_prompts(tokenizer, [], len(QUESTIONS), QUESTIONS)
     completer = TorchCompleter(model, tokenizer, name)
     theirs = [seq[0, start:].tolist() for seq, start in zip(probe.sequences, probe.answer_start, strict=True)]
-    ours: list[list[int]] = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids
-            seq = completer.model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=answer_tokens, do_sample=False,
-                pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
-            )  # fmt: skip
-            ours.append(seq[0, ids.shape[1] :].tolist())
+    ours = [  # the rendered prompt holds its special tokens already
+        completer.greedy_ids(tokenizer(p, add_special_tokens=False, return_tensors="pt").input_ids, answer_tokens)
+        for p in prompts
+    ]
     prefix = []
     for a, b in zip(ours, theirs, strict=True):
         n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))

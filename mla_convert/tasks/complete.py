@@ -50,25 +50,30 @@ class TorchCompleter:
         done: Callable[[int, str], None],
     ) -> list[str]:
         """One greedy continuation per prompt (the text after it), stopped at EOS, ``max_new_tokens`` or a stop."""
-        import torch
-
         out = []
         for i, prompt in enumerate(prompts):
             ids = self.tokenizer(prompt, return_tensors="pt").input_ids
-            with torch.no_grad():
-                seq = self.model.generate(
-                    input_ids=ids,
-                    attention_mask=torch.ones_like(ids),
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                    stop_strings=list(stop),
-                    tokenizer=self.tokenizer,
-                    pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
-                )
-            text = self.tokenizer.decode(seq[0, ids.shape[1] :], skip_special_tokens=True)
+            text = self.tokenizer.decode(self.greedy_ids(ids, max_new_tokens, stop), skip_special_tokens=True)
             out.append(text)
             done(i, text)
         return out
+
+    def greedy_ids(self, ids: Any, max_new_tokens: int, stop: Sequence[str] = ()) -> list[int]:
+        """The greedy token ids after ``ids`` (``[1, T]`` token ids, the prompt as the model reads it), stopped at
+        EOS, ``max_new_tokens`` or a ``stop`` string."""
+        import torch
+
+        extra: dict[str, Any] = {"stop_strings": list(stop), "tokenizer": self.tokenizer} if stop else {}
+        with torch.no_grad():
+            seq = self.model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
+                **extra,
+            )
+        return [int(t) for t in seq[0, ids.shape[1] :].tolist()]
 
 
 class LlamaCppCompleter:

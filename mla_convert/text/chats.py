@@ -11,11 +11,13 @@ turn tokens where it serves them.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from mla_convert.text.document import Document, TextError
 
-__all__ = ["CHAT_CORPORA", "chat_documents", "wikipedia_conversations"]
+__all__ = ["CHAT_CORPORA", "chat_documents", "has_chat_template", "wikipedia_conversations"]
 
 #: Names of the bundled chat corpora (rendered with the tokenizer's chat template; a text spec or data spec names them).
 CHAT_CORPORA = ("wikipedia-chat",)
@@ -77,3 +79,18 @@ def chat_documents(name: str, tokenizer: Any) -> list[Document]:
         text = str(tokenizer.apply_chat_template(messages, tokenize=False))
         docs.append(Document.make(doc_id, doc_id.split(":", 1)[1], text.strip()))
     return docs
+
+
+def has_chat_template(folder: Path | None) -> bool:
+    """Whether the tokenizer files in ``folder`` carry a chat template (``chat_template.jinja``, or
+    ``tokenizer_config.json``'s ``chat_template``), read without loading the tokenizer; False for None or an
+    unreadable folder."""
+    if folder is None:
+        return False
+    if (folder / "chat_template.jinja").is_file():
+        return True
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(isinstance(config, dict) and config.get("chat_template"))

@@ -144,13 +144,17 @@ def test_reference_report_and_cli(reference):
     ev = report["model"]["eval"]
     assert ev["tokens"] == 8 * 511 and 1.0 < ev["perplexity"] / ev["reference_perplexity"] < 10
     assert len(report["layers"]) == 30 and all(r["attn_rel_error"] is not None for r in report["layers"])
-    # calibration spans the split: the 16384-token budget as 32 windows over 13 of its 18 documents, not one article
+    # the default calibration mixture: the 16384-token budget as 32 windows drawn across the calibration splits of
+    # Wikipedia (18 articles), its chat-templated conversations (80) and gensim's code (10 files), one share each
     text = report["text"]
-    assert text["calibration_tokens"] == 16384 and text["calibration_documents_used"] == 13
-    assert len(text["calibration"]) == 18 and text["held_out_tokens"] == 4 * 512
+    assert text["name"] == "wikipedia + wikipedia-chat + code" and text["calibration_tokens"] == 16384
+    kinds = [r["id"].split(":")[0] for r in text["calibration"]]
+    assert [kinds.count(k) for k in ("wiki", "wikipedia-chat", "code")] == [18, 80, 10], kinds
+    assert text["calibration_documents_used"] is None  # chat turns hold EOS themselves: not counted
+    assert text["held_out_tokens"] == 4 * 512
     assert (
-        "calibration on 16384 tokens from 13 of the 18 calibration documents"
-        in (reference / "report.md").read_text()
+        "calibration on 16384 tokens of wikipedia + wikipedia-chat + code (one share per source, weighted) drawn "
+        "across the 108 calibration documents" in (reference / "report.md").read_text()
     )
     for name in ("config.json", "generation_config.json", "tokenizer.json", "README.md", "report.md"):
         assert (reference / name).exists(), name
@@ -186,15 +190,18 @@ if __name__ == "__main__" and "--repin" in sys.argv:
         manifest = run_reference(Path(tmp) / "ref", search=True)  # the default conversion, its search included
     PINNED.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     pins = json.loads(BYTES.read_text())
-    pins["by_cpu"][cpu_model()] = {k: manifest["outputs"][k] for k in pins["files"]}
+    pins["by_cpu"] = {cpu_model(): {k: manifest["outputs"][k] for k in pins["files"]}}  # other CPUs' bytes are stale
     BYTES.write_text(json.dumps(pins, indent=2) + "\n")
     print(f"pinned {manifest['canonical_id']} in {PINNED} and this CPU's bytes in {BYTES}")
 
 if __name__ == "__main__" and "--pin-bytes-from" in sys.argv:  # a reference conversion made on this machine
+    # (a searched one, the quick start's, also re-pins the manifest's output hashes: the same canonical id)
     folder = Path(sys.argv[sys.argv.index("--pin-bytes-from") + 1])
     manifest = json.loads((folder / "mla_manifest.json").read_text())  # the quick start's, or the suite's
     if as_searched(manifest)["canonical_id"] != json.loads(PINNED.read_text())["canonical_id"]:
         sys.exit(f"{folder} is not the pinned reference conversion (canonical id {manifest['canonical_id']})")
+    if manifest["canonical_id"] == json.loads(PINNED.read_text())["canonical_id"]:  # searched: the pin itself
+        PINNED.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")  # its outputs (the model card)
     pins = json.loads(BYTES.read_text())
     pins["by_cpu"][cpu_model()] = {k: manifest["outputs"][k] for k in pins["files"]}
     BYTES.write_text(json.dumps(pins, indent=2) + "\n")

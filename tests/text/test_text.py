@@ -503,4 +503,49 @@ def test_factor_records_its_calibration_mixture(tmp_path: Path) -> None:
     assert report["text"]["name"] == "wikipedia + code,weight=0.5"
     assert {r["id"].split(":")[0] for r in report["text"]["calibration"]} == {"wiki", "code"}
     assert CliRunner().invoke(app, ["manifest", "verify", str(out)]).exit_code == 0
-    # without --calib-data no key is recorded: tests/convert/test_reference.py's pinned canonical id shows it
+    md = (out / "report.md").read_text()
+    assert "of wikipedia evaluation documents" in md and "tokens of wikipedia + code,weight=0.5 (one share per source, weighted) from " in md
+    # the weights ledger (issue 51): report, report.md and the model card; the mla row counts the written tensors
+    import math
+
+    from safetensors import safe_open
+
+    stored = 0
+    for shard in out.glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as f:
+            stored += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys() if not k.endswith("rope_inv_freq"))
+    assert report["weights"]["places"]["mla"]["model_params"] == stored
+    assert "Weights against the source:" in md and "break-even" in md
+    assert "## Weights and memory against the source" in (out / "README.md").read_text()
+
+
+def test_default_calibration_is_prose_chat_and_code(tmp_path: Path) -> None:
+    """Neither ``--calib-data`` nor ``--text`` given: the conversion calibrates on the default mixture (prose,
+    chat-templated prose, code), written into the options and said in the choices; ``--text`` given: that text
+    alone, as before; a tokenizer without a chat template: the mixture without its chat part, and the choice says
+    why."""
+    import json
+
+    from tiny import copy_tokenizer, write_tiny_llama
+
+    from mla_convert.convert.options.options import DEFAULT_CALIB_DATA, ConvertOptions
+    from mla_convert.convert.options.resolve import resolve_options
+    from mla_convert.sources.checkpoint import open_source
+
+    write_tiny_llama(tmp_path)
+    copy_tokenizer(tmp_path)
+    src = open_source(tmp_path)
+    res = resolve_options(ConvertOptions(), src)
+    assert res.options.calib_data == ["wikipedia", "wikipedia-chat", "code"] == list(DEFAULT_CALIB_DATA)
+    assert res.choices["calib_data"].startswith("default: wikipedia + wikipedia-chat + code, one share each")
+    for given in (ConvertOptions(text="news"), ConvertOptions(calib_data=["code"])):
+        res = resolve_options(given, src)
+        assert res.options.calib_data == given.calib_data and "calib_data" not in res.choices
+    assert resolve_options(ConvertOptions(), src, given=["text"]).options.calib_data is None  # --text typed
+    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    res = resolve_options(ConvertOptions(), open_source(tmp_path))
+    assert res.options.calib_data == ["wikipedia", "code"]
+    assert "wikipedia-chat left out: the tokenizer has no chat template" in res.choices["calib_data"]

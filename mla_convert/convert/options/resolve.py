@@ -5,6 +5,8 @@ choices open: the cache size (a fraction of the source's cache by default), the 
 measurements, where not given), and the shape an engine ``--target`` serves. :func:`resolve_options` fixes all of
 them in one order, so ``ConvertOptions(cache_budget=72)`` converts as ``factor --cache-budget 72`` does:
 
+0. the calibration text: without ``--calib-data`` and ``--text``, the default mixture of prose, chat-templated prose
+   and code (:data:`~mla_convert.convert.options.options.DEFAULT_CALIB_DATA`), written into ``calib_data``;
 1. the cache size: ``--kv-lora-rank``, else ``--cache-budget``, else ``--cache-fraction`` x the source's
    ``2 G head_dim`` values (:func:`~mla_convert.convert.options.options.cache_budget_of`), written into ``cache_budget``;
 2. an engine target's shape (:func:`~mla_convert.engines.vllm.shape.shape_for_engine`), unless the user gave their own;
@@ -18,8 +20,8 @@ them in one order, so ``ConvertOptions(cache_budget=72)`` converts as ``factor -
 4. with an export asked for, a scaled-RoPE source's selection steered to the pairs one plain RoPE table holds
    (:func:`~mla_convert.engines.precheck.steer_for_export`).
 
-Each choice's origin is recorded (:attr:`Resolution.choices`, the manifest's ``choices``). Config only: no weights,
-no torch.
+Each choice's origin is recorded (:attr:`Resolution.choices`, the manifest's ``choices``). Config and tokenizer files
+only: no weights, no torch.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from mla_convert.convert.options.options import (
+    DEFAULT_CALIB_DATA,
     ConvertOptions,
     OptionsError,
     SourceShape,
@@ -103,6 +106,24 @@ def check_sizes_given(options: ConvertOptions, given: Collection[str]) -> None:
         )
 
 
+def _calibration(options: ConvertOptions, src: SourceShape, given: Collection[str]) -> tuple[ConvertOptions, str]:
+    """Step 0: the calibration text. Neither ``--calib-data`` nor ``--text`` given: the default mixture
+    (:data:`~mla_convert.convert.options.options.DEFAULT_CALIB_DATA`, its chat part left out where the source's
+    tokenizer has no chat template), written into ``calib_data``; returns the options and the choice's origin ('' when
+    the options name their calibration text)."""
+    from mla_convert.text.chats import CHAT_CORPORA, has_chat_template
+
+    if options.calib_data is not None or "calib_data" in given or "text" in given:
+        return options, ""
+    chat = has_chat_template(getattr(src, "path", None))
+    mixture = [s for s in DEFAULT_CALIB_DATA if chat or s not in CHAT_CORPORA]
+    left = "" if chat else " (wikipedia-chat left out: the tokenizer has no chat template)"
+    return (
+        options.model_copy(update={"calib_data": mixture}),
+        f"default: {' + '.join(mixture)}, one share each{left} (benchmarks/calibration_mix.py)",
+    )
+
+
 def _budget(options: ConvertOptions, src: SourceShape, given: Collection[str]) -> tuple[ConvertOptions, str]:
     """Step 1: the cache size in values per token per layer, and its origin."""
     check_sizes_given(options, given)
@@ -159,9 +180,12 @@ def resolve_options(
         given = {k for k in options.model_fields_set if getattr(options, k) is not None}
     given = set(given)
     options, budget_origin = _budget(options, src, given)
+    options, calibration = _calibration(options, src, given)
     whys: list[str] = []
     choices = {k: ("given" if k in given else "default") for k in CHOSEN}
     choices["cache_budget"] = budget_origin
+    if calibration:
+        choices["calib_data"] = calibration
     shaped = False
     candidates: tuple[int, ...] = ()
     if target == LLAMACPP:

@@ -21,6 +21,7 @@ from mla_convert.artifacts.manifest import conversion_manifest, write_manifest
 from mla_convert.artifacts.output import write_carried
 from mla_convert.artifacts.report import write_report
 from mla_convert.artifacts.shards import DEFAULT_MAX_SHARD_SIZE, write_shards
+from mla_convert.convert.estimate.weights import weights_ledger
 from mla_convert.convert.options.options import ConvertOptions, check_options
 from mla_convert.convert.options.resolve import Resolution, resolve_options
 from mla_convert.convert.pipeline.device import calib_precision_note, frozen_heap, resolve_device, trim_heap
@@ -79,8 +80,12 @@ class PhasePeaks:
         return {k: round(v, 1) for k, v in self.peaks.items()}
 
 
-def model_card(src: SourceModel, options: ConvertOptions, res: Streamed, ev: EvalResult) -> str:
-    """A short model card naming the source and the method (``ev``: the held-out evaluation)."""
+def model_card(
+    src: SourceModel, options: ConvertOptions, res: Streamed, ev: EvalResult, weights: list[str] | None = None
+) -> str:
+    """A short model card naming the source and the method (``ev``: the held-out evaluation; ``weights``: the
+    weights ledger's lines, :meth:`~mla_convert.convert.estimate.weights.WeightsLedger.lines`)."""
+    ledger = "".join(f"- {line}\n" for line in weights or [])
     widths = res.config.cache_width
     return (
         "---\nlibrary_name: transformers\ntags: [mla, mla-convert]\n---\n"
@@ -95,7 +100,8 @@ def model_card(src: SourceModel, options: ConvertOptions, res: Streamed, ev: Eva
         f"of the {options.text} evaluation split ({ev.windows} windows of {ev.window}).\n\n"
         f"Source weights: {src.describe()['weights']}.\n\n"
         "Load with `import mla_convert` then `AutoModelForCausalLM.from_pretrained(path)`.\n\n"
-        f"## Where it serves (source: {src.kv_cache_width} values/token/layer)\n\n"
+        + (f"## Weights and memory against the source\n\n{ledger}\n" if ledger else "")
+        + f"## Where it serves (source: {src.kv_cache_width} values/token/layer)\n\n"
         f"{engine_table(src, options, res.config)}"
     )
 
@@ -246,11 +252,12 @@ def run_factor(
                 shard_done,
             )
             params = sum(t.numel() for t in conv.layout(config).values())
-            write_carried(staged, src.path, config, model_card(src, options, res, ev))
+            ledger = weights_ledger(config, src, dtype=str(res.dtype).removeprefix("torch."))
+            write_carried(staged, src.path, config, model_card(src, options, res, ev, ledger.lines()))
             phases.enter("sample")
             sample = _sample(staged, tokenizer, sample_prompt, params)
             phases.enter("bfloat16")
-            precision = _precision(staged, src, tokenizer, text.evaluation[:PRECISION_WINDOWS], text.name, params)
+            precision = _precision(staged, src, tokenizer, text.evaluation[:PRECISION_WINDOWS], options.text, params)
         except UserError:
             close_work(work)  # a damaged source or impossible step: nothing to resume
             raise
@@ -270,6 +277,7 @@ def run_factor(
             "window": options.window,
         },
         "layers": [asdict(r) for r in res.layers],
+        "weights": {**ledger.as_dict(), "lines": ledger.lines()},
         "warnings": warnings,
         "model": {
             "eval": ev.as_dict(),

@@ -1,0 +1,205 @@
+"""Does a converted model still do its job (issue 50): the README's quality table and its targets, from stored
+measurements alone (nothing is measured here).
+
+    .venv/bin/python benchmarks/quality.py            # print the block
+    .venv/bin/python benchmarks/quality.py --readme   # write it between README.md's quality markers
+                                                      # (also: python benchmarks/collect.py quality)
+
+It reads two result files:
+
+- ``benchmarks/results/calibration_mix.json`` (``benchmarks/calibration_mix.py``): perplexity as a multiple of the
+  source's on evaluation splits no calibration reads (Wikipedia, news, the Python standard library), the chat KL and
+  the greedy continuation of "The capital of France is";
+- ``benchmarks/results/humaneval.json`` and its per-problem rows (``benchmarks/humaneval.py``): pass@1. A row run on
+  the first N problems is set beside the source's pass@1 on the same N problems, read from the source's per-problem
+  rows.
+
+Each row is a conversion at 31.25 % of the source's cache with the levers the searched default chose for that model,
+so the rows of a model differ only in their calibration text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MIX = RESULTS / "calibration_mix.json"
+HUMANEVAL = RESULTS / "humaneval.json"
+HUMANEVAL_RUNS = RESULTS / "humaneval"
+DOMAINS = ("wikipedia", "news", "python")
+DEFAULT = "wiki 1 : chat 1 : code 1"  # mla_convert.convert.options.options.DEFAULT_CALIB_DATA
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the table: a model's source or one of its conversions.
+
+    Attributes:
+        label: what the line says.
+        mix: its key in calibration_mix.json (``"<model> source"`` for the source).
+        humaneval: its row name in humaneval.json, None where the model is not a code model.
+        source_humaneval: the source's row there (pass@1 on the same problems).
+    """
+
+    label: str
+    mix: str
+    humaneval: str | None = None
+    source_humaneval: str | None = None
+
+
+QWEN_SOURCE = "Qwen2.5-Coder-1.5B-Instruct, source (Q4_K_M GGUF)"
+ROWS = (
+    Row("SmolLM2-135M-Instruct: source", "smollm2-135m source"),
+    Row("31.25 %, calibrated on wikipedia (the old default)", "smollm2-135m wikipedia"),
+    Row(f"31.25 %, calibrated on {DEFAULT} (the default)", f"smollm2-135m {DEFAULT}"),
+    Row("Qwen2.5-Coder-1.5B-Instruct: source", "qwen2.5-coder-1.5b source", QWEN_SOURCE),
+    Row("31.25 %, calibrated on wikipedia (the old default)", "qwen2.5-coder-1.5b wikipedia",
+        "qwen2.5-coder-1.5b 31.25 % wikipedia", QWEN_SOURCE),  # fmt: skip
+    Row(f"31.25 %, calibrated on {DEFAULT} (the default)", f"qwen2.5-coder-1.5b {DEFAULT}",
+        f"qwen2.5-coder-1.5b 31.25 % {DEFAULT}", QWEN_SOURCE),  # fmt: skip
+)
+
+#: What was tried toward each target (said beside a target that is missed).
+TRIED = {
+    "SmolLM2-135M": "calibration mixtures (the rows above; benchmarks/calibration_mix.py), the lever search, the "
+    "o_proj refit; a fitted per-layer reconstruction (benchmarks/reconstruct.py) lowers each layer's held-out error "
+    "but its end-to-end effect is unmeasured",
+    "Qwen2.5-Coder-1.5B": "calibration mixtures (the rows above), the lever search (RoPE pairs, rope strategy, o_proj "
+    "refit mode, measured on the source)",
+}
+
+
+def load(path: Path) -> dict[str, Any]:
+    """A results file's JSON object ({} where it does not exist yet)."""
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def first_passed(name: str, n: int) -> int | None:
+    """Problems passed among the first ``n`` of humaneval row ``name`` (from its per-problem rows), None where that
+    row has fewer than ``n`` problems or no per-problem rows."""
+    rows_file = HUMANEVAL_RUNS / name / "humaneval.jsonl"
+    if not rows_file.is_file():
+        return None
+    rows = [json.loads(line) for line in rows_file.read_text().splitlines() if line.strip()]
+    return sum(r["status"] == "passed" for r in rows[:n]) if len(rows) >= n else None
+
+
+def pass_cells(row: Row, humaneval: dict[str, Any]) -> tuple[str, float | None]:
+    """The pass@1 cell (``k/N (p %)``, with the source's on the same N problems) and pass@1 as a fraction of the
+    source's (None where not measured)."""
+    if row.humaneval is None:
+        return "", None
+    r = humaneval.get(row.humaneval)
+    if r is None:
+        return "not measured", None
+    n, passed = r["problems"], r["passed"]
+    cell = f"{passed}/{n} ({100 * passed / n:.1f} %, {r['ran']['engine']})"
+    if row.source_humaneval is None or row.source_humaneval == row.humaneval:
+        return cell, None
+    base = first_passed(row.source_humaneval, n)
+    if base is None:
+        return cell, None
+    return f"{cell}; source {base}/{n}", (passed / base if base else None)
+
+
+def ratio(mix: dict[str, Any], key: str, domain: str) -> float | None:
+    """Perplexity of row ``key`` on ``domain`` as a multiple of its source's."""
+    r = mix.get(key)
+    if r is None or "model" not in r:
+        return None
+    return float(r["perplexity"][domain] / mix[f"{r['model']} source"]["perplexity"][domain])
+
+
+def table() -> list[str]:
+    """The quality table: one line per row of :data:`ROWS`."""
+    mix, humaneval = load(MIX), load(HUMANEVAL)
+    lines = [
+        "| model | " + " | ".join(f"{d} (x source)" for d in DOMAINS)
+        + " | chat KL | 'The capital of France is' | HumanEval pass@1 |",
+        "|---|" + "---:|" * len(DOMAINS) + "---:|---|---|",
+    ]
+    for row in ROWS:
+        r = mix.get(row.mix)
+        he, _ = pass_cells(row, humaneval)
+        if r is None:
+            lines.append(f"| {row.label} | " + " | ".join(["not measured"] * len(DOMAINS)) + f" | | | {he} |")
+            continue
+        if row.mix.endswith(" source"):
+            cells = [f"{r['perplexity'][d]:.2f}" for d in DOMAINS]
+            lines.append(f"| **{row.label}** | " + " | ".join(cells) + f" | | {r['paris']!r} | {he} |")
+            continue
+        cells = [f"x{ratio(mix, row.mix, d):.2f}" for d in DOMAINS]
+        chat = f"{r['chat_kl']:.3f}" if "chat_kl" in r else ""
+        lines.append(f"| {row.label} | " + " | ".join(cells) + f" | {chat} | {r['paris']!r} | {he} |")
+    return lines
+
+
+def targets() -> list[str]:
+    """Issue 50's training-free targets at 31.25 % (and 18.75 %): measured, met or missed by how much."""
+    mix, humaneval = load(MIX), load(HUMANEVAL)
+    smol, qwen = f"smollm2-135m {DEFAULT}", f"qwen2.5-coder-1.5b {DEFAULT}"
+    _, qwen_pass = pass_cells(ROWS[-1], humaneval)
+
+    def bound(value: float | None, at_most: float, unit: str = "x") -> tuple[str, str]:
+        if value is None:
+            return "not measured", ""
+        shown = f"{unit}{value:.2f}" if unit == "x" else f"{100 * value:.0f} %"
+        if unit == "x":
+            return shown, "met" if value <= at_most else f"missed by {value / at_most:.2f}x"
+        return shown, "met" if value >= at_most else f"missed: {100 * value:.0f} % of the source's"
+
+    paris = mix.get(smol, {}).get("paris")
+    rows = [
+        ("SmolLM2-135M, 31.25 %: wiki <= 1.5x", *bound(ratio(mix, smol, "wikipedia"), 1.5)),
+        ("SmolLM2-135M, 31.25 %: news <= 1.6x", *bound(ratio(mix, smol, "news"), 1.6)),
+        ("SmolLM2-135M, 31.25 %: greedy ' Paris' after 'The capital of France is'",
+         "not measured" if paris is None else repr(paris),
+         "" if paris is None else ("met" if paris.startswith(" Paris") else "missed")),
+        ("Qwen2.5-Coder-1.5B, 31.25 %: news <= 3x", *bound(ratio(mix, qwen, "news"), 3.0)),
+        ("Qwen2.5-Coder-1.5B, 31.25 %: HumanEval pass@1 >= 85 % of the source's", *bound(qwen_pass, 0.85, "%")),
+        ("Qwen2.5-Coder-1.5B, 18.75 %: HumanEval pass@1 >= 50 % of the source's", "not measured",
+         "no 18.75 % conversion with the default calibration was run yet"),
+    ]  # fmt: skip
+    tried = [f"What was tried where a target is missed: {k}: {v}." for k, v in TRIED.items()]
+    return ["| target | measured | |", "|---|---|---|", *[f"| {a} | {b} | {c} |" for a, b, c in rows], "", *tried]
+
+
+def block() -> str:
+    """The README block (between its ``quality`` markers)."""
+    return "\n".join(
+        [
+            "Perplexity as a multiple of the source's on evaluation splits that no conversion reads (Wikipedia, news, "
+            "the Python standard library; 512-token windows: 16 / 8 / 8), the chat KL on the source's greedy answers "
+            "to 8 chat prompts, greedy continuations, and HumanEval pass@1 (greedy, raw prompt; a conversion's on the "
+            "first N problems beside the source's on the same N). Every conversion keeps 31.25 % of the cache, "
+            "training-free, with the levers the searched default chose for its model; only the calibration differs. "
+            "Written by `python benchmarks/quality.py --readme` from the results of `benchmarks/calibration_mix.py` "
+            "and `benchmarks/humaneval.py` (their commands are in docs/results.md).",
+            "",
+            *table(),
+            "",
+            "Targets (issue 50), training-free:",
+            "",
+            *targets(),
+        ]
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--readme", action="store_true", help="write the block into README.md")
+    args = ap.parse_args()
+    text = block()
+    print(text)
+    if args.readme:
+        from blocks import replace_block
+
+        print(f"quality: {replace_block('quality', text)}")
+
+
+if __name__ == "__main__":
+    main()
