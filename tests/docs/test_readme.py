@@ -27,9 +27,10 @@ def test_readme_is_short():
     )
 
 
-def test_readme_holds_one_results_table():
-    """One generated results block (the reference conversion's); every other one lives in docs/."""
+def test_readme_holds_two_results_tables():
+    """Two generated results blocks: the reference conversion's, and whether converted models still do their job
+    (issue 50: the quality table); every other one lives in docs/."""
     names = blocks.block_names(README.read_text())
-    assert names == ["reference"], (
-        f"README.md's generated blocks are {names}; keep only 'reference', move the rest to docs/"
+    assert names == ["reference", "quality"], (
+        f"README.md's generated blocks are {names}; keep only 'reference' and 'quality', move the rest to docs/"
     )
