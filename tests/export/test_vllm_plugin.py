@@ -127,7 +127,10 @@ def _exact(record: dict[str, Any]) -> None:
     assert record["passed"], record["reasons"]
     d, floor, src = record["logprob_abs_diff"], record["ours_bf16_abs_diff"], record["source_bf16_abs_diff"]
     src = src or {"mean": 0.0, "max": 0.0}
-    assert d["mean"] <= max(MEAN_MAX, FLOOR_FACTOR * src["mean"]) and d["max"] <= max(ABS_MAX, FLOOR_FACTOR * src["max"])
+    ours_max = FLOOR_FACTOR * floor["max"] if floor["mean"] <= FLOOR_FACTOR * src["mean"] else 0.0  # probing.allowed_max
+    assert d["mean"] <= max(MEAN_MAX, FLOOR_FACTOR * src["mean"])
+    assert d["max"] <= max(ABS_MAX, FLOOR_FACTOR * src["max"], ours_max) == pytest.approx(record["thresholds"]["max"],
+                                                                                           abs=1e-4)
     assert d["mean"] <= FLOOR_FACTOR * max(floor["mean"], src["mean"]), (d, floor, src)
     assert record["greedy"]["max_margin"] <= max(GREEDY_MARGIN, FLOOR_FACTOR * src["max"]) and record["greedy"]["count"] == 32
 

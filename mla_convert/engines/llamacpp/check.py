@@ -37,8 +37,10 @@ GREEDY_MARGIN = 0.05
 #: (mean, max, greedy margin) for a ``q8_0`` KV cache (float32 weights, flash attention on): the 8-bit latent's
 #: rounding, measured on the reference export (latent padded to 96 + 64) mean 0.060 / max 0.71 over 2 x 128 tokens,
 #: about what ``q8_0`` weights do (mean 0.054 / max 0.63); a mapping bug that loads (``attn_k_b`` heads reversed)
-#: gives mean 0.28 / max 2.5.
-Q8_CACHE = (0.1, 1.0, 0.1)
+#: gives mean 0.28 / max 2.5. The greedy margin is 0.3: the re-pinned reference (calibrated on the default mixture)
+#: measured mean 0.035 / max 0.31 with 30 of 32 greedy tokens our argmax and the other 0.179 logits below it, a near
+#: tie the 8-bit latent's rounding (up to the max above) can flip.
+Q8_CACHE = (0.1, 1.0, 0.3)
 #: The context llama.cpp is created with (cache cells): the KV figures are per token, any size gives the same.
 N_CTX = 1024
 #: Wall-clock limit of the llama.cpp process (seconds).

@@ -62,7 +62,7 @@ def compare_mlx(ckpt: Path, export: Path, request: dict[str, Any], result: dict[
         if float32
         else {
             "mean": allowed_mean(src_bf16),
-            "max": allowed_max(src_bf16),
+            "max": allowed_max(src_bf16, bf16),
             "greedy_margin": allowed_margin(src_bf16),
         }
     )

@@ -75,7 +75,7 @@ def compare(ckpt: Path, width: int, request: dict[str, Any], result: dict[str, A
     cache = result.get("kv_cache") or {}
     groups = cache.get("groups", [])
     reasons = []
-    abs_max, mean_max, margin = allowed_max(src_bf16), allowed_mean(src_bf16), allowed_margin(src_bf16)
+    abs_max, mean_max, margin = allowed_max(src_bf16, bf16), allowed_mean(src_bf16), allowed_margin(src_bf16)
     if float(diff.mean()) > mean_max or float(diff.max()) > abs_max:
         reasons.append(f"prompt log-probabilities differ by mean {float(diff.mean()):.3f} / max {float(diff.max()):.3f} "
                        f"(allowed {mean_max:.3f} / {abs_max:.3f})")
