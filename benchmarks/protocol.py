@@ -41,16 +41,18 @@ class Protocol:
     evals: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def load(calib_tokens: int | None = None, dev: int = 8, evals: dict[str, int] | None = None) -> Protocol:
-    """SmolLM2-135M and the protocol's windows.
+def load(calib_tokens: int | None = None, dev: int = 8, evals: dict[str, int] | None = None,
+         source: str = "smollm2-135m") -> Protocol:
+    """SmolLM2-135M (or another bundled ``source``) and the protocol's windows.
 
     Args:
         calib_tokens: calibration budget in tokens (None: ``factor``'s default).
         dev: dev windows of 512 tokens (adaptation split).
         evals: name -> windows, names ``wiki@512``, ``wiki@2048``, ``news@512`` (None: 40 / 2 / 8).
+        source: a bundled source name (``mla-convert sources``) or a folder.
     """
     torch.manual_seed(0)
-    src = open_source("smollm2-135m")
+    src = open_source(source)
     model = load_source_model(src)
     tok = AutoTokenizer.from_pretrained(str(src.path))
     wiki = split_documents(load_documents("wikipedia"))

@@ -53,8 +53,10 @@ ADDENDA = "mla_manifest.addenda.json"
 SCHEMA = "mla_manifest.schema.json"
 ADDENDA_SCHEMA = "mla_manifest.addenda.schema.json"
 SCHEMA_VERSION = 1
-#: Top-level fields that are not part of the canonical id (they vary between identical runs).
-NON_SEMANTIC = ("canonical_id", "run", "outputs")
+#: Top-level fields that are not part of the canonical id: what varies between identical runs (timings, host facts,
+#: the outputs' paths) and ``weights``, the weights ledger, a function of the source (its files' sha256) and of the
+#: options, ranks and RoPE split, all under the id (so a change of the ledger's wording keeps a conversion's id).
+NON_SEMANTIC = ("canonical_id", "run", "outputs", "weights")
 
 
 class ManifestError(UserError):
@@ -130,6 +132,7 @@ def conversion_manifest(
     documents: Mapping[str, list[dict[str, Any]]],
     run: dict[str, Any],
     choices: Mapping[str, str] | None = None,
+    weights: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The manifest of a ``factor`` output, before :func:`write_manifest` adds outputs and the id.
 
@@ -142,6 +145,9 @@ def conversion_manifest(
         documents: ``{"calibration": [...], "evaluation": [...]}`` document records (id, sha256, chars).
         run: timings and host facts (not part of the canonical id).
         choices: where each chosen option came from (:attr:`~mla_convert.convert.options.resolve.Resolution.choices`).
+        weights: the weights ledger (:meth:`~mla_convert.convert.estimate.weights.WeightsLedger.as_dict`): parameters
+            and bytes of the converted attention and model against the source's per place it is stored, and the
+            break-even in cached tokens (not part of the canonical id: :data:`NON_SEMANTIC`).
     """
     from mla_convert.sources.checkpoint import tokenizer_digest
 
@@ -189,6 +195,7 @@ def conversion_manifest(
             "values_per_token_per_layer": cfg.cache_width,
             "softmax_scale": cfg.softmax_scale,
         },
+        **({"weights": dict(weights)} if weights is not None else {}),
         "run": run,
     }
 

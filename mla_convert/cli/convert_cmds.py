@@ -26,7 +26,8 @@ from mla_convert.cli.render import (
     source_table,
     user_errors,
 )
-from mla_convert.convert.options.options import ConvertOptions, shard_size_of
+from mla_convert.convert.options.fields import shard_size_of
+from mla_convert.convert.options.options import ConvertOptions
 from mla_convert.convert.options.resolve import Resolution, check_sizes_given
 from mla_convert.engines.registry import export_target
 from mla_convert.engines.vllm.spec import ENGINE_ROWS

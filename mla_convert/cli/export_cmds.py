@@ -15,7 +15,7 @@ from mla_convert.cli.render import (
     note,
     user_errors,
 )
-from mla_convert.convert.options.options import shard_size_of
+from mla_convert.convert.options.fields import shard_size_of
 from mla_convert.engines.registry import export_target
 from mla_convert.mla.checkpoint import read_checkpoint_config
 

@@ -21,14 +21,14 @@ import typer
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
-from mla_convert.convert.options.options import (
+from mla_convert.convert.options.fields import (
     choice_message,
-    flag,
     literal_choices,
     offered_choices,
     retired,
     retired_fields,
 )
+from mla_convert.convert.options.options import flag
 
 F = TypeVar("F", bound=Callable[..., Any])
 M = TypeVar("M", bound=BaseModel)

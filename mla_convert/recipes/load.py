@@ -17,15 +17,14 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from pydantic import ValidationError
 
-from mla_convert.convert.options.options import (
-    ConvertOptions,
+from mla_convert.convert.options.fields import (
     choice_message,
     literal_choices,
     offered_choices,
-    problems,
     retired,
     retired_fields,
 )
+from mla_convert.convert.options.options import ConvertOptions, problems
 from mla_convert.recipes.catalog import bundled_names
 from mla_convert.recipes.overrides import apply_override, parse_override, yaml_reason
 from mla_convert.recipes.schema import SECTIONS, Recipe, RecipeError, allowed_keys

@@ -16,7 +16,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from mla_convert.adapt.options import AdaptOptions
-from mla_convert.convert.options.options import ConvertOptions, retired_fields
+from mla_convert.convert.options.fields import retired_fields
+from mla_convert.convert.options.options import ConvertOptions
 from mla_convert.errors import UserError
 from mla_convert.validate.options import LadderSettings
 

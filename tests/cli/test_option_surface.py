@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 
 from mla_convert.cli.commands import app
 from mla_convert.cli.flags import option_parameters
-from mla_convert.convert.options.options import ConvertOptions, offered_choices, retired, retired_fields
+from mla_convert.convert.options.fields import offered_choices, retired, retired_fields
+from mla_convert.convert.options.options import ConvertOptions
 from mla_convert.recipes.load import load_recipe, resolved_yaml
 from mla_convert.recipes.schema import RecipeError
 

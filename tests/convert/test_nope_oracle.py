@@ -20,6 +20,9 @@ import torch
 from oracle import _join_pairs, _project, _split_pairs, rotation_projector
 from tiny import convert, write_tiny_llama
 
+from mla_convert.convert.options.options import ConvertOptions
+from mla_convert.convert.options.resolve import NOPE_BOUND, resolve_options
+from mla_convert.convert.pipeline.build import convert_windows
 from mla_convert.sources.checkpoint import load_source_model, open_source
 
 F64 = torch.float64
@@ -108,7 +111,7 @@ def test_exact_reduction_keeps_the_conversion(g8, calib_windows, eval_ids):
     (float32). The full-width contract without a reduction is tests/convert/test_exact.py's."""
     src, model = g8
     opts = {**BASE, "rope_pairs": 32, "kv_lora_rank": 256}
-    plain = convert(src, calib_windows, **opts)
+    plain = _unbounded(src, calib_windows, **opts)
     exact = convert(src, calib_windows, qk_nope_head_dim=128, **opts)
     assert (plain.config.qk_nope_head_dim, plain.config.num_key_value_heads) == (512, 8)
     assert (exact.config.qk_nope_head_dim, exact.config.num_key_value_heads) == (128, 32)
@@ -116,3 +119,32 @@ def test_exact_reduction_keeps_the_conversion(g8, calib_windows, eval_ids):
         lp, le, ref = plain.model(eval_ids).logits, exact.model(eval_ids).logits, model(input_ids=eval_ids).logits
     assert float((le - lp).abs().max()) < 1e-4
     assert float((lp - ref).abs().max()) > 1e-2  # the partial RoPE is lossy: a wrong form would show
+
+
+def _unbounded(src, calibration, **options):
+    """:func:`tiny.convert` with the query's NoPE width kept as the plan gives it (``qk_nope_head_dim`` counted as given,
+    None: the default bound of a source with 4 or more KV heads is not applied)."""
+    opts = ConvertOptions(**{"dtype": "float32", **options})
+    given = {k for k in opts.model_fields_set if getattr(opts, k) is not None}
+    res = resolve_options(opts, src, given={*given, "qk_nope_head_dim"})
+    assert res.options.qk_nope_head_dim is None
+    return convert_windows(src, opts, calibration, resolution=res)
+
+
+def test_the_default_bound_keeps_the_conversion(g8, calib_windows, eval_ids):
+    """The default bound (issue 51) on 8 KV heads: at 64 of 64 frequencies on the shared rope head and full rank
+    (256 = hidden) the query's NoPE width 128 + 2 x 64 x (8 - 2) = 896 is bounded at head_dim 128 by the resolution
+    ``factor`` runs, and the logits equal the unbounded conversion's (float32). Keeping every component (the rotation
+    strategy's 8 x 64 pairs: the source's function, tests/convert/test_exact.py) leaves no NoPE width to bound."""
+    src, _ = g8
+    opts = {**BASE, "rope_pairs": 64, "kv_lora_rank": 256}
+    res = resolve_options(ConvertOptions(**opts), src)
+    assert res.options.qk_nope_head_dim == 128 and res.choices["qk_nope_head_dim"] == NOPE_BOUND
+    bounded, plain = convert(src, calib_windows, **opts), _unbounded(src, calib_windows, **opts)
+    assert (bounded.config.qk_nope_head_dim, bounded.config.num_key_value_heads) == (128, 32)
+    assert (plain.config.qk_nope_head_dim, plain.config.num_key_value_heads) == (896, 8)
+    with torch.no_grad():
+        got, ref = bounded.model(eval_ids).logits, plain.model(eval_ids).logits
+    assert float((got - ref).abs().max()) < 1e-4 * float(ref.abs().max())
+    every = resolve_options(ConvertOptions(**{**opts, "rope_strategy": "rotation", "rope_pairs": 512}), src)
+    assert every.options.qk_nope_head_dim is None and every.choices["qk_nope_head_dim"] == "default"

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from mla_convert.artifacts.manifest import canonical_id
 from mla_convert.cli.commands import app
 from mla_convert.convert.options.options import ConvertOptions, OptionsError, check_options
-from mla_convert.convert.options.resolve import resolve_options
+from mla_convert.convert.options.resolve import NOPE_BOUND, resolve_options
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,8 @@ USER_SHAPES = {
     "qwen2-bias-hd128": ("qwen2", dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
                                        rope_theta=1000000.0)),
 }  # fmt: skip
+#: The 8-KV-head shape's converted attention against its source's, bounded (measured: see the test).
+ATTENTION_RATIO_G8 = 2.0
 FAST = ["--calib-tokens", "512", "--window", "128", "--eval-windows", "2", "--dtype", "float32", "--text", "news"]
 
 
@@ -176,6 +179,20 @@ def test_user_shapes_convert_at_the_default_fraction(tmp_path, name):
     assert split["prior"] in split["candidates"] and manifest["options"]["rope_pairs"] == split["chosen"]
     kl = split["kl_nats_per_token"]
     assert kl[str(split["chosen"])] == min(kl.values())
+    config = json.loads((out / "config.json").read_text())
+    ledger = report["weights"]["places"]["mla"]
+    assert manifest["weights"]["places"]["mla"] == ledger  # the ledger in the manifest, outside the canonical id
+    assert canonical_id({k: v for k, v in manifest.items() if k != "weights"}) == manifest["canonical_id"]
+    if name == "llama-g8-hd128":  # 8 KV heads: the query's NoPE width (128 + 2r x 6) bounded at head_dim, exactly
+        assert manifest["choices"]["qk_nope_head_dim"] == NOPE_BOUND
+        assert config["qk_nope_head_dim"] == 128 and config["num_key_value_heads"] == 16  # one key map per head
+        rope = config["qk_rope_head_dim"]
+        unbounded_q = 16 * (128 + rope * (8 - 2) + rope) * 640  # q_proj without the bound: d + 2r(G-2) NoPE dims
+        attention = ledger["attention_params"][0]
+        assert 16 * (128 + rope) * 640 + 640 * 16 * 128 < attention < unbounded_q  # q and o, less than q was
+        assert ledger["attention_ratio"] < ATTENTION_RATIO_G8
+    else:  # 2 KV heads: the query's NoPE width is head_dim already
+        assert manifest["choices"]["qk_nope_head_dim"] == "default" and config["num_key_value_heads"] == 2
     card = (out / "README.md").read_text()  # the model card says where the checkpoint serves, per engine
     rows = {r.split(" | ")[0]: r for r in card.split("## Where it serves", 1)[1].splitlines() if r.startswith("| ")}
     assert rows["| transformers"].split(" | ")[2] == "exact (this checkpoint)"

@@ -65,7 +65,6 @@ def test_candidates_surround_the_prior(src, candidates):
         (ConvertOptions(rope_pairs=16), {"rope_pairs"}, "transformers"),  # given
         (ConvertOptions(kv_lora_rank=64), {"kv_lora_rank"}, "transformers"),  # the split is moot
         (ConvertOptions(), set(), "vllm-cpu"),  # the engine's row fixes it
-        (ConvertOptions(qk_nope_head_dim=64), {"qk_nope_head_dim"}, "transformers"),  # a reduced NoPE width
     ],
 )
 def test_nothing_is_measured_where_the_pairs_are_fixed(options, given, target):
@@ -73,6 +72,15 @@ def test_nothing_is_measured_where_the_pairs_are_fixed(options, given, target):
     assert res.rope_candidates == () and res.rope_strategies == () and res.refit_modes == ()
     assert not res.choices["rope_pairs"].startswith("measured on this source")
     assert not res.choices["rope_strategy"].startswith("measured on this source")
+
+
+@pytest.mark.parametrize(("width", "candidates"), [(64, (12, 18, 24, 30)), (100, (18, 24, 30))])
+def test_a_reduced_nope_width_is_searched_under(width, candidates):
+    """A NoPE-width reduction (given, or the default bound of 4 or more KV heads) leaves the pairs to the search,
+    among the splits whose query NoPE width (SmolLM2: 64 + 2r) reaches the width."""
+    res = resolve_options(ConvertOptions(qk_nope_head_dim=width), SMOLLM2, given={"qk_nope_head_dim"})
+    assert res.rope_candidates == candidates and res.options.qk_nope_head_dim == width
+    assert res.choices["rope_pairs"].startswith("measured on this source")
 
 
 def test_a_given_lever_is_not_measured():

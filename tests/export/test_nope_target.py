@@ -53,9 +53,15 @@ def test_inspect_says_the_setting_before_any_work(g8):
         assert res.exit_code == 0, res.output
         assert "--qk-nope-head-dim 128" in res.output and "exact" in res.output
         assert f"--target {target}: exact; engine cache 576" in res.output
-    # 12.5 % (256 values): the tiny's hidden size 256 bounds the latent below the 31.25 % default
-    res = runner.invoke(app, ["inspect", str(g8), "--rope-strategy", "high", "--rope-pairs", "30", "--cache-fraction",
-                              "0.125"], env={"COLUMNS": "400"})  # fmt: skip
+    # 12.5 % (256 values): the tiny's hidden size 256 bounds the latent below the 31.25 % default. By default the
+    # query's NoPE width 488 (8 KV heads) is bounded at head_dim, exactly, which vLLM's prefill takes
+    flags = ["inspect", str(g8), "--rope-strategy", "high", "--rope-pairs", "30", "--cache-fraction", "0.125"]
+    res = runner.invoke(app, flags, env={"COLUMNS": "400"})
+    assert res.exit_code == 0, res.output
+    assert "the query's NoPE width 488 (head_dim 128 + 2 x 30 pairs x (8 KV heads - 2)) is bounded at" in res.output
+    assert "--target vllm: exact" in res.output
+    # the width given unbounded: inspect says vLLM's prefill does not take it, and what does
+    res = runner.invoke(app, [*flags, "--qk-nope-head-dim", "488"], env={"COLUMNS": "400"})
     assert res.exit_code == 0, res.output
     assert "--target vllm: not exact: the query's NoPE width 488" in res.output
     assert "use --qk-nope-head-dim 128" in res.output

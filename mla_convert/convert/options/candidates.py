@@ -19,7 +19,8 @@ def rope_candidates(options: ConvertOptions, src: SourceShape, budget: float) ->
     Each is ``round(m x prior)`` for ``m`` in :data:`SPREAD`, kept to what a rope head holds, to a latent of at
     least one value per layer at ``budget`` (values per token per layer), and, when the prior's rope part fits
     vLLM's :data:`VLLM_ROPE_WIDTH`, to that width too (a default conversion stays servable by vLLM's plugin; give
-    ``--rope-pairs`` for more); the prior is always one of them.
+    ``--rope-pairs`` for more), and with a NoPE-width reduction to splits whose query NoPE width reaches it; the
+    prior is always one of them.
 
     Returns:
         The candidates; one element (the prior) when nothing else fits.
@@ -31,7 +32,8 @@ def rope_candidates(options: ConvertOptions, src: SourceShape, budget: float) ->
     for m in SPREAD:
         r = max(1, round(m * prior))
         g = geometry(options.model_copy(update={"rope_pairs": r}), src)
-        if g.rope_pairs == r and _latent_fits(g, budget) and (not servable or g.rope_width <= VLLM_ROPE_WIDTH):
+        wide = options.qk_nope_head_dim is None or g.query_nope_width >= options.qk_nope_head_dim
+        if g.rope_pairs == r and _latent_fits(g, budget) and wide and (not servable or g.rope_width <= VLLM_ROPE_WIDTH):
             out.add(r)
     return tuple(sorted(out))
 

@@ -16,7 +16,8 @@ them in one order, so ``ConvertOptions(cache_budget=72)`` converts as ``factor -
    (:func:`~mla_convert.convert.options.suggest.follow_budget`: measured on another model, a prior, and said so); the
    split's pairs are then measured on the source itself among candidates around that prior
    (:func:`~mla_convert.convert.options.candidates.rope_candidates`), and the rope strategy and ``o_proj`` refit mode
-   too where not given (the conversion chooses, before converting);
+   too where not given (the conversion chooses, before converting); for a source of 4 or more KV heads the query's
+   NoPE width bounded at ``head_dim``, exactly (:func:`bound_nope_width`), unless ``--qk-nope-head-dim`` is given;
 4. with an export asked for, a scaled-RoPE source's selection steered to the pairs one plain RoPE table holds
    (:func:`~mla_convert.engines.precheck.steer_for_export`).
 
@@ -54,7 +55,7 @@ class Resolution:
         choices: option name -> its origin: ``"given"``, ``"default"``, or the rule that chose it.
         rope_candidates: the RoPE pairs the conversion measures on the source before converting
             (:mod:`mla_convert.convert.pipeline.rope_split`), ``options.rope_pairs`` (the prior) among them; empty: the
-            pairs are fixed (given, an engine's row, a fixed ``kv_lora_rank``, a NoPE-width reduction, a steered
+            pairs are fixed (given, an engine's row, a fixed ``kv_lora_rank``, a steered
             export selection).
         rope_strategies: the other rope strategies the conversion measures at the pairs it chose (with
             ``rope_candidates`` only, where ``--rope-strategy`` is not given); ``options.rope_strategy`` is the
@@ -121,6 +122,45 @@ def _calibration(options: ConvertOptions, src: SourceShape, given: Collection[st
     return (
         options.model_copy(update={"calib_data": mixture}),
         f"default: {' + '.join(mixture)}, one share each{left} (benchmarks/calibration_mix.py)",
+    )
+
+
+#: The KV heads ``G`` from which a default conversion bounds the query's NoPE width (:func:`bound_nope_width`).
+NOPE_BOUND_KV_HEADS = 4
+#: The origin of a bounded ``qk_nope_head_dim`` (``Resolution.choices``; the manifest's ``choices``).
+NOPE_BOUND = (
+    f"default: bounded at head_dim for {NOPE_BOUND_KV_HEADS} or more KV heads (exact: each head's NoPE score has rank "
+    "at most head_dim; benchmarks/nope_rank.py)"
+)
+
+
+def bound_nope_width(options: ConvertOptions, src: SourceShape, given: Collection[str]) -> tuple[ConvertOptions, str]:
+    """The query's NoPE width bounded at ``head_dim`` for a wide-GQA source (issue 51; docs/math.md §NoPE-width
+    reduction), unless ``--qk-nope-head-dim`` is given.
+
+    With one shared rope head each query head's NoPE width is ``d + 2r(G-2)`` (``Geometry.query_nope_width``): 512
+    to 896 on Llama-3-8B (``G = 8`` KV heads, ``d = 128``), which makes ``q_proj`` 5-8x the source's and the converted
+    model larger than its cache saving up to ~80k cached tokens (``mla_convert.convert.estimate.weights``). Each
+    head's NoPE score is a function of its ``head_dim`` source query values, so its rank is at most ``head_dim`` and
+    the reduction to ``head_dim`` (:mod:`mla_convert.convert.layer.nope_rank`) keeps it exactly (to rounding;
+    ``tests/convert/test_nope_oracle.py``): the bound costs no quality, and the RoPE pairs are still searched under it.
+    Applied from :data:`NOPE_BOUND_KV_HEADS` KV heads on, where the width is over ``2d`` at the pairs measured best;
+    below (SmolLM2's 3: 112 against 64; 2 or 1 KV head: at most ``d``) the query is left as it is.
+
+    Returns:
+        The options (``qk_nope_head_dim`` set, or unchanged) and the reason for the user ('' when unchanged).
+    """
+    if "qk_nope_head_dim" in given or options.qk_nope_head_dim is not None or options.rope_mode != "shared":
+        return options, ""
+    if src.num_kv_heads < NOPE_BOUND_KV_HEADS:
+        return options, ""
+    natural = geometry(options, src).query_nope_width
+    if natural <= src.head_dim:
+        return options, ""
+    return options.model_copy(update={"qk_nope_head_dim": src.head_dim}), (
+        f"the query's NoPE width {natural} (head_dim {src.head_dim} + 2 x {options.rope_pairs} pairs x "
+        f"({src.num_kv_heads} KV heads - 2)) is bounded at --qk-nope-head-dim {src.head_dim}, exact (each head's "
+        "NoPE score has rank at most head_dim), so q_proj stays near the source's size"
     )
 
 
@@ -214,11 +254,15 @@ def resolve_options(
         options, split = follow_budget(options, src, given)
         if split:
             whys.append(split)
+        options, bounded = bound_nope_width(options, src, given)
+        if bounded:
+            whys.append(bounded)
+            choices["qk_nope_head_dim"] = NOPE_BOUND
         prior = "measured best for the budget on another model (a prior: measured_splits.json)"
         if "rope_pairs" not in given and measured_rope_pairs(before, src) is not None:
             choices["rope_pairs"] = prior
             budget = cache_budget_of(options, src)
-            if options.qk_nope_head_dim is None and budget is not None:
+            if budget is not None:
                 candidates = rope_candidates(options, src, budget)
         for k in ("rope_strategy", "refit_o_proj"):
             if getattr(options, k) != getattr(before, k):

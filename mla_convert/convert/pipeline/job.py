@@ -324,7 +324,7 @@ def run_factor(
         },
     }
     manifest = conversion_manifest(
-        src, options, res, ev, text.name, text.records, report["run"], resolution.choices
+        src, options, res, ev, text.name, text.records, report["run"], resolution.choices, ledger.as_dict()
     )
     write_report(staged, report)
     write_manifest(

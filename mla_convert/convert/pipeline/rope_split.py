@@ -272,7 +272,7 @@ class _Candidate:
             x, out = p1["refit"]
             refit = RefitInputs(x, out, self.refit_windows, self.sequential and self.lossy_seen)
         converter = LayerConverter(src, self.options, config, conv.device, conv.dtype, check=False)
-        converted = converter.convert(layer, planned, refit)
+        converted = converter.convert(layer, planned, refit, p1["x_mean"])
         heads, inter = src.num_heads, conv.intermediate
         o_proj = converted.layer.self_attn.o_proj.weight
         self.refit_layers += converted.fit_w is not None
