@@ -69,6 +69,7 @@ COLLECTORS: dict[str, Callable[[], str]] = {
     "calibration-mix": lambda: _mod("calibration_mix").block(),
     "quality": lambda: _mod("quality").block(),
     "nope-bound": lambda: _mod("nope_rank").block(),
+    "reconstruct": lambda: _mod("reconstruct").block(),
     "quality-targets": lambda: _mod("quality").targets_block(),
     "export": lambda: _mod("export").table(_json("export.json")),  # type: ignore[arg-type]
     "export-transformers": lambda: _mod("export").transformers_block(_json("export.json")),  # type: ignore[arg-type]

@@ -45,6 +45,26 @@ def run_layer(layer: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
     return torch.cat(out)
 
 
+def block() -> str:
+    """The docs/results.md ``reconstruct`` block from :data:`RESULTS` (``benchmarks/collect.py``): per stored run its
+    perplexities and KL on the dev, Wikipedia and news windows before and after the fit, and what the fit cost."""
+    out = ["| run | text | source | closed form | reconstructed | KL closed form | KL reconstructed |",
+           "|---|---|---:|---:|---:|---:|---:|"]
+    notes = []
+    for name, r in json.loads(RESULTS.read_text()).items():
+        for k, p in r["perplexity"].items():
+            out.append(f"| {name} | {k} ({p['tokens']:,} tokens) | {p['source']:.2f} | {p['closed_form']:.2f} "
+                       f"(x{p['closed_form'] / p['source']:.3f}) | {p['reconstructed']:.2f} "
+                       f"(x{p['reconstructed'] / p['source']:.3f}) | {p['kl_closed_form']:.4f} | "
+                       f"{p['kl_reconstructed']:.4f} |")
+        kept = sum(bool(row["kept"]) for row in r["layers"])
+        notes.append(f"{name}: fit {r['fit_s']:.0f} s for {len(r['layers'])} layers ({kept} kept; the conversion "
+                     f"itself {r['convert_s']:.0f} s), {r['mode']} inputs, {r['steps']} Adam steps at lr {r['lr']:g}.")
+    return "\n".join([*out, "", *notes, "SmolLM2-135M, the searched reference's levers given (24 pairs, 2-norm, "
+                       "teacher refit), calibrated on Wikipedia (the protocol's windows); one thread beside other "
+                       "jobs. Written by `python benchmarks/reconstruct.py --steps 50`."])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", default="sequential", choices=("sequential", "teacher"))
