@@ -101,6 +101,20 @@ def test_smollm2_estimate_covers_the_measured_streamed_run():
     assert 0.8 * SMOLLM2["wall_s"] <= total <= 1.25 * SMOLLM2["wall_s"], total
 
 
+def test_reconstruction_time_is_estimated():
+    """``--reconstruct-steps`` adds its own stage: SmolLM2's 30 layers at 50 steps measured 636 s on one thread beside
+    other jobs (benchmarks/reconstruct.py); linear in the steps; an 8B's layer costs ~35x SmolLM2's."""
+    src = open_source("smollm2-135m")
+    assert "reconstruct" not in factor_time(ConvertOptions(dtype="bfloat16"), src).stages
+    fit = factor_time(ConvertOptions(dtype="bfloat16", reconstruct_steps=50), src).stages["reconstruct"]
+    assert 0.8 * 636 <= fit <= 1.25 * 636, fit
+    assert factor_time(ConvertOptions(dtype="bfloat16", reconstruct_steps=100), src).stages["reconstruct"] == (
+        pytest.approx(2 * fit)
+    )
+    big = factor_time(ConvertOptions(**BENCH_8B, reconstruct_steps=50), config_source(LLAMA8B)).stages["reconstruct"]
+    assert 20 * fit < big < 60 * fit, big / fit
+
+
 def test_8b_shape_stays_below_5gb_with_the_benchmark_options():
     src = config_source(LLAMA8B)
     options = ConvertOptions(**BENCH_8B)

@@ -57,6 +57,13 @@ SCORE_GFLOPS = 139.0
 IO_BYTES_PER_S = 0.73e9
 #: Seconds besides the layers: imports, source checks, text and embedding (5 s), shards, sample, report (4 s).
 SETUP_S = 9.0
+#: Effective GFLOP/s of the fitted reconstruction (``--reconstruct-steps``: Adam on the converted attention, forward
+#: and backward about 3x the forward's FLOPs): SmolLM2-135M's 30 layers at 50 steps of 4 windows of 512 took 636 s
+#: on one thread beside other jobs (benchmarks/reconstruct.py; 41.8 TFLOP by :func:`factor_time`'s count).
+RECONSTRUCT_GFLOPS = 66.0
+#: Windows per Adam step of the reconstruction (``mla_convert.convert.layer.reconstruct.BATCH``; this module imports
+#: no torch).
+RECONSTRUCT_BATCH = 4
 
 
 @dataclass(frozen=True)
@@ -158,6 +165,9 @@ def factor_time(options: ConvertOptions, src: Any, candidates: int = 1, measured
         "score": score / (SCORE_GFLOPS * giga),  # decide_refit's held-out windows too
         "files": io / IO_BYTES_PER_S,
     }
+    if options.reconstruct_steps > 0 and s.refit:  # every lossy layer fitted on its refit windows, 4 per step
+        fit_tokens = options.reconstruct_steps * RECONSTRUCT_BATCH * t
+        stages["reconstruct"] = n_l * 3.0 * fit_tokens * f_conv(t, attention_only=True) / (RECONSTRUCT_GFLOPS * giga)
     if candidates > 1:  # each candidate converted as pass 2 does, on the held-out windows (and the refit's)
         plan_s = n_l * (plan64 * f64 + plan_la * FLOAT64_TWO_THREADS)
         factor_s = n_l * (factor64 * f64 + factor_la * FLOAT64_TWO_THREADS)

@@ -125,7 +125,7 @@ class ConvertOptions(BaseModel):
         le=100_000,
         description="fitted reconstruction: Adam steps per lossy layer fitting its whole converted attention to the "
         "source's outputs on the refit's windows and inputs, kept only where held-out error falls "
-        "(convert/layer/reconstruct.py); 0: off (being measured: benchmarks/reconstruct.py)",
+        "(convert/layer/reconstruct.py); 0: off (measured, not yet a default: benchmarks/reconstruct.py)",
     )
     kv_lora_rank: int | None = Field(
         None, description="latent width d_c for every layer (replaces --cache-fraction and --cache-budget)"
