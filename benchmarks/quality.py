@@ -54,15 +54,17 @@ class Row:
 
 
 QWEN_SOURCE = "Qwen2.5-Coder-1.5B-Instruct, source (Q4_K_M GGUF)"
+#: The same source through transformers in bfloat16, as the conversions' rows run (the comparison for them).
+QWEN_SOURCE_TRANSFORMERS = "qwen2.5-coder-1.5b-source-transformers"
 ROWS = (
     Row("SmolLM2-135M-Instruct: source", "smollm2-135m source"),
     Row("31.25 %, calibrated on wikipedia (the old default)", "smollm2-135m wikipedia"),
     Row(f"31.25 %, calibrated on {DEFAULT} (the default)", f"smollm2-135m {DEFAULT}"),
     Row("Qwen2.5-Coder-1.5B-Instruct: source", "qwen2.5-coder-1.5b source", QWEN_SOURCE),
     Row("31.25 %, calibrated on wikipedia (the old default)", "qwen2.5-coder-1.5b wikipedia",
-        "qwen2.5-coder-1.5b-31.25-wikipedia", QWEN_SOURCE),  # fmt: skip
+        "qwen2.5-coder-1.5b-31.25-wikipedia", QWEN_SOURCE_TRANSFORMERS),  # fmt: skip
     Row(f"31.25 %, calibrated on {DEFAULT} (the default)", f"qwen2.5-coder-1.5b {DEFAULT}",
-        "qwen2.5-coder-1.5b-31.25-mixture", QWEN_SOURCE),  # fmt: skip
+        "qwen2.5-coder-1.5b-31.25-mixture", QWEN_SOURCE_TRANSFORMERS),  # fmt: skip
 )
 
 #: What was tried toward each target (said beside a target that is missed).
