@@ -29,13 +29,19 @@ from typing import Any
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results" / "calibration_mix.json"
+#: The default mixture's row with the fitted reconstruction (issue 50 item 4).
+RECONSTRUCTED = "wiki 1 : chat 1 : code 1, reconstructed (50 steps)"
 #: The calibrations compared (``--calib-data`` specs; one spec is a single text).
 MIXTURES: dict[str, list[str]] = {
     "wikipedia": ["wikipedia"],
     "wiki 2 : chat 1 : code 1": ["wikipedia,weight=2", "wikipedia-chat", "code"],
     "wiki 1 : chat 1 : code 1": ["wikipedia", "wikipedia-chat", "code"],
     "wiki 1 : code 1": ["wikipedia", "code"],
+    RECONSTRUCTED: ["wikipedia", "wikipedia-chat", "code"],
 }
+#: Options of a row besides its calibration and the model's levers (the default mixture with the fitted
+#: reconstruction: ``factor --reconstruct-steps 50``).
+ROW_OPTIONS: dict[str, dict[str, Any]] = {RECONSTRUCTED: {"reconstruct_steps": 50}}
 #: Levers given per model: the searched default's choice (docs/results.md), so only the calibration differs.
 LEVERS: dict[str, dict[str, Any]] = {
     "smollm2-135m": {"rope_pairs": 24, "rope_strategy": "2-norm", "refit_o_proj": "teacher"},
@@ -91,7 +97,8 @@ def measure(model_name: str, rows: list[str], ckpt: Path | None = None) -> None:
         if ckpt is not None:
             model, cache = checkpoint_row(ckpt, model_name, row)
         else:
-            options = ConvertOptions(calib_data=MIXTURES[row], device="cpu", **LEVERS[model_name])
+            options = ConvertOptions(calib_data=MIXTURES[row], device="cpu", **LEVERS[model_name],
+                                     **ROW_OPTIONS.get(row, {}))
             text = prepare_text(tok, options)
             conv = convert_windows(src, options, text.calibration, text.held_out)
             model, cache = conv.model.eval(), conv.config.kv_lora_rank
@@ -128,7 +135,8 @@ def checkpoint_row(ckpt: Path, model_name: str, row: str) -> tuple[torch.nn.Modu
 
     options = json.loads((ckpt / "mla_manifest.json").read_text())["options"]
     calib = options.get("calib_data") or [options["text"]]
-    wrong = {k: options.get(k) for k, v in LEVERS[model_name].items() if options.get(k) != v}
+    expected = {"reconstruct_steps": 0, **LEVERS[model_name], **ROW_OPTIONS.get(row, {})}
+    wrong = {k: options.get(k, 0) for k, v in expected.items() if options.get(k, 0) != v}
     if calib != MIXTURES[row] or wrong:
         raise SystemExit(f"{ckpt}: calibration {calib} and levers {options} are not row {row!r}'s")
     model = load_checkpoint(ckpt).eval()
