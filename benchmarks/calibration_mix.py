@@ -30,7 +30,7 @@ import torch
 
 RESULTS = Path(__file__).resolve().parent / "results" / "calibration_mix.json"
 #: The default mixture's row with the fitted reconstruction (issue 50 item 4).
-RECONSTRUCTED = "wiki 1 : chat 1 : code 1, reconstructed (50 steps)"
+RECONSTRUCTED = "wiki 1 : chat 1 : code 1 + reconstruction (50 steps)"
 #: The calibrations compared (``--calib-data`` specs; one spec is a single text).
 MIXTURES: dict[str, list[str]] = {
     "wikipedia": ["wikipedia"],
