@@ -3,7 +3,8 @@
 Parts, in this order, each with its own time limit (seconds, ``--limit NAME=S``) inside one budget
 (``--budget``, default 525 s, so the whole run ends within 9 minutes):
 
-1. ``tests``: ``pytest tests/kernels tests/runtime tests/mla`` natively on CUDA (``TRITON_INTERPRET`` removed from
+1. ``tests``: ``pytest tests/kernels tests/runtime tests/mla`` and ``factor``'s GPU default (the fitted
+   reconstruction, tests/convert/test_reconstruct.py) natively on CUDA (``TRITON_INTERPRET`` removed from
    the environment; the GPU-only peer cases, ``*_gpu``, run only there), counts, failures, GPU-only cases, slowest;
 2. ``decode``: ``benchmarks/decode.py --gpu``: the kernel through CUDA-graph replays, bfloat16 and FP8 rows,
    bandwidth against a measured device copy, FLOP/s against a measured matmul, SDPA alongside;
@@ -50,7 +51,7 @@ DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_check.json"
 NO_CUDA = "no CUDA device"
 PARTS = ("tests", "decode", "factor", "validate", "adapt")
 TITLES = {
-    "tests": "pytest tests/kernels tests/runtime tests/mla on CUDA",
+    "tests": "pytest tests/kernels tests/runtime tests/mla and factor's GPU default on CUDA",
     "decode": "benchmarks/decode.py --gpu (CUDA graphs, bf16 + FP8 rows)",
     "factor": "mla-convert factor smollm2-135m --device cuda",
     "validate": "mla-convert validate on CUDA",

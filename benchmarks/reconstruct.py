@@ -75,7 +75,7 @@ def main() -> None:
     started = time.perf_counter()
     proto = protocol.load(None, 8, {"wiki@512": 16, "news@512": 8})
     # the searched default's choice for SmolLM2 (manifests/smollm2-135m-reference.json), given: no search to rerun
-    options = ConvertOptions(rope_pairs=24, rope_strategy="2-norm", refit_o_proj="teacher")
+    options = ConvertOptions(rope_pairs=24, rope_strategy="2-norm", refit_o_proj="teacher", reconstruct_steps=0)
     conv = convert_windows(proto.src, options, proto.calibration, proto.held_out, keep_stats=True)
     mla, stats = conv.model, conv.stats
     convert_s = time.perf_counter() - started

@@ -145,10 +145,11 @@ def write_tiny_family(folder: Path, family: str, **overrides: Any) -> Path:
 
 def convert(src: Any, calibration: Any, held_out: Any = None, keep_stats: bool = False, **options: Any) -> Any:
     """The product conversion (:func:`mla_convert.convert.pipeline.build.convert_windows`, the passes ``factor`` runs)
-    of ``src`` on calibration windows ``[N, T]`` with ``options`` (float32 weights unless ``dtype`` is given);
-    returns the :class:`~mla_convert.convert.pipeline.build.Conversion`."""
+    of ``src`` on calibration windows ``[N, T]`` with ``options`` (float32 weights unless ``dtype`` is given; the closed
+    form unless ``reconstruct_steps`` is given, on a GPU too, where ``factor`` fits by default); returns the
+    :class:`~mla_convert.convert.pipeline.build.Conversion`."""
     from mla_convert.convert.options.options import ConvertOptions
     from mla_convert.convert.pipeline.build import convert_windows
 
-    opts = ConvertOptions(**{"dtype": "float32", **options})
+    opts = ConvertOptions(**{"dtype": "float32", "reconstruct_steps": 0, **options})
     return convert_windows(src, opts, calibration, held_out, keep_stats=keep_stats)

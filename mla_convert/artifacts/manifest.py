@@ -77,7 +77,7 @@ ADDED_OPTIONS: dict[str, Any] = {"reconstruct_steps": 0, "calib_data": None}
 
 def recorded_options(dump: dict[str, Any]) -> dict[str, Any]:
     """The options a manifest records: every field, less each of :data:`ADDED_OPTIONS` at its off value."""
-    return {k: v for k, v in dump.items() if k not in ADDED_OPTIONS or v != ADDED_OPTIONS[k]}
+    return {k: v for k, v in dump.items() if k not in ADDED_OPTIONS or v not in (ADDED_OPTIONS[k], None)}
 
 
 

@@ -257,7 +257,7 @@ def estimate_lines(options: Any, max_shard_size: str, lines: list[str], given: C
         for k, v in options.model_dump().items()
         if v is not None and (v != getattr(defaults, k) or k in given)
         and not (k == "cache_budget" and options.cache_fraction is not None)  # the fraction's budget: not typed
-        and not (k == "calib_data" and k not in given)  # the default mixture, resolved: not typed
+        and not (k in ("calib_data", "reconstruct_steps") and k not in given)  # resolved defaults: not typed
     ]
     if max_shard_size != SHARD_SIZE_DEFAULT:
         changed.append(f"--max-shard-size {max_shard_size}")

@@ -136,3 +136,31 @@ def test_the_conversion_runs_the_step_and_keeps_only_what_helps(family, tmp_path
     assert all(a <= b * (1 + 1e-6) for a, b in zip(after, before, strict=True)), (before, after)
     assert [r.before for r in ran] == pytest.approx(before, rel=1e-4)  # it decided on the record's held-out pairs
     assert fitted.config.kv_lora_rank == closed.config.kv_lora_rank
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_check.sh runs it there)")
+def test_factor_on_a_gpu_fits_by_default(tmp_path):
+    """``factor --device cuda`` at its defaults fits every lossy layer on the GPU (8 KV heads, head_dim 128): the
+    manifest records 50 steps and their origin; ``--reconstruct-steps 0`` turns it off."""
+    import json
+
+    from tiny import copy_tokenizer, write_tiny_family
+    from typer.testing import CliRunner
+
+    from mla_convert.cli.commands import app
+
+    src = write_tiny_family(tmp_path / "src", "llama", hidden_size=256, num_attention_heads=16,
+                            num_key_value_heads=8, head_dim=128)  # fmt: skip
+    copy_tokenizer(src)
+    runs = {}
+    for name, extra in (("fitted", []), ("closed", ["--reconstruct-steps", "0"])):
+        out = tmp_path / name
+        res = CliRunner().invoke(app, ["factor", str(src), str(out), "--device", "cuda", "--calib-tokens", "512",
+                                       "--window", "128", "--eval-windows", "2", "--dtype", "float32", "--text",
+                                       "news", "--cache-budget", "160", "--rope-pairs", "16", "--refit-o-proj", "teacher",
+                                       *extra])  # fmt: skip
+        assert res.exit_code == 0, res.output
+        runs[name] = json.loads((out / "mla_manifest.json").read_text())
+    assert runs["fitted"]["options"]["reconstruct_steps"] == 50
+    assert runs["fitted"]["choices"]["reconstruct_steps"].startswith("default on a GPU")
+    assert runs["closed"]["options"].get("reconstruct_steps", 0) == 0  # 0 is left out, as before the step existed

@@ -207,3 +207,32 @@ def test_user_shapes_convert_at_the_default_fraction(tmp_path, name):
     res = runner.invoke(app, ["validate", str(out), "--source", str(src), "--windows", "2", "--window", "128",
                               "--new-tokens", "4", "--matrix-max-history", "129", "--prompt-tokens", "24"])  # fmt: skip
     assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize(
+    ("device", "given", "steps", "origin"),
+    [
+        ("cpu", {}, 0, None),  # off on a CPU: absent from choices, as before the step existed
+        ("cuda", {}, 50, "default on a GPU"),
+        ("cuda:1", {"reconstruct_steps": 0}, 0, None),  # turned off on a GPU
+        ("cpu", {"reconstruct_steps": 20}, 20, "given"),
+    ],
+)
+def test_the_reconstruction_is_on_by_default_on_a_gpu_only(device, given, steps, origin):
+    """``--reconstruct-steps`` not given: 50 steps where the conversion runs on a GPU, off on a CPU (where it costs
+    as much as the rest of the conversion or more: ``factor_time``), and the user is told either way; a given value is kept.
+    On the Llama-3-8B shape (8 KV heads, head_dim 128) as on SmolLM2 (config only, nothing converted)."""
+    from mla_convert.convert.options.options import RECONSTRUCT_STEPS
+
+    assert RECONSTRUCT_STEPS == 50
+    for src in (SMOLLM2, LLAMA3_8B, QWEN25_15B):
+        res = resolve_options(ConvertOptions(device=device, **given), src)
+        assert res.options.reconstruct_steps == steps
+        got = res.choices.get("reconstruct_steps")
+        assert (got is None) if origin is None else got.startswith(origin), got
+        why = res.why or ""
+        if not given:
+            said = "runs on the GPU" if steps else "is off on a CPU, where it costs as much as the rest"
+            assert f"the fitted reconstruction {said}" in why, why
+        else:
+            assert "fitted reconstruction" not in why, why

@@ -165,8 +165,8 @@ def factor_time(options: ConvertOptions, src: Any, candidates: int = 1, measured
         "score": score / (SCORE_GFLOPS * giga),  # decide_refit's held-out windows too
         "files": io / IO_BYTES_PER_S,
     }
-    if options.reconstruct_steps > 0 and s.refit:  # every lossy layer fitted on its refit windows, 4 per step
-        fit_tokens = options.reconstruct_steps * RECONSTRUCT_BATCH * t
+    if (options.reconstruct_steps or 0) > 0 and s.refit:  # every lossy layer fitted on its refit windows, 4 per step
+        fit_tokens = (options.reconstruct_steps or 0) * RECONSTRUCT_BATCH * t
         stages["reconstruct"] = n_l * 3.0 * fit_tokens * f_conv(t, attention_only=True) / (RECONSTRUCT_GFLOPS * giga)
     if candidates > 1:  # each candidate converted as pass 2 does, on the held-out windows (and the refit's)
         plan_s = n_l * (plan64 * f64 + plan_la * FLOAT64_TWO_THREADS)

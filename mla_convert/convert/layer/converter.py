@@ -314,5 +314,5 @@ class LayerConverter:
         factored = factor_step(planned, self.config.kv_lora_rank[i], opts.factorization)
         assembled = assemble_step(self.src, layer, factored, self.config.qk_nope_head_dim, opts.qk_nope_head_dim, x_mean)
         rounded = round_step(self.config, layer, assembled, self.device, self.dtype, self.check)
-        rounded = reconstruct_step(rounded, refit, held, opts.reconstruct_steps, self.device, self.dtype)
+        rounded = reconstruct_step(rounded, refit, held, opts.reconstruct_steps or 0, self.device, self.dtype)
         return refit_step(rounded, refit, self.device, self.dtype, self.check)

@@ -19,10 +19,12 @@ them in one order, so ``ConvertOptions(cache_budget=72)`` converts as ``factor -
    too where not given (the conversion chooses, before converting); for a source of 4 or more KV heads the query's
    NoPE width bounded at ``head_dim``, exactly (:func:`bound_nope_width`), unless ``--qk-nope-head-dim`` is given;
 4. with an export asked for, a scaled-RoPE source's selection steered to the pairs one plain RoPE table holds
-   (:func:`~mla_convert.engines.precheck.steer_for_export`).
+   (:func:`~mla_convert.engines.precheck.steer_for_export`);
+5. the fitted reconstruction, where ``--reconstruct-steps`` is not given: on for a conversion on a GPU, off on a CPU
+   (:func:`default_reconstruction`).
 
 Each choice's origin is recorded (:attr:`Resolution.choices`, the manifest's ``choices``). Config and tokenizer files
-only: no weights, no torch.
+only: no weights; torch only to ask whether ``--device auto`` has a GPU (:func:`on_accelerator`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 
 from mla_convert.convert.options.options import (
     DEFAULT_CALIB_DATA,
+    RECONSTRUCT_STEPS,
     ConvertOptions,
     OptionsError,
     SourceShape,
@@ -161,6 +164,53 @@ def bound_nope_width(options: ConvertOptions, src: SourceShape, given: Collectio
         f"the query's NoPE width {natural} (head_dim {src.head_dim} + 2 x {options.rope_pairs} pairs x "
         f"({src.num_kv_heads} KV heads - 2)) is bounded at --qk-nope-head-dim {src.head_dim}, exact (each head's "
         "NoPE score has rank at most head_dim), so q_proj stays near the source's size"
+    )
+
+
+#: The origin of a fitted reconstruction on by default (``Resolution.choices``; the manifest's ``choices``).
+RECONSTRUCT_ON = (
+    f"default on a GPU: {RECONSTRUCT_STEPS} steps (by FLOPs well under a minute per billion parameters there; "
+    "benchmarks/calibration_mix.py measured the gain)"
+)
+
+
+def on_accelerator(device: str) -> bool:
+    """Whether ``--device`` runs the conversion on a GPU: ``cuda[:N]``, or ``auto`` where torch sees one (the one
+    place a resolution asks torch anything; ``cpu`` and ``cuda`` are answered without it)."""
+    if device != "auto":
+        return device.startswith("cuda")
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def default_reconstruction(options: ConvertOptions, given: Collection[str]) -> tuple[ConvertOptions, str, str]:
+    """The fitted reconstruction (issue 50, Required 4) where ``--reconstruct-steps`` is not given: on where it pays
+    for itself, off where it costs as much as the rest of the conversion or more.
+
+    Measured on SmolLM2-135M at 31.25 % (docs/results.md, calibration-mix and reconstruct): 50 steps cut the default's
+    perplexity on Wikipedia from x2.10 to x1.82 and on news from x2.47 to x2.12 of the source's, the chat KL from
+    0.774 to 0.659, and gave back the greedy " Paris". On the reference CPU it costs 11 min against the 7 of the rest
+    of that conversion, its search included (35 min against 36 on Qwen2.5-Coder-1.5B, ~4 h on an 8B shape:
+    :func:`~mla_convert.convert.estimate.estimate_time.factor_time`), so a CPU conversion leaves it off and says how
+    to ask for it. On a GPU it is ~1e15 FLOP for an 8B (a minute or less of float32 throughput, an estimate by
+    FLOPs: no GPU run is recorded yet), so it is on.
+
+    Returns:
+        The options (``reconstruct_steps`` an int), its origin for ``choices`` ('' when off by default: absent from
+        the manifest's choices, as before the step existed) and the reason for the user ('' when given).
+    """
+    if options.reconstruct_steps is not None:
+        return options, ("given" if "reconstruct_steps" in given else "default"), ""
+    if on_accelerator(options.device):
+        return options.model_copy(update={"reconstruct_steps": RECONSTRUCT_STEPS}), RECONSTRUCT_ON, (
+            f"the fitted reconstruction runs on the GPU ({RECONSTRUCT_STEPS} Adam steps per lossy layer, kept where "
+            "held-out error falls, --reconstruct-steps 0 turns it off)"
+        )
+    return options.model_copy(update={"reconstruct_steps": 0}), "", (
+        "the fitted reconstruction is off on a CPU, where it costs as much as the rest of the conversion or more "
+        f"(--reconstruct-steps {RECONSTRUCT_STEPS} fits it: on SmolLM2 perplexity x2.10 -> x1.82 on Wikipedia, "
+        "x2.47 -> x2.12 on news, and inspect with the option estimates its time)"
     )
 
 
@@ -313,6 +363,11 @@ def resolve_options(
                     "converts the best")
     else:
         candidates = ()
+    options, fitted, fit_why = default_reconstruction(options, given)
+    if fitted and options.reconstruct_steps:  # off by default: absent from choices, as before the step existed
+        choices["reconstruct_steps"] = fitted
+    if fit_why:
+        whys.append(fit_why)
     return Resolution(options, "; ".join(whys) if whys else None, choices, candidates, strategies, modes)
 
 
