@@ -109,3 +109,21 @@ def test_export_check_runs_llamacpp(llamacpp_python, tmp_path, monkeypatch):
     assert tensors["blk.0.attn_q.weight"].tensor_type == T.Q8_0
     assert tensors["blk.0.attn_kv_a_mqa.weight"].tensor_type == T.F32  # its latent rows need float32's range
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mla", "q8.gguf", "src"]
+
+
+def test_humaneval_runs_the_converted_gguf_in_llamacpp(llamacpp_python, reference_gguf, tmp_path, monkeypatch):
+    """``eval GGUF --task humaneval --engine llama.cpp`` on the reference conversion's GGUF (issue 50: a conversion,
+    not only a source, through llama.cpp): the first problem decoded by llama.cpp through its latent cache, its row and
+    the summary written, the engine and the file recorded."""
+    monkeypatch.setenv("MLA_LLAMACPP_PYTHON", llamacpp_python)
+    gguf, _ = reference_gguf
+    out = tmp_path / "he"
+    res = CliRunner().invoke(app, ["eval", str(gguf), "--task", "humaneval", "--engine", "llama.cpp", "--limit", "1",
+                                   "--out", str(out)])  # fmt: skip
+    assert res.exit_code == 0, res.output + str(res.exception)
+    summary = json.loads((out / "humaneval.json").read_text())
+    assert summary["problems"] == 1 and summary["ran"]["engine"] == "llama.cpp"
+    assert summary["ran"]["model"] == str(gguf)
+    (row,) = [json.loads(line) for line in (out / "humaneval.jsonl").read_text().splitlines()]
+    assert row["task_id"] == "HumanEval/0" and row["raw"].strip()  # llama.cpp wrote a completion
+    assert row["status"] in ("passed", "failed", "timeout")
