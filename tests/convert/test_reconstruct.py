@@ -104,10 +104,20 @@ def _held_errors(conv) -> list[float]:
     return [r.attn_rel_error_no_refit if r.attn_rel_error_no_refit is not None else r.attn_rel_error for r in conv.layers]
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
-def test_the_conversion_runs_the_step_and_keeps_only_what_helps(family, tmp_path, monkeypatch):
+#: Llama-3.1's scaled RoPE (rope_type llama3), as its config has it.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("family", "extra"),
+    [("qwen2", {}), ("llama", {}), ("llama", {"rope_parameters": LLAMA3_ROPE, "max_position_embeddings": 131072})],
+    ids=["qwen2-biases", "llama-g8", "llama3-rope"],
+)
+def test_the_conversion_runs_the_step_and_keeps_only_what_helps(family, extra, tmp_path, monkeypatch):
     """``reconstruct_steps`` through the passes ``factor`` runs (one line in the per-layer converter), on tiny sources
-    with the shapes users convert (8 KV heads, head_dim 128; Qwen2's q/k/v biases): the step runs on every lossy layer,
+    with the shapes users convert (8 KV heads, head_dim 128; Qwen2's q/k/v biases; Llama-3.1's scaled RoPE): the step
+    runs on every lossy layer,
     no layer's held-out attention error rises above the closed form's (random weights and tokens give a fit nothing
     to learn: it is dropped), and the cache width does not change. The real-weight oracle above shows the gain."""
     from tiny import write_tiny_family
@@ -116,7 +126,7 @@ def test_the_conversion_runs_the_step_and_keeps_only_what_helps(family, tmp_path
     from mla_convert.sources.checkpoint import open_source
 
     folder = write_tiny_family(tmp_path / family, family, hidden_size=256, num_attention_heads=16,
-                               num_key_value_heads=8, head_dim=128)  # fmt: skip
+                               num_key_value_heads=8, head_dim=128, **extra)  # fmt: skip
     src = open_source(folder)
     gen = torch.Generator().manual_seed(0)
     calib, held = torch.randint(0, 49152, (4, 64), generator=gen), torch.randint(0, 49152, (2, 64), generator=gen)
