@@ -46,6 +46,18 @@ SOURCE_HELP = (
 )
 
 
+def check_device(spec: str) -> None:
+    """A CUDA ``--device`` this machine does not have, refused before the source is read.
+
+    Raises:
+        OptionsError: no CUDA GPU (or not that many) here (:func:`~mla_convert.convert.pipeline.device.resolve_device`).
+    """
+    if spec.startswith("cuda"):
+        from mla_convert.convert.pipeline.device import resolve_device
+
+        resolve_device(spec)
+
+
 def shape_options(options: ConvertOptions, src: Any, target: str, export: str | None = None) -> Resolution:
     """The options ``factor``/``inspect`` run (:func:`~mla_convert.convert.options.resolve.resolve_options` with the flags
     typed on the command line as the given ones, and the ``--export`` format)."""
@@ -80,6 +92,7 @@ def inspect(
         check_options(options, None)
         check_sizes_given(options, [k for k in ConvertOptions.model_fields if given_on_command_line(k)])
         check_target(target)
+        check_device(options.device)
         locate_source(source)
     from mla_convert.convert.estimate.estimate import parse_size
 
@@ -103,6 +116,8 @@ def inspect(
     console.print(cache_table(src, suggestions(src, MEASURED_SPLITS)))
     if why:
         console.print(f"\nfactor with these options takes {why}", highlight=False, markup=False)
+    if res.reconstruction:
+        console.print(f"\nfitted reconstruction: {res.reconstruction}", highlight=False, markup=False)
     from mla_convert.convert.estimate.weights import estimate_ledger
 
     console.print("\nweights against the source (what the converted model stores, and where it starts to save memory):",
@@ -164,6 +179,7 @@ def factor(
         shard_size = shard_size_of(max_shard_size)
         check_output(out, overwrite)  # refuse an occupied OUT before the source is read
         check_export(out, export, overwrite, target)
+        check_device(options.device)
         locate_source(source)  # a wrong path, before the checkpoint libraries are imported
     from mla_convert.artifacts.report import layer_table, summary_table
     from mla_convert.convert.pipeline.job import run_factor
@@ -176,6 +192,8 @@ def factor(
         check_options(options, src)  # the source's shapes: before anything is loaded
         if why:
             say(f"{'engine shape' if target in (*ENGINE_ROWS, 'llama.cpp') else 'choices'}: {why}")
+        if res.reconstruction:
+            say(f"fitted reconstruction: {res.reconstruction}")
         if export:
             from mla_convert.engines.precheck import export_problems
 

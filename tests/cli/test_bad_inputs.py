@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from click.testing import Result
 from tiny import (
     TINY,
@@ -465,3 +466,15 @@ def test_a_full_disk_is_one_line_that_says_how_to_go_on(
     monkeypatch.setattr(render, "NEARLY_FULL", 2**62)  # every disk "nearly full": torch's message is then read as such
     assert render.disk_full(RuntimeError("basic_ios::clear: iostream error")) is not None
     assert render.disk_full(RuntimeError("a real bug")) is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a CUDA GPU")
+@pytest.mark.parametrize("command", ["factor", "inspect"])
+def test_a_cuda_device_this_machine_lacks_is_refused_first(command: str, tmp_path: Path) -> None:
+    """``--device cuda`` without a GPU: one line before the source is read (``factor`` printed its choices, the GPU
+    reconstruction among them, and read the source first; ``inspect`` ended in a traceback)."""
+    args = [command, "smollm2-135m", *([str(tmp_path / "out")] if command == "factor" else []), "--device", "cuda"]
+    result = invoke(args)
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == "error: --device cuda: this torch build or machine has no CUDA GPU; use --device cpu or auto"
+    assert not (tmp_path / "out").exists()

@@ -230,9 +230,10 @@ def test_the_reconstruction_is_on_by_default_on_a_gpu_only(device, given, steps,
         assert res.options.reconstruct_steps == steps
         got = res.choices.get("reconstruct_steps")
         assert (got is None) if origin is None else got.startswith(origin), got
-        why = res.why or ""
+        said = res.reconstruction
         if not given:
-            said = "runs on the GPU" if steps else "is off on a CPU, where it costs as much as the rest"
-            assert f"the fitted reconstruction {said}" in why, why
+            assert said.startswith("on: 50 Adam steps" if steps else "off: the conversion runs on the CPU"), said
+            assert ("--reconstruct-steps 0 turns it off" if steps else "On a GPU it runs by default") in said, said
         else:
-            assert "fitted reconstruction" not in why, why
+            assert said == "", said
+        assert "reconstruct" not in (res.why or "")

@@ -224,5 +224,5 @@ def factor_lines(
         f"~{disk.work_peak / GB:.1f} GB with the output staged in it, removed at the end (GB: {parts})",
         f"time: ~{fmt_seconds(tim.total)}, an estimate for the reference CPU (2 cores, {FP32_GFLOPS:.0f} GFLOP/s float32 "
         f"matmul per core, where the bundled model converts in about 128 s without the RoPE split search){'; the GPU runs the forward passes faster' if gpu else ''}"
-        f" ({slow})",
+        f" (largest stages: {slow})",
     ] + ([f"this machine: {emulated}"] if emulated else [])

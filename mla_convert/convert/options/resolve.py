@@ -66,6 +66,8 @@ class Resolution:
         refit_modes: the other ``o_proj`` refit modes the conversion measures at the split it chose (with
             ``rope_candidates`` only, where ``--refit-o-proj`` is not given and the prior refits);
             ``options.refit_o_proj`` is the prior.
+        reconstruction: whether the fitted reconstruction runs and why, for the user ('' where
+            ``--reconstruct-steps`` is given): :func:`default_reconstruction`.
     """
 
     options: ConvertOptions
@@ -74,6 +76,7 @@ class Resolution:
     rope_candidates: tuple[int, ...] = ()
     rope_strategies: tuple[str, ...] = ()
     refit_modes: tuple[str, ...] = ()
+    reconstruction: str = ""
 
 
 def expected_measurements(res: Resolution) -> int:
@@ -198,19 +201,21 @@ def default_reconstruction(options: ConvertOptions, given: Collection[str]) -> t
 
     Returns:
         The options (``reconstruct_steps`` an int), its origin for ``choices`` ('' when off by default: absent from
-        the manifest's choices, as before the step existed) and the reason for the user ('' when given).
+        the manifest's choices, as before the step existed) and what the user is told (``Resolution.reconstruction``;
+        '' when given).
     """
     if options.reconstruct_steps is not None:
         return options, ("given" if "reconstruct_steps" in given else "default"), ""
     if on_accelerator(options.device):
         return options.model_copy(update={"reconstruct_steps": RECONSTRUCT_STEPS}), RECONSTRUCT_ON, (
-            f"the fitted reconstruction runs on the GPU ({RECONSTRUCT_STEPS} Adam steps per lossy layer, kept where "
-            "held-out error falls, --reconstruct-steps 0 turns it off)"
+            f"on: {RECONSTRUCT_STEPS} Adam steps per lossy layer, each layer's fit kept where its held-out error falls "
+            f"(the conversion runs on a GPU: --device {options.device}; --reconstruct-steps 0 turns it off)"
         )
+    where = "--device cpu" if options.device == "cpu" else f"--device {options.device} finds no GPU here"
     return options.model_copy(update={"reconstruct_steps": 0}), "", (
-        "the fitted reconstruction is off on a CPU, where it costs as much as the rest of the conversion or more "
-        f"(--reconstruct-steps {RECONSTRUCT_STEPS} fits it: on SmolLM2 perplexity x2.10 -> x1.82 on Wikipedia, "
-        "x2.47 -> x2.12 on news, and inspect with the option estimates its time)"
+        f"off: the conversion runs on the CPU ({where}), where the fit costs as much as the rest of the conversion "
+        f"or more; --reconstruct-steps {RECONSTRUCT_STEPS} asks for it (on SmolLM2 perplexity x2.10 -> x1.82 on "
+        "Wikipedia, x2.47 -> x2.12 on news; inspect with it estimates its time). On a GPU it runs by default"
     )
 
 
@@ -366,9 +371,8 @@ def resolve_options(
     options, fitted, fit_why = default_reconstruction(options, given)
     if fitted and options.reconstruct_steps:  # off by default: absent from choices, as before the step existed
         choices["reconstruct_steps"] = fitted
-    if fit_why:
-        whys.append(fit_why)
-    return Resolution(options, "; ".join(whys) if whys else None, choices, candidates, strategies, modes)
+    why = "; ".join(whys) if whys else None
+    return Resolution(options, why, choices, candidates, strategies, modes, fit_why)
 
 
 #: How a choice the conversion measures on the source begins (``Resolution.choices``; the manifest's ``choices``):
