@@ -118,7 +118,8 @@ def run_humaneval(
         The summary: ``pass@1`` (fraction), ``passed``, ``problems``, what ran, the protocol and the data's pins.
 
     Raises:
-        UserError: ``out`` exists and ``overwrite`` is false, or a partial run there was made with other settings.
+        UserError: ``out`` exists and ``overwrite`` is false, or a partial run there was made with other settings and
+            ``overwrite`` is false (with it, that partial run is discarded).
     """
     if out.exists() and not overwrite:
         raise UserError(f"{out} already exists; pass --overwrite to replace it or choose another --out")
@@ -127,9 +128,13 @@ def run_humaneval(
     settings = {"ran": completer.describe(), "max_new_tokens": max_new_tokens, "timeout_s": timeout_s}
     stamp = partial / "settings.json"
     if stamp.is_file() and json.loads(stamp.read_text(encoding="utf-8")) != settings:
-        raise UserError(
-            f"{partial} holds a partial run with other settings ({stamp}); delete that folder to start again"
-        )
+        if not overwrite:
+            raise UserError(
+                f"{partial} holds a partial run with other settings ({stamp}); rerun with those settings to resume "
+                "it, or pass --overwrite to discard it and start again"
+            )
+        shutil.rmtree(partial)  # --overwrite: the other settings' rows are not this run's
+        partial.mkdir(parents=True)
     stamp.write_text(json.dumps(settings, indent=1), encoding="utf-8")
     rows = _read_rows(partial / RESULTS)
     todo = [p for p in problems if p.task_id not in rows]

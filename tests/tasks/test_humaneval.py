@@ -90,3 +90,18 @@ def test_end_to_end_through_transformers_source_and_latent_cache(
         rows = [json.loads(line) for line in (tmp_path / name / "humaneval.jsonl").read_text().splitlines()]
         assert all(r["raw"] for r in rows)  # the model wrote something for each prompt
     assert summary["ran"]["attention"] == "MLA latent cache (absorbed)"
+
+
+def test_a_partial_run_with_other_settings_needs_overwrite(problems, tmp_path):
+    """A partial run made with other settings (another model, engine or thread count) is never mixed into this one:
+    refused with how to go on, and discarded with ``--overwrite`` (every problem then runs again)."""
+    answers = {p.prompt: p.canonical_solution for p in problems}
+    partial = tmp_path / "he.partial"
+    partial.mkdir()
+    (partial / "settings.json").write_text(json.dumps({"ran": {"model": "other"}, "max_new_tokens": 1}))
+    (partial / "humaneval.jsonl").write_text(json.dumps({"task_id": problems[0].task_id, "status": "failed"}) + "\n")
+    with pytest.raises(UserError, match="rerun with those settings to resume it, or pass --overwrite"):
+        run_humaneval(Scripted(answers), problems, tmp_path / "he")
+    again = Scripted(answers)
+    summary = run_humaneval(again, problems, tmp_path / "he", overwrite=True)
+    assert again.calls == len(problems) and summary["passed"] == len(problems) and not partial.exists()
