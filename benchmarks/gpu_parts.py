@@ -23,10 +23,12 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-#: What the ``tests`` part runs on CUDA: the kernel, runtime and model tests, and ``factor``'s default on a GPU (the
-#: fitted reconstruction on by default there: ``default_reconstruction``).
+#: What the ``tests`` part runs on CUDA: the kernel, runtime and model tests, the conversion on the GPU (its
+#: decompositions there, equal to the CPU's) and ``factor``'s default on a GPU (the fitted reconstruction on by default
+#: there: ``default_reconstruction``).
 TEST_DIRS = (
-    "tests/kernels", "tests/runtime", "tests/mla", "tests/convert/test_reconstruct.py::test_factor_on_a_gpu_fits_by_default"
+    "tests/kernels", "tests/runtime", "tests/mla", "tests/convert/test_on_device.py",
+    "tests/convert/test_reconstruct.py::test_factor_on_a_gpu_fits_by_default",
 )
 ADAPT_STEPS, ADAPT_SEQ, ADAPT_BATCH = 20, 512, 4
 

@@ -39,7 +39,9 @@ def test_cpu_run_says_no_cuda_device_for_every_part_and_exits_0(tmp_path):
         assert part["command"], name  # what a GPU run would run
     assert sum(gpu_check.LIMITS.values()) <= gpu_check.BUDGET_S < 540  # every answer within 9 minutes
     assert rec["environment"]["cuda"] is False and rec["passed"] is False
-    assert rec["parts"]["tests"]["command"][-4:-1] == ["tests/kernels", "tests/runtime", "tests/mla"]
+    assert rec["parts"]["tests"]["command"][-5:-1] == [
+        "tests/kernels", "tests/runtime", "tests/mla", "tests/convert/test_on_device.py"
+    ]
     assert rec["parts"]["tests"]["command"][-1].endswith("::test_factor_on_a_gpu_fits_by_default")
     assert "--device" in rec["parts"]["factor"]["command"] and "cuda" in rec["parts"]["factor"]["command"]
     assert rec["parts"]["decode"]["command"][2] == "--gpu"

@@ -1,4 +1,11 @@
-"""Float64 decompositions of the conversion, run on one CPU thread when the matrix is small.
+"""Float64 decompositions of the conversion: on the conversion's device (:func:`decompose_on`, a CUDA GPU with
+``--device cuda``), else on the CPU, on one thread when the matrix is small.
+
+Every decomposition a conversion runs (the statistics' square root, the weighted K/V SVD, the RoPE-pair
+eigenvectors, the refit's solves) goes through this module, so one switch moves all of them: inside
+:func:`decompose_on` an operand is copied to the device, decomposed there in its own dtype (float64: CUDA GPUs compute
+it in hardware), and the results are copied back to where the caller holds the operand. The CPU path is the same code
+with no copy.
 
 The matrices a conversion decomposes are small (``hidden`` x ``hidden`` statistics, ``[G, G]`` RoPE-pair
 covariances, the ``(n_nope + G d_v)`` x ``hidden`` weighted K/V target). Splitting a LAPACK call on such a
@@ -13,11 +20,33 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
 SERIAL_MAX = 2048
 """Largest matrix side (elements) decomposed on one thread."""
+
+#: The device decompositions run on (None: where each operand is).
+_DEVICE: ContextVar[torch.device | None] = ContextVar("mla_convert_decompose_on", default=None)
+
+
+@contextmanager
+def decompose_on(device: torch.device) -> Iterator[None]:
+    """Run this module's decompositions on ``device`` while the block runs (the conversion's ``--device``; a CPU
+    device changes nothing). Operands and results stay where the caller holds them: each is copied to ``device`` and
+    back, dtype unchanged (float64 stays float64)."""
+    token = _DEVICE.set(device if device.type != "cpu" else None)
+    try:
+        yield
+    finally:
+        _DEVICE.reset(token)
+
+
+def _elsewhere(m: torch.Tensor) -> torch.device | None:
+    """The device :func:`decompose_on` asks for, where ``m`` is not already on it; else None."""
+    there = _DEVICE.get()
+    return there if there is not None and m.device != there else None
 
 
 @contextmanager
@@ -39,6 +68,10 @@ def threads_for(*tensors: torch.Tensor) -> Iterator[None]:
 def eigh(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.linalg.eigh`` of a Hermitian ``[n, n]`` matrix: eigenvalues ``[n]`` ascending, eigenvectors
     ``[n, n]`` as columns (see :func:`threads_for`)."""
+    there = _elsewhere(m)
+    if there is not None:
+        evals, evecs = torch.linalg.eigh(m.to(there))
+        return evals.to(m.device), evecs.to(m.device)
     with threads_for(m):
         evals, evecs = torch.linalg.eigh(m)
     return evals, evecs
@@ -46,6 +79,10 @@ def eigh(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def svd(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Thin ``torch.linalg.svd`` of ``[r, c]``: ``U [r, k]``, ``S [k]``, ``Vh [k, c]``, ``k = min(r, c)``."""
+    there = _elsewhere(m)
+    if there is not None:
+        u, s, vh = torch.linalg.svd(m.to(there), full_matrices=False)
+        return u.to(m.device), s.to(m.device), vh.to(m.device)
     with threads_for(m):
         u, s, vh = torch.linalg.svd(m, full_matrices=False)
     return u, s, vh
@@ -53,6 +90,9 @@ def svd(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def svdvals(m: torch.Tensor) -> torch.Tensor:
     """Singular values ``[min(r, c)]`` (descending) of ``[r, c]``."""
+    there = _elsewhere(m)
+    if there is not None:
+        return torch.linalg.svdvals(m.to(there)).to(m.device)
     with threads_for(m):
         return torch.linalg.svdvals(m)
 
@@ -63,6 +103,9 @@ def solve(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     Raises:
         torch.linalg.LinAlgError: ``a`` is singular.
     """
+    there = _elsewhere(a)
+    if there is not None:
+        return torch.linalg.solve(a.to(there), b.to(there)).to(a.device)
     with threads_for(a, b):
         return torch.linalg.solve(a, b)
 

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from mla_convert.convert.layer.linalg import decompose_on
 from mla_convert.convert.pipeline.records import Streamed
 from mla_convert.convert.pipeline.rope_split import choose_rope_pairs
 from mla_convert.convert.pipeline.stream import StreamedConversion
@@ -62,6 +63,12 @@ def run_passes(
     Raises:
         RopeError, FactorError, SourceError: as the steps raise them.
     """
+    with decompose_on(conv.device):  # the statistics' decompositions on the conversion's device
+        return _run(conv, done, enter)
+
+
+def _run(conv: StreamedConversion, done: dict[str, int] | None, enter: Any) -> Passes:
+    """:func:`run_passes`' body."""
     t0 = time.perf_counter()
     step = (done["pass"], done["layer"]) if done is not None else (1, -1)
     n = conv.n_layers
