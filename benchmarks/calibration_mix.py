@@ -32,7 +32,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "calibration_mix.json"
 #: The default mixture's row with the fitted reconstruction (issue 50 item 4).
 RECONSTRUCTED = "wiki 1 : chat 1 : code 1 + reconstruction (50 steps)"
 #: The default mixture at 18.75 % of the cache (issue 50, Required 2: each fraction of the second model).
-AT_18_75 = "wiki 1 : chat 1 : code 1, 18.75 % cache"
+AT_18_75 = "wiki 1 : chat 1 : code 1 at 18.75 % cache"
 #: The calibrations compared (``--calib-data`` specs; one spec is a single text).
 MIXTURES: dict[str, list[str]] = {
     "wikipedia": ["wikipedia"],

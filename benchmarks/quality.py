@@ -36,7 +36,7 @@ HUMANEVAL_RUNS = RESULTS / "humaneval"
 DOMAINS = ("wikipedia", "news", "python")
 DEFAULT = "wiki 1 : chat 1 : code 1"  # mla_convert.convert.options.options.DEFAULT_CALIB_DATA
 RECONSTRUCTED = f"{DEFAULT} + reconstruction (50 steps)"  # benchmarks/calibration_mix.py RECONSTRUCTED
-AT_18_75 = f"{DEFAULT}, 18.75 % cache"  # benchmarks/calibration_mix.py AT_18_75
+AT_18_75 = f"{DEFAULT} at 18.75 % cache"  # benchmarks/calibration_mix.py AT_18_75
 
 
 @dataclass(frozen=True)
