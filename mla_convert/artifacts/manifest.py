@@ -183,6 +183,7 @@ def conversion_manifest(
                 sum(r.attn_rel_error or 0 for r in conv.layers) / len(conv.layers), 5
             ),
             **_refit_record(cfg.source.get("o_proj_refit")),
+            **_fitted_record(conv.layers),
         },
         "cache_schema": {
             "row_layout": ["c_kv", "k_rope"],
@@ -197,6 +198,25 @@ def conversion_manifest(
         },
         **({"weights": dict(weights)} if weights is not None else {}),
         "run": run,
+    }
+
+
+def _fitted_record(layers: Sequence[Any]) -> dict[str, Any]:
+    """The fitted reconstruction's decisions for the manifest: steps, lossy layers fitted, layers that kept their
+    fit, and the mean held-out relative attention error before and after (the closed form's where a fit was
+    dropped); empty where it did not run, so a conversion without it keeps the canonical id it had before the step
+    existed."""
+    fits = [r.reconstruct for r in layers if getattr(r, "reconstruct", None)]
+    if not fits:
+        return {}
+    return {
+        "fitted": {
+            "steps": fits[0]["steps"],
+            "layers_fitted": len(fits),
+            "layers_kept": sum(bool(f["kept"]) for f in fits),
+            "mean_before": round(sum(f["before"] for f in fits) / len(fits), 5),
+            "mean_after": round(sum(f["after"] for f in fits) / len(fits), 5),
+        }
     }
 
 

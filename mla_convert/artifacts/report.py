@@ -62,6 +62,22 @@ def summary_table(report: dict[str, Any]) -> Table:
     return t
 
 
+def _fitted_line(report: dict[str, Any]) -> list[str]:
+    """One sentence on the fitted reconstruction where it ran (layers that kept their fit, held-out attention error
+    before and after), then a blank line; none where it did not run."""
+    fits = [r["reconstruct"] for r in report["layers"] if r.get("reconstruct")]
+    if not fits:
+        return []
+    kept = sum(bool(f["kept"]) for f in fits)
+    before, after = (sum(f[k] for f in fits) / len(fits) for k in ("before", "after"))
+    return [
+        f"Fitted reconstruction ({fits[0]['steps']} Adam steps per lossy layer): {kept} of {len(fits)} layers kept "
+        f"their fit; mean held-out relative attention error {before:.4f} -> {after:.4f} "
+        f"({sum(f['seconds'] for f in fits):.0f} s).",
+        "",
+    ]
+
+
 def _refit_line(report: dict[str, Any]) -> str:
     """One sentence on the ``o_proj`` refit: which inputs it fitted on, and whether it was kept (mean next-token loss
     in nats on the held-out calibration windows before -> after)."""
@@ -139,6 +155,7 @@ def to_markdown(report: dict[str, Any]) -> str:
         "",
         _refit_line(report),
         "",
+        *_fitted_line(report),
         _bfloat16_line(report),
         "",
         *_weights_lines(report),

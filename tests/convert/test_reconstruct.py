@@ -145,6 +145,10 @@ def test_the_conversion_runs_the_step_and_keeps_only_what_helps(family, extra, t
     before, after = _held_errors(closed), _held_errors(fitted)
     assert all(a <= b * (1 + 1e-6) for a, b in zip(after, before, strict=True)), (before, after)
     assert [r.before for r in ran] == pytest.approx(before, rel=1e-4)  # it decided on the record's held-out pairs
+    # each layer's report row says what the fit did; a conversion without it has none
+    assert [(r.reconstruct or {}).get("kept") for r in fitted.layers] == [r.kept for r in ran]
+    assert [(r.reconstruct or {}).get("after") for r in fitted.layers] == pytest.approx([r.after for r in ran], rel=1e-5)
+    assert all(r.reconstruct is None for r in closed.layers)
     assert fitted.config.kv_lora_rank == closed.config.kv_lora_rank
 
 
@@ -174,3 +178,43 @@ def test_factor_on_a_gpu_fits_by_default(tmp_path):
     assert runs["fitted"]["options"]["reconstruct_steps"] == 50
     assert runs["fitted"]["choices"]["reconstruct_steps"].startswith("default on a GPU")
     assert runs["closed"]["options"].get("reconstruct_steps", 0) == 0  # 0 is left out, as before the step existed
+
+
+def test_factor_records_the_fit_in_the_report_and_manifest(tmp_path):
+    """``factor --reconstruct-steps N`` on a CPU: each layer's row in report.json, a line in report.md and the
+    manifest's ``reconstruction.fitted`` say how many layers kept their fit and the held-out error before and after;
+    at the CPU default (off) none of them appear, so such a conversion keeps the canonical id it had before the step."""
+    import json
+
+    from tiny import copy_tokenizer, write_tiny_family
+    from typer.testing import CliRunner
+
+    from mla_convert.cli.commands import app
+
+    src = write_tiny_family(tmp_path / "src", "qwen2", hidden_size=256, num_attention_heads=16,
+                            num_key_value_heads=8, head_dim=128)  # fmt: skip
+    copy_tokenizer(src)
+    args = ["--device", "cpu", "--calib-tokens", "512", "--window", "128", "--eval-windows", "2", "--dtype", "float32",
+            "--text", "news", "--cache-budget", "160", "--rope-pairs", "16", "--refit-o-proj", "teacher"]  # fmt: skip
+    for name, extra in (("fitted", ["--reconstruct-steps", "5"]), ("closed", [])):
+        res = CliRunner().invoke(app, ["factor", str(src), str(tmp_path / name), *args, *extra])
+        assert res.exit_code == 0, res.output
+    report = json.loads((tmp_path / "fitted" / "report.json").read_text())
+    fits = [r["reconstruct"] for r in report["layers"]]
+    assert fits and all(f["steps"] == 5 and f["after"] <= f["before"] for f in fits), fits
+    manifest = json.loads((tmp_path / "fitted" / "mla_manifest.json").read_text())
+    assert manifest["reconstruction"]["fitted"] == {
+        "steps": 5, "layers_fitted": len(fits), "layers_kept": sum(f["kept"] for f in fits),
+        "mean_before": round(sum(f["before"] for f in fits) / len(fits), 5),
+        "mean_after": round(sum(f["after"] for f in fits) / len(fits), 5),
+    }  # fmt: skip
+    assert manifest["choices"]["reconstruct_steps"] == "given"
+    kept = sum(f["kept"] for f in fits)
+    assert f"Fitted reconstruction (5 Adam steps per lossy layer): {kept} of {len(fits)} layers kept" in (
+        (tmp_path / "fitted" / "report.md").read_text()
+    )
+    closed = json.loads((tmp_path / "closed" / "report.json").read_text())
+    assert all("reconstruct" not in r for r in closed["layers"])
+    closed_manifest = json.loads((tmp_path / "closed" / "mla_manifest.json").read_text())
+    assert "fitted" not in closed_manifest["reconstruction"] and "reconstruct_steps" not in closed_manifest["choices"]
+    assert "Fitted reconstruction" not in (tmp_path / "closed" / "report.md").read_text()

@@ -26,7 +26,7 @@ import torch
 
 from mla_convert.convert.layer.factorize import Factors, LayerTarget, factor_layer
 from mla_convert.convert.layer.layers import check_fits, layer_prefix, mla_layer
-from mla_convert.convert.layer.reconstruct import reconstruct_attention
+from mla_convert.convert.layer.reconstruct import Reconstruction, reconstruct_attention
 from mla_convert.convert.layer.refit import refit_o_proj
 from mla_convert.convert.layer.rope import RopePlan
 from mla_convert.convert.layer.steps import is_lossless, layer_state, plan_and_target
@@ -91,6 +91,7 @@ class Rounded:
     assembled: Assembled
     layer: MLADecoderLayer
     index: int
+    fitted: Reconstruction | None = None  # the fitted reconstruction's record, where it ran (kept or not)
 
 
 @dataclass(frozen=True)
@@ -231,10 +232,10 @@ def reconstruct_step(
         layer.self_attn, x.to(device), inputs.out.to(device), held.x.to(device), held.out.to(device), steps, dtype=dtype
     )
     if not fit.kept:
-        return rounded
+        return Rounded(rounded.assembled, layer, rounded.index, fit)
     state = layer.self_attn.state_dict()
     attn = {k: state[k].detach().float().cpu().clone() for k in rounded.assembled.attn}
-    return Rounded(Assembled(rounded.assembled.factored, attn), layer, rounded.index)
+    return Rounded(Assembled(rounded.assembled.factored, attn), layer, rounded.index, fit)
 
 
 @torch.no_grad()

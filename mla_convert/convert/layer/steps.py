@@ -6,6 +6,7 @@ report row (docs/math.md). :mod:`mla_convert.convert.pipeline.stream` runs them 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -18,6 +19,7 @@ from mla_convert.convert.layer.factorize import (
     build_target,
 )
 from mla_convert.convert.layer.nope_rank import NopeReduction, reduce_nope
+from mla_convert.convert.layer.reconstruct import Reconstruction
 from mla_convert.convert.layer.rope import RopePlan, plan_layer
 from mla_convert.convert.options.options import ConvertOptions, Geometry
 from mla_convert.convert.stats.calibration import LayerStats
@@ -39,6 +41,9 @@ class LayerRecord:
     attn_rel_error: float | None = None
     rope_energy: float = 0.0
     attn_rel_error_no_refit: float | None = None  # the same with the assembled o_proj (differs where a refit is kept)
+    #: the fitted reconstruction where it ran: held-out relative attention error ``before`` / ``after``, ``kept``,
+    #: ``steps``, ``seconds`` (:class:`~mla_convert.convert.layer.reconstruct.Reconstruction`); None where it did not
+    reconstruct: dict[str, Any] | None = None
 
 
 def layer_ranks(options: ConvertOptions, spectra: list[torch.Tensor], geo: Geometry) -> list[int]:
@@ -167,8 +172,9 @@ def layer_state_reduced(
     return out, record
 
 
-def layer_record(layer: int, plan: RopePlan, factors: Factors) -> LayerRecord:
-    """The report row of one converted layer (attention error filled in later)."""
+def layer_record(layer: int, plan: RopePlan, factors: Factors, fitted: Reconstruction | None = None) -> LayerRecord:
+    """The report row of one converted layer (attention error filled in later; ``fitted``: its fitted
+    reconstruction, where it ran)."""
     rope_width = len(plan.origin) * plan.q_rope.shape[1]
     return LayerRecord(
         layer=layer,
@@ -179,6 +185,10 @@ def layer_record(layer: int, plan: RopePlan, factors: Factors) -> LayerRecord:
         rel_error=factors.rel_error,
         rel_error_act=factors.rel_error_act,
         rope_energy=plan.rope_energy,
+        reconstruct=None if fitted is None else {
+            "before": round(fitted.before, 6), "after": round(fitted.after, 6), "kept": fitted.kept,
+            "steps": fitted.steps, "seconds": round(fitted.seconds, 2),
+        },
     )
 
 

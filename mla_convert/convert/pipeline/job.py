@@ -276,7 +276,7 @@ def run_factor(
             "held_out_tokens": int(text.held_out.numel()),
             "window": options.window,
         },
-        "layers": [asdict(r) for r in res.layers],
+        "layers": [{k: v for k, v in asdict(r).items() if k != "reconstruct" or v is not None} for r in res.layers],
         "weights": {**ledger.as_dict(), "lines": ledger.lines()},
         "warnings": warnings,
         "model": {

@@ -401,7 +401,7 @@ class StreamedConversion:
         t3 = time.perf_counter()
         self.files.write_attention(i, attn, fit_w)
         st["refit_layers"].append(fit_w is not None)
-        st["records"].append(layer_record(i, plan, factors))
+        st["records"].append(layer_record(i, plan, factors, converted.rounded.fitted))
         st["timings"][i].update(
             convert_s=t2 - t0, held_forward_s=t3 - t2, write_s=time.perf_counter() - t3
         )
