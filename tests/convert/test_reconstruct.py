@@ -111,8 +111,8 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "lo
 
 @pytest.mark.parametrize(
     ("family", "extra"),
-    [("qwen2", {}), ("llama", {}), ("llama", {"rope_parameters": LLAMA3_ROPE, "max_position_embeddings": 131072})],
-    ids=["qwen2-biases", "llama-g8", "llama3-rope"],
+    [("qwen2", {}), ("llama", {"rope_parameters": LLAMA3_ROPE, "max_position_embeddings": 131072})],
+    ids=["qwen2-biases", "llama3-rope-g8"],
 )
 def test_the_conversion_runs_the_step_and_keeps_only_what_helps(family, extra, tmp_path, monkeypatch):
     """``reconstruct_steps`` through the passes ``factor`` runs (one line in the per-layer converter), on tiny sources
@@ -182,8 +182,8 @@ def test_factor_on_a_gpu_fits_by_default(tmp_path):
 
 def test_factor_records_the_fit_in_the_report_and_manifest(tmp_path):
     """``factor --reconstruct-steps N`` on a CPU: each layer's row in report.json, a line in report.md and the
-    manifest's ``reconstruction.fitted`` say how many layers kept their fit and the held-out error before and after;
-    at the CPU default (off) none of them appear, so such a conversion keeps the canonical id it had before the step."""
+    manifest's ``reconstruction.fitted`` say how many layers kept their fit and the held-out error before and after
+    (at the CPU default none of them appear: ``tests/convert/test_reference.py`` checks the reference conversion)."""
     import json
 
     from tiny import copy_tokenizer, write_tiny_family
@@ -196,9 +196,8 @@ def test_factor_records_the_fit_in_the_report_and_manifest(tmp_path):
     copy_tokenizer(src)
     args = ["--device", "cpu", "--calib-tokens", "512", "--window", "128", "--eval-windows", "2", "--dtype", "float32",
             "--text", "news", "--cache-budget", "160", "--rope-pairs", "16", "--refit-o-proj", "teacher"]  # fmt: skip
-    for name, extra in (("fitted", ["--reconstruct-steps", "5"]), ("closed", [])):
-        res = CliRunner().invoke(app, ["factor", str(src), str(tmp_path / name), *args, *extra])
-        assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(app, ["factor", str(src), str(tmp_path / "fitted"), *args, "--reconstruct-steps", "5"])
+    assert res.exit_code == 0, res.output
     report = json.loads((tmp_path / "fitted" / "report.json").read_text())
     fits = [r["reconstruct"] for r in report["layers"]]
     assert fits and all(f["steps"] == 5 and f["after"] <= f["before"] for f in fits), fits
@@ -213,8 +212,3 @@ def test_factor_records_the_fit_in_the_report_and_manifest(tmp_path):
     assert f"Fitted reconstruction (5 Adam steps per lossy layer): {kept} of {len(fits)} layers kept" in (
         (tmp_path / "fitted" / "report.md").read_text()
     )
-    closed = json.loads((tmp_path / "closed" / "report.json").read_text())
-    assert all("reconstruct" not in r for r in closed["layers"])
-    closed_manifest = json.loads((tmp_path / "closed" / "mla_manifest.json").read_text())
-    assert "fitted" not in closed_manifest["reconstruction"] and "reconstruct_steps" not in closed_manifest["choices"]
-    assert "Fitted reconstruction" not in (tmp_path / "closed" / "report.md").read_text()

@@ -144,6 +144,11 @@ def test_reference_report_and_cli(reference):
     ev = report["model"]["eval"]
     assert ev["tokens"] == 8 * 511 and 1.0 < ev["perplexity"] / ev["reference_perplexity"] < 10
     assert len(report["layers"]) == 30 and all(r["attn_rel_error"] is not None for r in report["layers"])
+    # a CPU conversion leaves the fitted reconstruction off by default, and nothing of it is recorded
+    assert all("reconstruct" not in r for r in report["layers"])
+    manifest = json.loads((reference / "mla_manifest.json").read_text())
+    assert "fitted" not in manifest["reconstruction"] and "reconstruct_steps" not in manifest["choices"]
+    assert "reconstruct_steps" not in manifest["options"]
     # the default calibration mixture: the 16384-token budget as 32 windows drawn across the calibration splits of
     # Wikipedia (18 articles), its chat-templated conversations (80) and gensim's code (10 files), one share each
     text = report["text"]
