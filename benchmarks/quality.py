@@ -61,18 +61,15 @@ QWEN_SOURCE = "Qwen2.5-Coder-1.5B-Instruct, source (Q4_K_M GGUF)"
 QWEN_SOURCE_TRANSFORMERS = "qwen2.5-coder-1.5b-source-transformers"
 ROWS = (
     Row("SmolLM2-135M-Instruct: source", "smollm2-135m source"),
-    Row("31.25 %, calibrated on wikipedia (the old default)", "smollm2-135m wikipedia"),
     Row(f"31.25 %, calibrated on {DEFAULT} (the default)", f"smollm2-135m {DEFAULT}"),
-    Row("31.25 %, the default with --reconstruct-steps 50 (the default on a GPU)", f"smollm2-135m {RECONSTRUCTED}"),
+    Row("31.25 %, the default + --reconstruct-steps 50 (the GPU default)", f"smollm2-135m {RECONSTRUCTED}"),
     Row("Qwen2.5-Coder-1.5B-Instruct: source", "qwen2.5-coder-1.5b source", QWEN_SOURCE),
-    Row("31.25 %, calibrated on wikipedia (the old default)", "qwen2.5-coder-1.5b wikipedia",
-        "qwen2.5-coder-1.5b-31.25-wikipedia", QWEN_SOURCE_TRANSFORMERS),  # fmt: skip
     Row(f"31.25 %, calibrated on {DEFAULT} (the default)", f"qwen2.5-coder-1.5b {DEFAULT}",
         "qwen2.5-coder-1.5b-31.25-mixture", QWEN_SOURCE_TRANSFORMERS),  # fmt: skip
-    Row("31.25 %, the default with --reconstruct-steps 50 (the default on a GPU)",
-        f"qwen2.5-coder-1.5b {RECONSTRUCTED}", "qwen2.5-coder-1.5b-31.25-mixture-reconstructed",
+    Row("31.25 %, the default + --reconstruct-steps 50 (the GPU default)", f"qwen2.5-coder-1.5b {RECONSTRUCTED}",
+        "qwen2.5-coder-1.5b-31.25-mixture-reconstructed",
         QWEN_SOURCE_TRANSFORMERS),  # fmt: skip
-    Row("18.75 %, the default (the search's levers at 18.75 % given)", f"qwen2.5-coder-1.5b {AT_18_75}",
+    Row("18.75 %, the default", f"qwen2.5-coder-1.5b {AT_18_75}",
         "qwen2.5-coder-1.5b-18.75-mixture", QWEN_SOURCE_TRANSFORMERS),  # fmt: skip
 )
 
@@ -206,7 +203,7 @@ def block() -> str:
             "16 / 8 / 8); chat KL on the source's greedy answers to 8 chat prompts; HumanEval: greedy, raw prompt, the "
             "first N problems beside the source's on the same N. 31.25 % cache unless a row says otherwise, "
             "training-free, each model's searched levers; only the calibration differs, and the reconstruction where "
-            "a row says so (on by default where the conversion runs on a GPU, off on a CPU: docs/factor.md). By "
+            "a row says so; Wikipedia-only calibration (the old default): docs/results.md, calibration-mix. By "
             "`python benchmarks/quality.py --readme` (targets: "
             "docs/results.md).",
             "",
