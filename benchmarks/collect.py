@@ -77,6 +77,7 @@ COLLECTORS: dict[str, Callable[[], str]] = {
     "llamacpp-bench": lambda: _mod("llamacpp").block(_json("llamacpp.json")),  # type: ignore[arg-type]
     "bfloat16": lambda: _mod("bfloat16").block(),
     "humaneval": lambda: _mod("humaneval").block(),
+    "gguf-biases": lambda: _mod("gguf_biases").block(),
 }
 
 

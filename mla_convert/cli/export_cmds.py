@@ -119,13 +119,16 @@ def print_export(dest: Path, manifest: dict[str, Any]) -> None:
         console.print("  " + line, highlight=False, markup=False)
 
 
-def run_gguf_export(ckpt: Path, out: Path, dtype: str, overwrite: bool, check: bool, cache_block: int = 32) -> None:
+def run_gguf_export(
+    ckpt: Path, out: Path, dtype: str, overwrite: bool, check: bool, cache_block: int = 32, drop_biases: bool = False
+) -> None:
     """Write the GGUF of ``ckpt`` (:func:`~mla_convert.engines.llamacpp.gguf_file.export_gguf`) and print what was written, its
     cache, the parity llama.cpp measured (when it is installed) and how to run it."""
     from mla_convert.engines.llamacpp.gguf_file import export_gguf
 
     with user_errors():
-        path, record = export_gguf(ckpt, out, dtype, overwrite, note=note, check=check, cache_block=cache_block)
+        path, record = export_gguf(ckpt, out, dtype, overwrite, note=note, check=check, cache_block=cache_block,
+                                   drop_attention_biases=drop_biases)
     cache = record["cache_values_per_token_per_layer"]
     msg = (f"wrote {path}: llama.cpp deepseek2 GGUF ({record['dtype']}), kv_lora_rank {record['kv_lora_rank']}, "
            f"rope_theta {record['rope']['parameters']['rope_theta']:.6g} ({record['rope']['slots']} pairs), K-only cache "
@@ -135,6 +138,13 @@ def run_gguf_export(ckpt: Path, out: Path, dtype: str, overwrite: bool, check: b
         d, g = p["logprob_abs_diff"], p["greedy"]
         msg += (f"; llama.cpp parity: log-prob mean/max |d| {d['mean']:.4f} / {d['max']:.4f} on {p['tokens_scored']} tokens, "
                 f"{g['argmax_equal']}/{g['count']} greedy tokens our argmax")
+        if "against_the_conversion" in p:
+            c, cg = p["against_the_conversion"], p["against_the_conversion"]["greedy"]
+            msg += (f" (ours without the dropped {', '.join(c['dropped_attention_biases'])} biases); LOSSY against "
+                    f"the conversion: mean/max |d| {c['logprob_abs_diff']['mean']:.4f} / "
+                    f"{c['logprob_abs_diff']['max']:.4f}, {cg['argmax_equal']}/{cg['count']} greedy tokens its argmax")
+    elif "dropped_attention_biases" in record:
+        msg += f"; {p}; LOSSY: the {', '.join(record['dropped_attention_biases'])} biases were left out, cost not measured"
     else:
         msg += f"; {p}"
     console.print(msg, highlight=False, markup=False)
@@ -194,6 +204,12 @@ def export(
         "(q8_0, q4_k_m, q5_k_m, q6_k, ...: through llama.cpp's own quantizer, which must be installed).",
     ),
     target: str = typer.Option(TARGET_DEFAULT, "--target", help=TARGET_HELP[0].upper() + TARGET_HELP[1:]),
+    drop_attention_biases: bool = typer.Option(
+        False, "--drop-attention-biases",
+        help="--format gguf of a biased (Qwen2-style) conversion: leave out the query, rope-key and output biases "
+        "llama.cpp's deepseek2 has no tensor for. Lossy: the check holds the file to the conversion without them and "
+        "prints what dropping them costs against the conversion (docs/export.md).",
+    ),
     cache_block: int = typer.Option(
         32, "--cache-block",
         help="--format gguf: 32 zero-pads the latent so it and the K row (latent + rope) are whole blocks of 32 values, "
@@ -233,8 +249,11 @@ def export(
             if read_checkpoint_config(ckpt, require_mla=True).get("model_type") != "mla":
                 fail(f"{ckpt} is already a DeepSeek-V3 export; export the MLA checkpoint it came from")
             check_gguf_output(gguf_destination(out), overwrite, ckpt)
+        elif drop_attention_biases:
+            fail("--drop-attention-biases applies to --format gguf (llama.cpp); a DeepSeek-V3 export of a biased "
+                 "conversion is refused instead: serve it through transformers or vLLM with our plugin")
     if format == "gguf":
-        run_gguf_export(ckpt, out, dtype, overwrite, check, cache_block)
+        run_gguf_export(ckpt, out, dtype, overwrite, check, cache_block, drop_attention_biases)
         return
     with user_errors():
         if cache_block != 32:

@@ -191,7 +191,9 @@ def export_problems(src: Any, options: Any, target: str = "transformers", fmt: s
                    f"one rope head holds each once: use --rope-pairs {half} or fewer")
     biased = [p for p in ("q", "k", "v", "o") if src.family.has_bias(p, src.config)]
     if biased:
-        where = ("llama.cpp's deepseek2 attention has no biases; no GGUF export is exact" if gguf else "vLLM and SGLang "
+        where = ("llama.cpp's deepseek2 attention has no biases; no GGUF export is exact (convert without --export, "
+                 "then `mla-convert export OUT OUT.gguf --format gguf --drop-attention-biases` writes a lossy one and "
+                 "prints its cost)" if gguf else "vLLM and SGLang "
                  "build DeepSeek attention without biases and drop them silently; no DeepSeek-V3 export is exact "
                  f"there, but {PLUGIN_ROUTE}")
         out.append(f"the source has attention biases ({', '.join(p + '_proj' for p in biased)}): {where}")

@@ -337,7 +337,8 @@ def test_factor_and_recipe_write_the_gguf(bundled_tokenizer, tmp_path, monkeypat
 
 def test_gguf_refuses_attention_biases_in_gguf_words():
     """A Qwen2-style conversion's biases have no tensor in llama.cpp's deepseek2 graph: the GGUF export says so in
-    GGUF's terms, not with the DeepSeek-V3 export's message about vLLM and SGLang (issue 50)."""
+    GGUF's terms (what each bias it has does, and the lossy option), not with the DeepSeek-V3 export's message about
+    vLLM and SGLang (issue 50)."""
     from types import SimpleNamespace
 
     from mla_convert.engines.deepseek_v3.mapping import ExportError
@@ -347,5 +348,8 @@ def test_gguf_refuses_attention_biases_in_gguf_words():
     with pytest.raises(ExportError) as refused:
         gguf_plan(config, "bfloat16")
     message = str(refused.value)
-    assert "no GGUF export is exact" in message and "q_proj, kv_a" in message and "deepseek2" in message
+    assert "no GGUF export is exact" in message and "deepseek2" in message
+    assert "q_proj.bias (the query bias" in message and "kv_a_proj_with_mqa.bias (the rope key's bias" in message
+    assert "o_proj.bias" not in message  # the parts this config has, no other
+    assert "--drop-attention-biases" in message  # the lossy route, named
     assert "SGLang" not in message and "DeepSeek-V3 export" not in message

@@ -127,3 +127,42 @@ def test_humaneval_runs_the_converted_gguf_in_llamacpp(llamacpp_python, referenc
     (row,) = [json.loads(line) for line in (out / "humaneval.jsonl").read_text().splitlines()]
     assert row["task_id"] == "HumanEval/0" and row["raw"].strip()  # llama.cpp wrote a completion
     assert row["status"] in ("passed", "failed", "timeout")
+
+
+def test_a_biased_conversion_exports_lossy_only_when_asked(llamacpp_python, tmp_path, monkeypatch):
+    """A Qwen2-style conversion (q/k/v biases): ``export --format gguf`` refuses it in GGUF's words, naming what each
+    bias does and the lossy option; ``--drop-attention-biases`` writes the file, which llama.cpp runs as our model
+    without those biases computes (held to the float thresholds), and prints and records what dropping them costs
+    against the conversion (issue 50, Required 1)."""
+    from gguf import GGUFReader
+    from tiny import copy_tokenizer, write_tiny_family
+
+    from mla_convert.engines.llamacpp import gguf_vocab
+    from mla_convert.engines.llamacpp.check import ABS_MAX, MEAN_MAX
+    from mla_convert.sources.assets import bundled_gguf_path
+
+    src = write_tiny_family(tmp_path / "src", "qwen2")
+    copy_tokenizer(src)
+    ckpt = tmp_path / "mla"
+    res = CliRunner().invoke(app, ["--quiet", "factor", str(src), str(ckpt), *SMALL, "--cache-budget", "24",
+                                   "--rope-pairs", "4"])
+    assert res.exit_code == 0, res.output + str(res.exception)
+    monkeypatch.setattr(gguf_vocab, "source_gguf", lambda ckpt: bundled_gguf_path())
+    monkeypatch.setenv("MLA_LLAMACPP_PYTHON", llamacpp_python)
+    out = tmp_path / "q.gguf"
+    res = CliRunner().invoke(app, ["export", str(ckpt), str(out), "--format", "gguf", "--dtype", "float32"])
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and "no GGUF export is exact" in text and "--drop-attention-biases" in text, text
+    assert "q_proj.bias (the query bias" in text and "o_proj.bias (the value bias passed through attention" in text and "SGLang" not in text
+    assert not out.exists()
+    res = CliRunner().invoke(app, ["export", str(ckpt), str(out), "--format", "gguf", "--dtype", "float32",
+                                   "--drop-attention-biases"])
+    assert res.exit_code == 0, res.output + str(res.exception)
+    text = " ".join(res.output.split())
+    assert "(ours without the dropped query, rope_key, output biases); LOSSY against the conversion" in text, text
+    parity = json.loads(GGUFReader(str(out)).fields["mla_convert.parity"].contents())
+    assert parity["passed"] is True and parity["dropped_attention_biases"] == ["query", "rope_key", "output"]
+    exact, lost = parity["logprob_abs_diff"], parity["against_the_conversion"]["logprob_abs_diff"]
+    assert exact["mean"] <= MEAN_MAX and exact["max"] <= ABS_MAX  # the function it claims: exact
+    assert lost["mean"] > 10 * exact["mean"]  # and what it drops shows against the conversion
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mla", "q.gguf", "src"]

@@ -6,7 +6,10 @@ The request is :func:`~mla_convert.engines.probing.build_request`'s (real text w
 CKPT's tokenizer) and the comparison :func:`~mla_convert.engines.probing.agreement` (log-probability of every
 scored token, greedy tokens against our argmax), as for vLLM. llama.cpp (``PY``, a venv from
 ``scripts/llamacpp_env.sh``) runs :mod:`~mla_convert.engines.llamacpp.probe`: float32 weights (the GGUF's), f16
-cache, 1 thread. Passed when mean |d log p| <= :data:`MEAN_MAX` and max <= :data:`ABS_MAX`, every greedy token is our
+cache, 1 thread. A file written with ``--drop-attention-biases`` (its ``mla_convert.export`` record names the
+dropped parts) is compared with our model with those biases zeroed (the function it claims) and, recorded apart as
+``against_the_conversion``, with the conversion itself: the cost of dropping them, not held to a threshold.
+Passed when mean |d log p| <= :data:`MEAN_MAX` and max <= :data:`ABS_MAX`, every greedy token is our
 argmax or within :data:`GREEDY_MARGIN` logits of it, llama.cpp tokenizes the prompts as CKPT's tokenizer does, and
 its KV cache is K-only with ``kv_lora_rank + qk_rope_head_dim`` values per token per layer (the latent and the rope
 key; V a view of K).
@@ -119,6 +122,7 @@ def check_llamacpp(
 
     from mla_convert import register
     from mla_convert.engines import probing
+    from mla_convert.engines.bias_free import drop_attention_biases
     from mla_convert.engines.probing import PROMPTS, agreement, build_request
     from mla_convert.mla.checkpoint import load_checkpoint
 
@@ -127,10 +131,16 @@ def check_llamacpp(
     tok = AutoTokenizer.from_pretrained(str(ckpt))
     request = {**build_request(tok), "texts": list(PROMPTS), "n_ctx": N_CTX, "cache_type": cache_type}
     result, log = run_llamacpp(python, model, request)
-    ours = load_checkpoint(ckpt).float().eval()
-    diff, margins = agreement(ours, request, result)
     meta = result["metadata"]
     record = json.loads(meta.get("mla_convert.export", "{}"))
+    ours = load_checkpoint(ckpt).float().eval()
+    cost = None
+    if dropped := record.get("dropped_attention_biases"):  # a lossy file: what it costs, then what it computes
+        lost, lost_margins = agreement(ours, request, result)
+        cost = {"dropped_attention_biases": dropped,
+                **probing.agreement_record(request, result, lost, lost_margins, max((max(m) for m in lost_margins if m), default=0.0))}
+        drop_attention_biases(ours, dropped)
+    diff, margins = agreement(ours, request, result)
     quantized = record.get("dtype") not in ("float32", "float16", "bfloat16")
     width = int(meta["deepseek2.attention.kv_lora_rank"]) + int(meta["deepseek2.rope.dimension_count"])
     cache = kv_cache(log)
@@ -166,6 +176,8 @@ def check_llamacpp(
         "llamacpp_load_s": result["load_s"],
         "llamacpp_wall_s": result["wall_s"],
     }
+    if cost is not None:
+        out["against_the_conversion"] = cost
     if source_gguf is not None:
         src = source_cache(python, source_gguf)
         out["source_kv_cache"] = src
@@ -187,6 +199,13 @@ def table(record: dict[str, Any], what: str) -> str:
         ("greedy tokens that are our argmax", f"{g['argmax_equal']} / {g['count']} (worst margin {g['max_margin']:.3f})"),
         ("KV cache llama.cpp allocated", cache),
     ]
+    if "against_the_conversion" in record:
+        c, cg = record["against_the_conversion"], record["against_the_conversion"]["greedy"]
+        rows[2] = ("prompt log-prob vs ours without the dropped biases (float32): mean / max abs diff", rows[2][1])
+        rows.insert(3, (f"cost of --drop-attention-biases ({', '.join(c['dropped_attention_biases'])}): vs the "
+                        "conversion, mean / max abs diff; greedy tokens its argmax",
+                        f"{c['logprob_abs_diff']['mean']:.4f} / {c['logprob_abs_diff']['max']:.4f}; "
+                        f"{cg['argmax_equal']} / {cg['count']}"))
     if "source_kv_cache" in record:
         s = record["source_kv_cache"]
         rows.append(("source GGUF's cache, same engine", f"K {s['k_mib']} + V {s['v_mib']} MiB = "

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mla_convert.engines.bias_free import attention_bias_parts, bias_free_config, bias_note
 from mla_convert.engines.deepseek_v3.mapping import DS_NORM_EPS, ExportError, ExportPlan, plan_export
 from mla_convert.engines.llamacpp.env import GGUF_QUANTS, KEEP_F32, find_llamacpp, quantize
 from mla_convert.engines.llamacpp.gguf_vocab import tokenizer_fields
@@ -122,29 +123,37 @@ def check_gguf_output(path: Path, overwrite: bool, ckpt: Path | None = None) -> 
 
 
 # ------------------------------------------------------------------------------------------------ plan
-def gguf_plan(config: Any, dtype: str, cache_block: int = CACHE_BLOCK) -> ExportPlan:
+def gguf_plan(config: Any, dtype: str, cache_block: int = CACHE_BLOCK, drop_attention_biases: bool = False) -> ExportPlan:
     """The DeepSeek-V3 plan (``--target transformers``) the GGUF of ``dtype`` is written from: bfloat16 for a
     bfloat16 file, float32 for every other (float16 and the quantized types are rounded from float32), with the
     latent zero-padded to :func:`cache_block_rank` of ``cache_block`` (the same function: the padded latent rows of
     ``attn_kv_a_mqa`` are zero and ``attn_k_b`` / ``attn_v_b`` give them zero weight; ``plan.kv_lora_rank`` the
     padded width, ``plan.ranks`` the checkpoint's). A rope width the block does not divide keeps the unpadded latent
-    (its cache runs in f16 / bf16 / f32 only: :func:`quant_cache_block` 1).
+    (its cache runs in f16 / bf16 / f32 only: :func:`quant_cache_block` 1). ``drop_attention_biases``: plan a
+    biased conversion without its attention biases (:mod:`~mla_convert.engines.bias_free`; lossy, measured by the
+    export's check).
 
     Raises:
-        ExportError: attention biases (no tensor for them in llama.cpp's deepseek2 graph; the message names GGUF),
-            what :func:`~mla_convert.engines.deepseek_v3.mapping.plan_export` refuses, or an MLP activation
-            llama.cpp's deepseek2 does not compute (it hard-codes SiLU).
+        ExportError: attention biases without ``drop_attention_biases`` (no tensor for them in llama.cpp's deepseek2
+            graph; the message names GGUF, what each bias does and the lossy option), what
+            :func:`~mla_convert.engines.deepseek_v3.mapping.plan_export` refuses, or an MLP activation llama.cpp's
+            deepseek2 does not compute (it hard-codes SiLU).
     """
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ExportError(f"the MLP activation is {config.hidden_act!r}; llama.cpp's deepseek2 computes SiLU only, so "
                           "no GGUF export is exact: export --format deepseek-v3 --target transformers")
-    biased = [n for n, on in (("q_proj", config.q_bias), ("kv_a", config.kv_a_bias), ("o_proj", config.o_bias)) if on]
-    if biased:
+    parts = attention_bias_parts(config)
+    if parts and not drop_attention_biases:
         raise ExportError(
-            f"the converted attention has biases ({', '.join(biased)}: a Qwen2-style source's q/k/v biases) and "
-            "llama.cpp's deepseek2 graph has no attention bias tensors, so no GGUF export is exact; serve this "
-            "checkpoint through transformers (mla-convert generate / eval) or vLLM with our plugin"
+            f"the converted attention has biases llama.cpp's deepseek2 graph has no tensor for: {bias_note(parts)}; "
+            "the key bias's NoPE part, the only one the softmax removes, was already dropped at conversion, so no GGUF "
+            "export is exact (on Qwen2.5-Coder-1.5B, dropping any one of them multiplies perplexity by over 1,000: "
+            "docs/export.md); serve this checkpoint through transformers (mla-convert generate / eval) or vLLM with "
+            "our plugin, or write the lossy file with `mla-convert export CKPT OUT.gguf --format gguf "
+            "--drop-attention-biases`, which prints what it costs, measured in llama.cpp"
         )
+    if parts:
+        config = bias_free_config(config)
     plan = plan_export(config, torch.bfloat16 if dtype == "bfloat16" else torch.float32, "transformers")
     d_r = 2 * len(plan.rope.inv_freq)
     width = cache_block_rank(plan.kv_lora_rank, d_r, cache_block)
@@ -259,10 +268,12 @@ def _array(t: torch.Tensor, ggml_type: int, name: str) -> np.ndarray:
 def write_gguf(
     ckpt: Path, path: Path, dtype: str, name: str, say: Callable[[str], None], final: str | None = None,
     cache_block: int = CACHE_BLOCK,
+    drop_attention_biases: bool = False,
 ) -> dict[str, Any]:
     """Write the float GGUF (``dtype`` in :data:`GGUF_FLOATS`) of ``ckpt`` to ``path`` (created or replaced),
     one tensor at a time (one layer's attention in memory). Returns the mapping record (its ``dtype``: ``final``,
-    the quantized type the file is for, when given).
+    the quantized type the file is for, when given; ``dropped_attention_biases``: the parts of
+    :data:`~mla_convert.engines.bias_free.BIAS_PARTS` left out, with ``drop_attention_biases``).
 
     Raises:
         ExportError: a checkpoint llama.cpp cannot run exactly (:func:`gguf_plan`), a tokenizer that cannot be
@@ -274,7 +285,7 @@ def write_gguf(
     from mla_convert.mla.configuration import MLAConfig
 
     config = MLAConfig.from_pretrained(str(ckpt))
-    plan = gguf_plan(config, dtype, cache_block)
+    plan = gguf_plan(config, dtype, cache_block, drop_attention_biases)
     tok, origin = tokenizer_fields(ckpt, config)
     n_vocab = next((len(v) for k, v, *_ in tok if k == "tokenizer.ggml.tokens"), None)
     if n_vocab != config.vocab_size:
@@ -286,6 +297,9 @@ def write_gguf(
     load = attention_loader(plan, config, tensors)
     record = gguf_record(plan, final or dtype)
     record["tokenizer"] = origin
+    if dropped := attention_bias_parts(config):
+        record["dropped_attention_biases"] = dropped
+        say(f"left out (--drop-attention-biases, lossy): {bias_note(dropped)}")
     writer = gguf.GGUFWriter(str(path), "deepseek2")
     for _key, value, method in metadata(plan, config, name):
         getattr(writer, method)(value)
@@ -333,6 +347,7 @@ def export_gguf(
     llamacpp_python: str | None = None,
     check: bool = True,
     cache_block: int = CACHE_BLOCK,
+    drop_attention_biases: bool = False,
 ) -> tuple[Path, dict[str, Any]]:
     """Write the llama.cpp ``deepseek2`` GGUF of the converted checkpoint ``ckpt`` (module docstring).
 
@@ -350,6 +365,9 @@ def export_gguf(
         cache_block: pad the latent with zero columns to whole blocks of this many values
             (:func:`cache_block_rank`; default 32, the block of llama.cpp's quantized caches: without it a
             ``type_k=q8_0`` cache is refused for a row like 93 + 64 = 157); 1 keeps the checkpoint's largest rank.
+        drop_attention_biases: write a biased (Qwen2-style) conversion without the attention biases llama.cpp's
+            deepseek2 has no tensor for (:mod:`~mla_convert.engines.bias_free`): lossy; the check holds the file to
+            the conversion with those biases zeroed and records what dropping them costs against the conversion.
 
     Returns:
         ``(the file written, the mapping record)``.
@@ -386,7 +404,8 @@ def export_gguf(
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        record = write_gguf(ckpt, tmp, base, ckpt.name, say, dtype if quant else None, cache_block)
+        record = write_gguf(ckpt, tmp, base, ckpt.name, say, dtype if quant else None, cache_block,
+                            drop_attention_biases)
         if quant:
             assert python is not None
             say(f"quantizing to {dtype} with llama.cpp's quantizer ({KEEP_F32} kept float32)")
@@ -396,7 +415,8 @@ def export_gguf(
                 os.replace(final, tmp)
             finally:
                 final.unlink(missing_ok=True)
-        record["parity"] = _parity(ckpt, tmp, python, say) if check else "parity not measured (--no-check)"
+        record["parity"] = (_parity(ckpt, tmp, python, say, "dropped_attention_biases" in record) if check
+                            else "parity not measured (--no-check)")
         fill_parity(tmp, record["parity"])
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
@@ -411,6 +431,12 @@ def parity_summary(parity: dict[str, Any] | str) -> dict[str, Any]:
     if isinstance(parity, str):
         return {"not_measured": parity}
     g = parity["greedy"]
+    lossy = {}
+    if "against_the_conversion" in parity:
+        c = parity["against_the_conversion"]
+        lossy = {"dropped_attention_biases": c["dropped_attention_biases"],
+                 "against_the_conversion": {"logprob_abs_diff": c["logprob_abs_diff"],
+                                            "greedy_argmax_equal": f"{c['greedy']['argmax_equal']}/{c['greedy']['count']}"}}
     return {
         "engine": parity["engine"],
         "text": parity["text"],
@@ -421,6 +447,7 @@ def parity_summary(parity: dict[str, Any] | str) -> dict[str, Any]:
         "kv_cache_values_per_token_per_layer": parity["kv_cache_values_per_token_per_layer"],
         "thresholds": None if parity["quantized"] else parity["thresholds"],
         "passed": parity["passed"],
+        **lossy,
     }
 
 
@@ -448,7 +475,9 @@ def fill_parity(path: Path, parity: dict[str, Any] | str) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ llama.cpp
-def _parity(ckpt: Path, path: Path, python: str | None, say: Callable[[str], None]) -> dict[str, Any] | str:
+def _parity(
+    ckpt: Path, path: Path, python: str | None, say: Callable[[str], None], dropped: bool = False
+) -> dict[str, Any] | str:
     """llama.cpp's parity record for the staged file, or why it was not measured.
 
     Raises:
@@ -459,7 +488,8 @@ def _parity(ckpt: Path, path: Path, python: str | None, say: Callable[[str], Non
                 "MLA_LLAMACPP_PYTHON names its python)")
     from mla_convert.engines.llamacpp.check import check_llamacpp
 
-    say("measuring parity: the file in llama.cpp against the MLA checkpoint (float32, real text)")
+    say("measuring parity: the file in llama.cpp against the MLA checkpoint (float32, real text)"
+        + ("; without the dropped biases, and with them (the cost)" if dropped else ""))
     try:
         result = check_llamacpp(ckpt, path, python)
     except RuntimeError as exc:
