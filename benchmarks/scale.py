@@ -67,6 +67,8 @@ MODELS: dict[str, Bench] = {
         ("--calib-tokens", "512", "--window", "256", "--eval-windows", "1", "--dtype", "bfloat16"),
         {"peak_rss_gb": 5.0},
     ),
+    # the default options (16,384 calibration tokens, the search) on 2 of the 8B's layers: its per-layer stage costs
+    "llama8b-2l": Bench(("--dtype", "bfloat16", "--device", "cpu")),
     "qwen05b": Bench(
         ("--calib-tokens", "1024", "--window", "256", "--eval-windows", "2", "--dtype", "bfloat16")
     ),

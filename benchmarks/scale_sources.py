@@ -79,32 +79,43 @@ class Shape:
 #: Token ids of the bundled SmolLM2 tokenizer (``<|im_start|>`` = 1, ``<|im_end|>`` = 2).
 _TOKEN_IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
 
+#: Llama-3.1-8B's config (random weights of these shapes).
+_LLAMA8B: dict[str, Any] = {
+    "num_hidden_layers": 32,
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_parameters": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "tie_word_embeddings": False,
+    **_TOKEN_IDS,
+}
+
 SHAPES: dict[str, Shape] = {
     "llama8b": Shape(
         "llama",
         "Llama-3.1-8B",
         shards=4,
-        config={
-            "num_hidden_layers": 32,
-            "hidden_size": 4096,
-            "num_attention_heads": 32,
-            "num_key_value_heads": 8,
-            "head_dim": 128,
-            "intermediate_size": 14336,
-            "vocab_size": 128256,
-            "max_position_embeddings": 131072,
-            "rms_norm_eps": 1e-5,
-            "rope_parameters": {
-                "rope_type": "llama3",
-                "rope_theta": 500000.0,
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192,
-            },
-            "tie_word_embeddings": False,
-            **_TOKEN_IDS,
-        },
+        config=_LLAMA8B,
+    ),
+    # Llama-3.1-8B's shapes with 2 of its 32 layers: the per-layer cost of a conversion at its default options (16,384
+    # calibration tokens, the search) measured in well under the hours the whole model takes (issue 51, item 4)
+    "llama8b-2l": Shape(
+        "llama",
+        "Llama-3.1-8B, 2 of 32 layers",
+        shards=1,
+        config={**_LLAMA8B, "num_hidden_layers": 2},
     ),
     "qwen05b": Shape(
         "qwen2",

@@ -478,3 +478,24 @@ def test_a_cuda_device_this_machine_lacks_is_refused_first(command: str, tmp_pat
     assert result.exit_code == 2, result.output
     assert result.output.strip() == "error: --device cuda: this torch build or machine has no CUDA GPU; use --device cpu or auto"
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("resume", [False, True], ids=["fresh", "resume"])
+def test_a_second_factor_on_the_same_out_is_refused(resume: bool, src: Path, good_text: Path, tmp_path: Path) -> None:
+    """While one ``factor`` converts into OUT (it holds OUT's job lock), a second one on the same OUT, with or without
+    ``--resume``, is one error line naming the running job's pid, and touches neither OUT nor the work folder (before,
+    it said "pass --resume", and --resume started a second writer in the same work folder). The lock goes with
+    the job: once released, its file is gone."""
+    import os
+
+    from mla_convert.convert.pipeline.workdir import job_lock, lock_path, work_dir
+
+    out = tmp_path / "out"
+    work = work_dir(out)
+    work.mkdir()
+    (work / "progress.json").write_text('{"pass": 1, "layer": 0}')  # the running job's state, as it writes it
+    with job_lock(out):
+        run_bad_factor(src, out, good_text, *(["--resume"] if resume else []),
+                       needles=(f"another mla-convert factor (pid {os.getpid()}) is converting into {out}",))
+        assert (work / "progress.json").read_text() == '{"pass": 1, "layer": 0}'
+    assert not lock_path(out).exists()

@@ -30,7 +30,14 @@ from mla_convert.convert.pipeline.records import ProgressFn, Streamed, Texts
 from mla_convert.convert.pipeline.split_report import split_record, split_sentence
 from mla_convert.convert.pipeline.stream import StreamedConversion
 from mla_convert.convert.pipeline.text import prepare_text
-from mla_convert.convert.pipeline.workdir import WORK_FORMAT, check_start, close_work, open_work, publish
+from mla_convert.convert.pipeline.workdir import (
+    WORK_FORMAT,
+    check_start,
+    close_work,
+    job_lock,
+    open_work,
+    publish,
+)
 from mla_convert.engines.precheck import engine_table
 from mla_convert.errors import UserError
 from mla_convert.metrics import EvalResult
@@ -183,8 +190,28 @@ def run_factor(
         The report dict (also written to ``out/report.json``).
 
     Raises:
-        OutputError, ResumeError, RopeError, FactorError, TextError, SourceError: bad input, before heavy work.
+        OutputError, ResumeError, RopeError, FactorError, TextError, SourceError: bad input, before heavy work;
+            ResumeError too while another ``factor`` converts into the same OUT (:func:`~mla_convert.convert.
+            pipeline.workdir.job_lock`).
     """
+    with job_lock(out):
+        return _run_locked(src, out, options, overwrite, progress, sample_prompt, resume, max_shard_size, resolution,
+                           notice)
+
+
+def _run_locked(
+    src: SourceModel,
+    out: Path,
+    options: ConvertOptions,
+    overwrite: bool = False,
+    progress: ProgressFn | None = None,
+    sample_prompt: str | None = "The capital of France is",
+    resume: bool = False,
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    resolution: Resolution | None = None,
+    notice: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """:func:`run_factor` while it holds OUT's job lock."""
     from transformers import AutoTokenizer
 
     t0 = time.perf_counter()

@@ -11,9 +11,12 @@ folder always describes a finished step. The folder is removed once OUT is in pl
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +40,43 @@ class ResumeError(UserError):
 def work_dir(out: Path) -> Path:
     """The work folder of OUT: ``.OUT.factor`` next to it."""
     return out.parent / f".{out.name}.factor"
+
+
+def lock_path(out: Path) -> Path:
+    """The job lock of OUT: ``.OUT.factor.lock`` next to it (beside the work folder, which a fresh start replaces)."""
+    out = out.expanduser().resolve()
+    return out.parent / f".{out.name}.factor.lock"
+
+
+@contextmanager
+def job_lock(out: Path) -> Iterator[None]:
+    """Hold OUT's job lock (:func:`lock_path`: an exclusive ``flock``, with the holder's pid in the file) while a
+    ``factor`` job runs, so that a second ``factor`` on the same OUT, with or without ``--resume``, is refused
+    instead of writing the same work folder. The lock goes with the process (a killed job leaves no stale lock:
+    the kernel releases it); the file is removed when the job ends.
+
+    Raises:
+        ResumeError: another process holds the lock (the message names its pid).
+    """
+    path = lock_path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise ResumeError(
+            f"another mla-convert factor (pid {holder}) is converting into {out.expanduser().resolve()} now; wait for "
+            "it to finish, or stop it (Ctrl-C keeps its work for --resume) and run again"
+        ) from None
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        os.close(fd)
 
 
 def check_start(out: Path, job: dict[str, Any], resume: bool, overwrite: bool, source_dir: Path) -> Path:
