@@ -129,6 +129,8 @@ def run_gguf_export(
     with user_errors():
         path, record = export_gguf(ckpt, out, dtype, overwrite, note=note, check=check, cache_block=cache_block,
                                    drop_attention_biases=drop_biases)
+    if drop_biases and "dropped_attention_biases" not in record:
+        note(f"note: --drop-attention-biases dropped nothing: {ckpt} has no attention biases (the file is exact)")
     cache = record["cache_values_per_token_per_layer"]
     msg = (f"wrote {path}: llama.cpp deepseek2 GGUF ({record['dtype']}), kv_lora_rank {record['kv_lora_rank']}, "
            f"rope_theta {record['rope']['parameters']['rope_theta']:.6g} ({record['rope']['slots']} pairs), K-only cache "

@@ -20,7 +20,8 @@ def run_humaneval_task(
     ckpt: str, engine: str, out: Path | None, limit: int | None, overwrite: bool, threads: int, dtype: str
 ) -> None:
     """pass@1 on HumanEval for ``ckpt`` (a converted folder, a source, or a ``.gguf`` for llama.cpp); the summary is
-    printed and written with a row per problem to ``out`` (default ``humaneval-<name>``)."""
+    printed and written with a row per problem to ``out`` (default ``humaneval-<name>``, ``humaneval-<name>-llamacpp``
+    for llama.cpp: a checkpoint and its GGUF, or a source in both engines, do not share a folder)."""
     if engine not in ENGINES:
         fail(f"--engine {engine!r} is not one of {', '.join(ENGINES)}")
     if limit is not None and limit < 1:
@@ -32,9 +33,14 @@ def run_humaneval_task(
     if engine == "auto":
         engine = "llama.cpp" if ckpt.endswith(".gguf") else "transformers"
     name = Path(ckpt).name.removesuffix(".gguf") or "model"
-    dest = out or Path(f"humaneval-{name}")
+    dest = (out or Path(f"humaneval-{name}{'-llamacpp' if engine == 'llama.cpp' else ''}")).expanduser().absolute()
     if dest.exists() and not overwrite:
         fail(f"{dest} already exists; pass --overwrite to replace it or choose another --out")
+    if dest.exists() and not dest.is_dir():
+        fail(f"--out {dest} is a file; the results are a folder: choose another --out")
+    blocker = next((p for p in dest.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        fail(f"--out {dest} cannot be created: {blocker} is a file; choose another --out")
     from mla_convert.sources.humaneval import humaneval_problems
     from mla_convert.tasks.complete import llamacpp_completer, torch_completer
     from mla_convert.tasks.humaneval import run_humaneval
@@ -60,7 +66,8 @@ def run_humaneval_task(
             raise typer.Exit(130) from None
     console.print(
         f"humaneval pass@1 {summary['pass@1']:.4f} ({summary['passed']} of {summary['problems']} problems, "
-        f"{summary['ran']['engine']}, greedy, raw prompt); rows in {dest}",
+        f"{summary['ran']['engine']}, greedy, raw prompt); summary {dest / 'humaneval.json'}, a row per problem in "
+        f"{dest / 'humaneval.jsonl'}",
         highlight=False,
         markup=False,
     )

@@ -113,6 +113,12 @@ def check_architecture(path: Path, metadata: dict[str, Any]) -> str:
     """
     arch = str(metadata.get("general.architecture", ""))
     model_type = GGUF_MODEL_TYPES.get(arch, arch)
+    if "mla_convert.export" in metadata:  # our own export: the MLA checkpoint it came from is the thing to read
+        raise SourceError(
+            f"{path} is an mla-convert GGUF export (llama.cpp {arch}); llama.cpp runs it (eval FILE --task humaneval "
+            "--engine llama.cpp); everything else (perplexity, --engine transformers, factor) reads the MLA "
+            "checkpoint folder it was exported from"
+        )
     if model_type in REFUSED:
         raise SourceError(
             f"unsupported GGUF architecture {arch!r} in {path}: {REFUSED[model_type]}; "

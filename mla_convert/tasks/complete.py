@@ -188,6 +188,7 @@ def llamacpp_completer(spec: str, threads: int = 1) -> LlamaCppCompleter:
     if path is None or path.suffix != ".gguf":
         raise UserError(
             f"--engine llama.cpp runs a .gguf file, and {spec} is not one; export it first "
-            f"(`mla-convert export {spec} --format gguf`) and pass the .gguf it writes"
+            f"(`mla-convert export {spec} {str(spec).rstrip('/')}.gguf --format gguf`) and pass the .gguf it writes, "
+            "or run it with --engine transformers"
         )
     return LlamaCppCompleter(path, python, threads)

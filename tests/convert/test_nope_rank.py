@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mla_convert.convert.layer.nope_rank import reduce_nope
+from mla_convert.convert.layer.nope_rank import query_nope_moments, reduce_nope
 from mla_convert.convert.options.options import ConvertOptions, geometry, problems
 from mla_convert.engines.vllm.shape import shape_for_engine
 
@@ -101,6 +101,31 @@ def test_exact_at_the_query_rank_through_the_decomposition():
     before, after = _scores(t, x, h, g, d_n, d_r, d_c), _scores(out, x, h, h, 8, d_r, d_c)
     assert float((before - after).abs().max()) < 1e-8 * float(before.abs().max())
     assert float(rec.kept.min()) > 1 - 1e-12
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_query_moments_from_the_source_rows_are_the_assembled_ones(bias):
+    """:func:`query_nope_moments` (the D x D moment taken on the source head's d rows, then mapped) gives what
+    :func:`reduce_nope` computes from the assembled ``d_N``-wide rows, and so the same reduced layer (issue 51: the
+    cheaper route ``factor`` takes)."""
+    h, g, d, d_n, d_r, d_c, hidden, n, scale = 4, 2, 8, 12, 4, 10, 16, 3, 1.3
+    t, _, (xx, mean) = _layer(h=h, g=g, d_n=d_n, d_r=d_r, d_c=d_c, hidden=hidden, bias=bias)
+    gen = torch.Generator().manual_seed(2)
+    w_q = torch.randn(h * d, hidden, generator=gen, dtype=F64)
+    b_q = torch.randn(h * d, generator=gen, dtype=F64) if bias else None
+    a_nope = torch.randn(h, d_n, d, generator=gen, dtype=F64)
+    q = t["q_proj.weight"].view(h, d_n + d_r, hidden)
+    q[:, :d_n] = scale * a_nope @ w_q.view(h, d, hidden)  # the assembled rows: scale * A_h W_h
+    if bias:
+        assert b_q is not None
+        t["q_proj.bias"].view(h, d_n + d_r)[:, :d_n] = scale * (a_nope @ b_q.view(h, d, 1))[..., 0]
+    qq = query_nope_moments(w_q, b_q, a_nope, scale, xx, mean)
+    direct, rec = reduce_nope(t, h, g, d_n, d_r, n, xx, mean)
+    fast, rec_fast = reduce_nope(t, h, g, d_n, d_r, n, xx, mean, qq)
+    for k in direct:
+        assert torch.allclose(direct[k], fast[k], rtol=1e-9, atol=1e-9 * float(direct[k].abs().max())), k
+    assert torch.allclose(rec.dropped, rec_fast.dropped, rtol=1e-9)
+    assert float(rec.dropped.min()) > 0  # lossy: the moments decide what is dropped
 
 
 LLAMA3_8B = SimpleNamespace(head_dim=128, num_kv_heads=8, hidden_size=4096, num_layers=32, num_heads=32)

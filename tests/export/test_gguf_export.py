@@ -353,3 +353,17 @@ def test_gguf_refuses_attention_biases_in_gguf_words():
     assert "o_proj.bias" not in message  # the parts this config has, no other
     assert "--drop-attention-biases" in message  # the lossy route, named
     assert "SGLang" not in message and "DeepSeek-V3 export" not in message
+
+
+def test_our_gguf_is_named_as_such_where_only_llamacpp_reads_it(tiny_ckpt, tmp_path, bundled_tokenizer):
+    """Perplexity, ``--engine transformers`` and ``factor`` on an mla-convert GGUF export say that llama.cpp runs
+    it and that everything else reads the MLA folder it came from (a fresh user got "unsupported GGUF architecture
+    'deepseek2' ... the model already uses MLA", the message for converting a source)."""
+    out = tmp_path / "m.gguf"
+    _export(tiny_ckpt, out)
+    for args in (["eval", str(out)], ["eval", str(out), "--task", "humaneval", "--engine", "transformers", "--limit",
+                 "1", "--out", str(tmp_path / "he")], ["factor", str(out), str(tmp_path / "again")]):
+        res = CliRunner().invoke(app, args)
+        text = " ".join(res.output.split())
+        assert res.exit_code == 2 and "is an mla-convert GGUF export" in text and "--engine llama.cpp" in text, text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]

@@ -105,3 +105,32 @@ def test_a_partial_run_with_other_settings_needs_overwrite(problems, tmp_path):
     again = Scripted(answers)
     summary = run_humaneval(again, problems, tmp_path / "he", overwrite=True)
     assert again.calls == len(problems) and summary["passed"] == len(problems) and not partial.exists()
+
+
+def test_the_command_keeps_engines_apart_and_refuses_a_file_in_the_way(problems, tmp_path, monkeypatch):
+    """``eval X --task humaneval``: the default folder names llama.cpp runs apart (a checkpoint and its GGUF, or a
+    source in both engines, no longer share ``humaneval-NAME``, where ``--overwrite`` would have deleted the other
+    engine's results); an ``--out`` that is, or lies under, a file is one error line before the model loads (it was
+    a traceback, after the whole run); the line names the summary and the rows by absolute path."""
+    from typer.testing import CliRunner
+
+    from mla_convert.cli.commands import app
+    from mla_convert.tasks import complete
+
+    answers = {p.prompt: p.canonical_solution for p in problems[:1]}
+    monkeypatch.setattr(complete, "torch_completer", lambda ckpt, dtype: Scripted(answers))
+    monkeypatch.setattr(complete, "llamacpp_completer", lambda ckpt, threads: Scripted(answers))
+    monkeypatch.chdir(tmp_path)
+    for args, folder in ((["model"], "humaneval-model"), (["model.gguf"], "humaneval-model-llamacpp"),
+                         (["model", "--engine", "llama.cpp"], "humaneval-model-llamacpp")):
+        res = CliRunner().invoke(app, ["eval", *args, "--task", "humaneval", "--limit", "1", "--overwrite"])
+        assert res.exit_code == 0, res.output
+        text = " ".join(res.output.split())
+        assert f"summary {tmp_path / folder / 'humaneval.json'}, a row per problem in" in text, text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["humaneval-model", "humaneval-model-llamacpp"]
+    (tmp_path / "afile").write_text("x")
+    for out, why in ((tmp_path / "afile" / "sub", "is a file; choose another --out"),
+                     (tmp_path / "afile", "is a file; the results are a folder")):
+        res = CliRunner().invoke(app, ["eval", "model", "--task", "humaneval", "--out", str(out), "--overwrite"])
+        assert res.exit_code == 2 and why in " ".join(res.output.split()), res.output
+    assert (tmp_path / "afile").read_text() == "x" and not (tmp_path / "afile.partial").exists()

@@ -88,6 +88,18 @@ def svd(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return u, s, vh
 
 
+def qr(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reduced ``torch.linalg.qr`` of ``[r, c]`` (``r >= c``): ``Q [r, c]`` with orthonormal columns, ``R [c, c]``
+    upper triangular."""
+    there = _elsewhere(m)
+    if there is not None:
+        q, r = torch.linalg.qr(m.to(there))
+        return q.to(m.device), r.to(m.device)
+    with threads_for(m):
+        q, r = torch.linalg.qr(m)
+    return q, r
+
+
 def svdvals(m: torch.Tensor) -> torch.Tensor:
     """Singular values ``[min(r, c)]`` (descending) of ``[r, c]``."""
     there = _elsewhere(m)

@@ -72,6 +72,35 @@ def input_moment(w: torch.Tensor, b: torch.Tensor | None, xx: torch.Tensor, x_me
     return m
 
 
+def query_nope_moments(
+    w_q: torch.Tensor,
+    b_q: torch.Tensor | None,
+    q_nope: torch.Tensor,
+    scale: float,
+    xx: torch.Tensor,
+    x_mean: torch.Tensor,
+) -> torch.Tensor:
+    """Each query head's ``E[q_N q_Nᵀ]`` ``[H, d_N, d_N]`` for the NoPE query ``q_N = scale * A_h (W_h x + b_h)``
+    that :func:`~mla_convert.convert.layer.assemble.layer_tensors` assembles (``A_h = q_nope[h] [d_N, d]``, the
+    plan's query map; ``W_h [d, D]`` the source head's rows): ``scale² A_h E[y yᵀ] A_hᵀ`` with ``y = W_h x + b_h``,
+    so the ``D x D`` moment is taken on ``d`` rows a head instead of ``d_N`` (what :func:`reduce_nope` would do).
+
+    Args:
+        w_q: ``[H d, D]`` the source query weight (float64); ``b_q``: ``[H d]`` or None.
+        q_nope: ``[H, d_N, d]`` the plan's NoPE query maps (padded as assembled).
+        scale: the factor the assembled query rows carry (``attention_scaling²``).
+        xx, x_mean: ``E[x xᵀ] [D, D]`` and ``E[x] [D]`` of the layer's attention input.
+    """
+    h, _, d = q_nope.shape
+    out = []
+    for hi in range(h):
+        rows = slice(hi * d, (hi + 1) * d)
+        m = input_moment(w_q[rows], b_q[rows] if b_q is not None else None, xx, x_mean)
+        a = q_nope[hi] * scale
+        out.append(a @ m @ a.T)
+    return torch.stack(out)
+
+
 def psd_roots(m: torch.Tensor, ridge: float = RIDGE) -> tuple[torch.Tensor, torch.Tensor]:
     """``(M_r^{1/2}, M_r^{-1/2})`` ``[k, k]`` of a PSD ``m [k, k]`` (float64) with ``M_r = M + ridge * mean(diag M) I``.
 
@@ -110,17 +139,21 @@ def head_form(
     if d_c <= width:  # the absorbed query q_abs = W_gᵀ q is exact
         t[:d_c], k[:d_c] = w_uk.T, torch.eye(d_c, dtype=f64)
         return t, k, 1.0, 0.0
-    gram = cc_root @ w_uk.T @ qq @ w_uk @ cc_root  # NᵀN, [d_c, d_c]
+    weighted = w_uk @ cc_root  # W_g C_c^{1/2}, [d_N, d_c]
+    gram = weighted.T @ (qq @ weighted)  # NᵀN, [d_c, d_c]
     evals, evecs = linalg.eigh((gram + gram.T) / 2)
     evals, evecs = evals.flip(0).clamp_min(0), evecs.flip(1)
     v = evecs[:, :width]
-    form = w_uk @ cc_root @ v @ v.T @ cc_inv_root  # the optimum Tᵀ K, [d_N, d_c], rank <= n
-    # balanced factors (the form's own SVD, singular values split evenly): each as well scaled as W_g, so rounding
-    # them to 16 bits costs what rounding W_g does (V_nᵀ C_c^{-1/2} alone can hold large entries)
-    u, sv, vh = linalg.svd(form)
-    half = sv[:width].sqrt()
-    t = (u[:, :width] * half).T
-    k = half[:, None] * vh[:width]
+    # the optimum Tᵀ K = (W_g C_c^{1/2} V_n) (V_nᵀ C_c^{-1/2}) = P R, [d_N, d_c], rank <= n; its SVD from the two
+    # thin factors (QR of each, then the n x n core's SVD): the form's own SVD without forming it
+    q_left, r_left = linalg.qr(weighted @ v)
+    q_right, r_right = linalg.qr(cc_inv_root @ v)  # (V_nᵀ C_c^{-1/2})ᵀ; C_c^{-1/2} is symmetric
+    u_core, sv, vh_core = linalg.svd(r_left @ r_right.T)
+    # balanced factors (singular values split evenly): each as well scaled as W_g, so rounding them to 16 bits
+    # costs what rounding W_g does (V_nᵀ C_c^{-1/2} alone can hold large entries)
+    half = sv.sqrt()
+    t = (q_left @ u_core * half).T
+    k = half[:, None] * (vh_core @ q_right.T)
     total = float(evals.sum())
     dropped = float(evals[width:].sum())
     return t, k, (1.0 - dropped / total) if total > 0 else 1.0, dropped
@@ -135,6 +168,7 @@ def reduce_nope(
     width: int,
     xx: torch.Tensor,
     x_mean: torch.Tensor,
+    query_moments: torch.Tensor | None = None,
 ) -> tuple[dict[str, torch.Tensor], NopeReduction]:
     """One assembled MLA layer with its query NoPE width reduced to ``width`` (module docstring).
 
@@ -150,6 +184,9 @@ def reduce_nope(
             zero-padded).
         xx: ``[D, D]`` ``E[x xᵀ]`` of the layer's attention input on the calibration text.
         x_mean: ``[D]`` ``E[x]``.
+        query_moments: ``[H, d_N, d_N]`` each head's ``E[q qᵀ]`` of its NoPE query as assembled, when the caller
+            has it cheaper (:func:`query_nope_moments`: from the ``head_dim``-wide source query, 7x fewer FLOPs at
+            Llama-3-8B's shapes); None: from ``q_proj`` and ``xx`` here (``d_N x D x D`` a head).
 
     Returns:
         ``(tensors, record)``: ``q_proj.weight [H (n + d_R), D]`` (and bias), ``kv_b_proj.weight
@@ -178,7 +215,8 @@ def reduce_nope(
         gi = hi // (h // g)
         wn = wq3[hi, :d_nope]
         bn = bq2[hi, :d_nope] if bq2 is not None else None
-        t, k, kp, dr = head_form(wb3[gi, :d_nope], input_moment(wn, bn, xx, x_mean), root, inv_root, width)
+        qq = query_moments[hi] if query_moments is not None else input_moment(wn, bn, xx, x_mean)
+        t, k, kp, dr = head_form(wb3[gi, :d_nope], qq, root, inv_root, width)
         q_rows += [t @ wn, wq3[hi, d_nope:]]
         if bq2 is not None and bn is not None:
             q_bias += [t @ bn, bq2[hi, d_nope:]]

@@ -18,7 +18,7 @@ from mla_convert.convert.layer.factorize import (
     allocate_ranks,
     build_target,
 )
-from mla_convert.convert.layer.nope_rank import NopeReduction, reduce_nope
+from mla_convert.convert.layer.nope_rank import NopeReduction, query_nope_moments, reduce_nope
 from mla_convert.convert.layer.reconstruct import Reconstruction
 from mla_convert.convert.layer.rope import RopePlan, plan_layer
 from mla_convert.convert.options.options import ConvertOptions, Geometry
@@ -164,8 +164,9 @@ def layer_state_reduced(
     if nope_width is not None:
         if moments is None:
             raise ValueError("a NoPE-width reduction needs the layer's input moments")
+        qq = query_nope_moments(weights["q"], weights.get("bq"), padded.q_nope, src.attention_scaling**2, *moments)
         tensors, record = reduce_nope(
-            tensors, src.num_heads, src.num_kv_heads, own, plan.q_rope.shape[1], nope_width, *moments
+            tensors, src.num_heads, src.num_kv_heads, own, plan.q_rope.shape[1], nope_width, *moments, qq
         )
     out = {k: v.to(torch.float32) for k, v in tensors.items()}
     out["rope_inv_freq"] = plan.inv_freq.clone()

@@ -215,19 +215,21 @@ def tokenizer_fields(ckpt: Path, config: Any) -> tuple[list[tuple[str, Any, Any,
         )
         out = Path(tmp) / "vocab.gguf"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        biased = any(getattr(config, f, False) for f in ("q_bias", "kv_a_bias", "o_bias"))
+        instead = ("serve it through transformers (mla-convert generate / eval) or vLLM with our plugin" if biased
+                   else "export --format deepseek-v3")  # a biased conversion has no DeepSeek-V3 export either
         cmd = [sys.executable, str(converter), str(stage), "--vocab-only", "--outfile", str(out)]
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=CONVERTER_TIMEOUT_S, env=env, check=False)
         except subprocess.TimeoutExpired as exc:
             raise ExportError(f"llama.cpp's convert_hf_to_gguf.py --vocab-only on {ckpt}'s tokenizer took over "
-                              f"{CONVERTER_TIMEOUT_S} s; export --format deepseek-v3 instead") from exc
+                              f"{CONVERTER_TIMEOUT_S} s; {instead}") from exc
         if res.returncode != 0 or not out.is_file():
             lines = [x for x in (res.stderr + res.stdout).splitlines() if x.strip()]
             last = next((x for x in reversed(lines) if "Error" in x or "error" in x), lines[-1] if lines else "")
             raise ExportError(f"llama.cpp's convert_hf_to_gguf.py --vocab-only could not write the tokenizer in "
                               f"{ckpt} ({', '.join(n for n in HF_TOKENIZER_FILES if (ckpt / n).is_file())}; exit "
                               f"{res.returncode}: {last.strip()[:300]}): check those files against the source model's "
-                              "(a tokenizer llama.cpp does not know is named in that line), or export --format "
-                              "deepseek-v3")
+                              f"(a tokenizer llama.cpp does not know is named in that line), or {instead}")
         return (gguf_tokenizer_fields(out),
                 f"the checkpoint's Hugging Face tokenizer, written by llama.cpp's {converter.name} --vocab-only")
