@@ -34,7 +34,7 @@ from mla_convert.convert.pipeline.workdir import (
     WORK_FORMAT,
     check_start,
     close_work,
-    job_lock,
+    holding_job_lock,
     open_work,
     publish,
 )
@@ -163,6 +163,7 @@ def _precision(folder: Path, src: SourceModel, tokenizer: Any, windows: torch.Te
     return record
 
 
+@holding_job_lock
 def run_factor(
     src: SourceModel,
     out: Path,
@@ -194,24 +195,6 @@ def run_factor(
             ResumeError too while another ``factor`` converts into the same OUT (:func:`~mla_convert.convert.
             pipeline.workdir.job_lock`).
     """
-    with job_lock(out):
-        return _run_locked(src, out, options, overwrite, progress, sample_prompt, resume, max_shard_size, resolution,
-                           notice)
-
-
-def _run_locked(
-    src: SourceModel,
-    out: Path,
-    options: ConvertOptions,
-    overwrite: bool = False,
-    progress: ProgressFn | None = None,
-    sample_prompt: str | None = "The capital of France is",
-    resume: bool = False,
-    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
-    resolution: Resolution | None = None,
-    notice: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
-    """:func:`run_factor` while it holds OUT's job lock."""
     from transformers import AutoTokenizer
 
     t0 = time.perf_counter()

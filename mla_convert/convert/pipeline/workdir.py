@@ -12,13 +12,14 @@ folder always describes a finished step. The folder is removed once OUT is in pl
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from mla_convert.artifacts.output import OutputError, check_output
 from mla_convert.errors import UserError
@@ -77,6 +78,22 @@ def job_lock(out: Path) -> Iterator[None]:
     finally:
         path.unlink(missing_ok=True)
         os.close(fd)
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def holding_job_lock(fn: Callable[P, R]) -> Callable[P, R]:
+    """Run ``fn`` (a job whose second argument, or ``out=``, is OUT) inside :func:`job_lock` of that OUT."""
+
+    @functools.wraps(fn)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        out = kwargs["out"] if "out" in kwargs else args[1]
+        with job_lock(Path(str(out))):
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def check_start(out: Path, job: dict[str, Any], resume: bool, overwrite: bool, source_dir: Path) -> Path:
