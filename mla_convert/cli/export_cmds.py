@@ -150,7 +150,12 @@ def run_gguf_export(
     else:
         msg += f"; {p}"
     console.print(msg, highlight=False, markup=False)
-    for line in (f"  $(bash scripts/llamacpp_env.sh) -c \"from llama_cpp import Llama; Llama('{path}')\"  # the "
+    from mla_convert.engines.llamacpp.env import find_llamacpp
+
+    with user_errors():
+        python = find_llamacpp()
+    runner = python or "$(bash scripts/llamacpp_env.sh)"  # the command builds (once) and prints it, from the repo
+    for line in (f"  {runner} -c \"from llama_cpp import Llama; Llama('{path}')\"  # the "
                  "llama.cpp venv's python (llama-cpp-python; MLA_LLAMACPP_PYTHON)",
                  f"  llama-cli -m {path}  # a llama.cpp build of your own (deepseek2 with MLA)"):
         console.print(line, highlight=False, markup=False)

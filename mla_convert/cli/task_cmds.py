@@ -4,6 +4,7 @@ llama.cpp; fixed chat questions against its source)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -33,11 +34,17 @@ def run_humaneval_task(
     if engine == "auto":
         engine = "llama.cpp" if ckpt.endswith(".gguf") else "transformers"
     name = Path(ckpt).name.removesuffix(".gguf") or "model"
-    dest = (out or Path(f"humaneval-{name}{'-llamacpp' if engine == 'llama.cpp' else ''}")).expanduser().absolute()
-    if dest.exists() and not overwrite:
-        fail(f"{dest} already exists; pass --overwrite to replace it or choose another --out")
+    dest = Path(os.path.abspath((out or Path(f"humaneval-{name}{'-llamacpp' if engine == 'llama.cpp' else ''}"))
+                                .expanduser()))
+    if engine == "transformers" and ckpt.endswith(".gguf") and Path(ckpt).is_file():
+        from mla_convert.sources.checkpoint import open_source
+
+        with user_errors():  # a GGUF transformers cannot read (our own export): said before any folder check
+            open_source(ckpt)
     if dest.exists() and not dest.is_dir():
         fail(f"--out {dest} is a file; the results are a folder: choose another --out")
+    if dest.exists() and not overwrite:
+        fail(f"{dest} already exists; pass --overwrite to replace it or choose another --out")
     blocker = next((p for p in dest.parents if p.exists() and not p.is_dir()), None)
     if blocker is not None:
         fail(f"--out {dest} cannot be created: {blocker} is a file; choose another --out")

@@ -185,6 +185,14 @@ def llamacpp_completer(spec: str, threads: int = 1) -> LlamaCppCompleter:
 
         files = open_source(spec).origin_files
         path = files[0] if files and files[0].suffix == ".gguf" else None
+    config = Path(spec) / "config.json"
+    if path is not None and path.is_dir() and config.is_file() and any(
+        json.loads(config.read_text()).get(f) for f in ("q_bias", "kv_a_bias", "o_bias")
+    ):
+        raise UserError(
+            f"--engine llama.cpp runs a .gguf file, and {spec} is a conversion with attention biases, which no GGUF "
+            "holds exactly (docs/export.md): run it with --engine transformers"
+        )
     if path is None or path.suffix != ".gguf":
         raise UserError(
             f"--engine llama.cpp runs a .gguf file, and {spec} is not one; export it first "

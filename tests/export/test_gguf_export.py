@@ -361,9 +361,10 @@ def test_our_gguf_is_named_as_such_where_only_llamacpp_reads_it(tiny_ckpt, tmp_p
     'deepseek2' ... the model already uses MLA", the message for converting a source)."""
     out = tmp_path / "m.gguf"
     _export(tiny_ckpt, out)
+    (tmp_path / "he").mkdir()  # an earlier run's folder: the GGUF is named first, not "pass --overwrite"
     for args in (["eval", str(out)], ["eval", str(out), "--task", "humaneval", "--engine", "transformers", "--limit",
                  "1", "--out", str(tmp_path / "he")], ["factor", str(out), str(tmp_path / "again")]):
         res = CliRunner().invoke(app, args)
         text = " ".join(res.output.split())
         assert res.exit_code == 2 and "is an mla-convert GGUF export" in text and "--engine llama.cpp" in text, text
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["he", "m.gguf"] and not any((tmp_path / "he").iterdir())

@@ -155,6 +155,10 @@ def test_a_biased_conversion_exports_lossy_only_when_asked(llamacpp_python, tmp_
     assert res.exit_code == 2 and "no GGUF export is exact" in text and "--drop-attention-biases" in text, text
     assert "q_proj.bias (the query bias" in text and "o_proj.bias (the value bias passed through attention" in text and "SGLang" not in text
     assert not out.exists()
+    res = CliRunner().invoke(app, ["eval", str(ckpt), "--task", "humaneval", "--engine", "llama.cpp", "--limit", "1",
+                                   "--out", str(tmp_path / "he")])
+    text = " ".join(res.output.split())  # not "export it first": that export is refused for this checkpoint
+    assert res.exit_code == 2 and "is a conversion with attention biases" in text and "--engine transformers" in text
     res = CliRunner().invoke(app, ["export", str(ckpt), str(out), "--format", "gguf", "--dtype", "float32",
                                    "--drop-attention-biases"])
     assert res.exit_code == 0, res.output + str(res.exception)

@@ -129,8 +129,9 @@ def test_the_command_keeps_engines_apart_and_refuses_a_file_in_the_way(problems,
         assert f"summary {tmp_path / folder / 'humaneval.json'}, a row per problem in" in text, text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["humaneval-model", "humaneval-model-llamacpp"]
     (tmp_path / "afile").write_text("x")
-    for out, why in ((tmp_path / "afile" / "sub", "is a file; choose another --out"),
-                     (tmp_path / "afile", "is a file; the results are a folder")):
-        res = CliRunner().invoke(app, ["eval", "model", "--task", "humaneval", "--out", str(out), "--overwrite"])
+    for out, why, *extra in ((tmp_path / "afile" / "sub", "is a file; choose another --out", "--overwrite"),
+                             (tmp_path / "afile", "is a file; the results are a folder", "--overwrite"),
+                             (tmp_path / "afile", "is a file; the results are a folder")):  # not "pass --overwrite"
+        res = CliRunner().invoke(app, ["eval", "model", "--task", "humaneval", "--out", str(out), *extra])
         assert res.exit_code == 2 and why in " ".join(res.output.split()), res.output
     assert (tmp_path / "afile").read_text() == "x" and not (tmp_path / "afile.partial").exists()

@@ -141,8 +141,8 @@ def gguf_plan(config: Any, dtype: str, cache_block: int = CACHE_BLOCK, drop_atte
         raise ExportError(
             f"the converted attention has biases llama.cpp's deepseek2 graph has no tensor for: {bias_note(parts)}; "
             "the key bias's NoPE part, the only one the softmax removes, was already dropped at conversion, so no GGUF "
-            "export is exact (on Qwen2.5-Coder-1.5B, dropping any one of them multiplies perplexity by over 1,000: "
-            "docs/export.md); serve this checkpoint through transformers (mla-convert generate / eval) or vLLM with "
+            "export is exact (on Qwen2.5-Coder-1.5B, dropping any one of them multiplies the conversion's perplexity "
+            "by over 100: docs/export.md); serve this checkpoint through transformers (mla-convert generate / eval) or vLLM with "
             "our plugin, or write the lossy file with `mla-convert export CKPT OUT.gguf --format gguf "
             "--drop-attention-biases`, which prints what it costs, measured in llama.cpp"
         )
