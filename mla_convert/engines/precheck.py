@@ -193,9 +193,10 @@ def export_problems(src: Any, options: Any, target: str = "transformers", fmt: s
     if biased:
         where = ("llama.cpp's deepseek2 attention has no biases; no GGUF export is exact (convert without --export, "
                  "then `mla-convert export OUT OUT.gguf --format gguf --drop-attention-biases` writes a lossy one and "
-                 "prints its cost)" if gguf else "vLLM and SGLang "
-                 "build DeepSeek attention without biases and drop them silently; no DeepSeek-V3 export is exact "
-                 f"there, but {PLUGIN_ROUTE}")
+                 "prints its cost)" if gguf else "the DeepSeek-V3 files hold no attention bias (one file for every "
+                 "engine, and vLLM and SGLang build DeepSeek attention without biases, dropping them silently), so no "
+                 "DeepSeek-V3 export is exact; transformers runs the MLA checkpoint itself (mla-convert generate / "
+                 f"eval), and {PLUGIN_ROUTE}")
         out.append(f"the source has attention biases ({', '.join(p + '_proj' for p in biased)}): {where}")
     if getattr(src.config, "mlp_bias", False):
         out.append("the source MLP has biases; DeepSeek-V3's dense MLP has none")
