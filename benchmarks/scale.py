@@ -68,7 +68,7 @@ MODELS: dict[str, Bench] = {
         {"peak_rss_gb": 5.0},
     ),
     # the default options (16,384 calibration tokens, the search) on 2 of the 8B's layers: its per-layer stage costs
-    "llama8b-2l": Bench(("--dtype", "bfloat16", "--device", "cpu")),
+    "llama8b-2l": Bench(("--dtype", "bfloat16", "--device", "cpu"), {"peak_rss_gb": 5.0}),
     "qwen05b": Bench(
         ("--calib-tokens", "1024", "--window", "256", "--eval-windows", "2", "--dtype", "bfloat16")
     ),
@@ -377,7 +377,7 @@ def block(rows: list[dict[str, Any]], command: str) -> str:
     return "\n".join([*lines, *([""] + gen if gen else [])])
 
 
-def collect_block(names: tuple[str, ...] = ("llama8b", "qwen05b", "smollm2")) -> str:
+def collect_block(names: tuple[str, ...] = ("llama8b", "llama8b-2l", "qwen05b", "smollm2")) -> str:
     """The block ``--collect --models NAMES --readme`` writes, from ``scale.json`` alone."""
     rows = [load_results()["rows"][n] for n in MODELS if n in names]
     return block(rows, f"python benchmarks/scale.py --collect --models {','.join(names)} --readme")
