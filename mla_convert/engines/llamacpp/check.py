@@ -108,6 +108,11 @@ def source_cache(python: str, gguf: Path) -> dict[str, Any]:
     return cache
 
 
+def _worst(margins: list[list[float]]) -> float:
+    """The largest margin (logits below our argmax) of any greedy token llama.cpp picked; 0 with none."""
+    return max((max(m) for m in margins if m), default=0.0)
+
+
 def check_llamacpp(
     ckpt: Path, model: Path, python: str, source_gguf: Path | None = None, cache_type: str = "f16"
 ) -> dict[str, Any]:
@@ -138,13 +143,13 @@ def check_llamacpp(
     if dropped := record.get("dropped_attention_biases"):  # a lossy file: what it costs, then what it computes
         lost, lost_margins = agreement(ours, request, result)
         cost = {"dropped_attention_biases": dropped,
-                **probing.agreement_record(request, result, lost, lost_margins, max((max(m) for m in lost_margins if m), default=0.0))}
+                **probing.agreement_record(request, result, lost, lost_margins, _worst(lost_margins))}
         drop_attention_biases(ours, dropped)
     diff, margins = agreement(ours, request, result)
     quantized = record.get("dtype") not in ("float32", "float16", "bfloat16")
     width = int(meta["deepseek2.attention.kv_lora_rank"]) + int(meta["deepseek2.rope.dimension_count"])
     cache = kv_cache(log)
-    worst = max((max(m) for m in margins if m), default=0.0)
+    worst = _worst(margins)
     bf16 = record.get("dtype") == "bfloat16"
     mean_max, abs_max, margin = (
         Q8_CACHE
