@@ -263,12 +263,7 @@ def part_factor8b(part: Part, work: Path) -> None:
         if report.get(key):
             rec[f"report_{key}"] = report[key]
     part.record = rec
-    if rc is None:
-        part.status, part.error = "failed", f"timed out after {part.limit_s:.0f} s (source {gen_s:.0f} s)"
-    elif rc != 0 or not report:
-        part.status, part.error = "failed", f"exit {rc}: {rec.get('error') or last_error_line(log)}"
-    else:
-        part.status = "ok"
+    settle(part, rc, report, log, f"timed out after {part.limit_s:.0f} s (source {gen_s:.0f} s)")
     bits = [f"source {gen_s:.0f} s"]
     if rec.get("wall_s") is not None:
         bits.append(f"factor {rec['wall_s']:.0f} s")
@@ -337,6 +332,17 @@ def part_decode(part: Part, work: Path) -> None:
         )
 
 
+def settle(part: Part, rc: int | None, report: dict[str, Any], log: Path, timed_out: str) -> None:
+    """A ``factor`` part's status from its exit status (None: killed at its limit, ``timed_out`` says so) and its
+    report: ``ok``, or ``failed`` with the record's error or the log's last error line."""
+    if rc is None:
+        part.status, part.error = "failed", timed_out
+    elif rc != 0 or not report:
+        part.status, part.error = "failed", f"exit {rc}: {part.record.get('error') or last_error_line(log)}"
+    else:
+        part.status = "ok"
+
+
 def part_factor(part: Part, work: Path) -> None:
     out, peak, log = work / "smollm2-mla", work / "factor_peak.json", work / "factor.log"
     part.command = part_command("factor", work)
@@ -351,12 +357,7 @@ def part_factor(part: Part, work: Path) -> None:
         rec["report_run"] = report["run"]
     rec["checkpoint"] = str(out)
     part.record = rec
-    if rc is None:
-        part.status, part.error = "failed", f"timed out after {part.limit_s:.0f} s"
-    elif rc != 0 or not report:
-        part.status, part.error = "failed", f"exit {rc}: {rec.get('error') or last_error_line(log)}"
-    else:
-        part.status = "ok"
+    settle(part, rc, report, log, f"timed out after {part.limit_s:.0f} s")
     bits = [f"{rec['wall_s']:.0f} s"] if rec.get("wall_s") is not None else []
     if rec.get("peak_gpu_allocated_mib") is not None:
         bits.append(f"peak GPU memory {rec['peak_gpu_allocated_mib']:.0f} MiB allocated")
