@@ -205,18 +205,40 @@ def source_floor(ckpt: Path, request: dict[str, Any]) -> torch.Tensor | None:
     return out
 
 
-def allowed_max(source_bf16: torch.Tensor | None, ours_bf16: torch.Tensor | None = None) -> float:
+def export_floor(export: Path, request: dict[str, Any]) -> torch.Tensor:
+    """``[N]`` |log p| of every scored token of ``request``: the export itself, in its format's reference
+    implementation (stock transformers' ``AutoModelForCausalLM``: ``DeepseekV3ForCausalLM`` for a DeepSeek-V3 export,
+    no code of ours), in bfloat16 against float32. An engine serving the export in bfloat16 computes this form, whose
+    rounding differs from our model's (the latent norm, the scale folded into the query, the padded heads): at a
+    token where the conversion is chaotic the two forms' bfloat16 floors differ by several times (the reference
+    conversion on an AVX-512-BF16 EPYC: our copy max 1.04, this form 3.24, vLLM 4.74 on the same token; vLLM against
+    this form in bfloat16 max 1.33)."""
+    from transformers import AutoModelForCausalLM
+
+    logprobs = []
+    for dtype in (torch.float32, torch.bfloat16):
+        model = AutoModelForCausalLM.from_pretrained(str(export), dtype=dtype).eval()
+        logprobs.append(torch.cat([_token_logprobs(model, ids) for ids in request["score"]]))
+        del model
+    return (logprobs[0] - logprobs[1]).abs()
+
+
+def allowed_max(
+    source_bf16: torch.Tensor | None, ours_bf16: torch.Tensor | None = None, export_bf16: torch.Tensor | None = None
+) -> float:
     """The max |d log p| a bfloat16 engine may show: :data:`ABS_MAX`, or :data:`FLOOR_FACTOR` x the source's own
     bfloat16 max on the same tokens when larger; or :data:`FLOOR_FACTOR` x our own bfloat16 copy's max, but only where
     that copy is as sound as the source on average (its mean within :data:`FLOOR_FACTOR` x the source's): then one
     token's larger move is bfloat16 rounding of a sound conversion (the reference conversion calibrated on the default
     mixture: our bf16 copy mean 0.050 / max 1.03 against the source's 0.043 / 0.39, vLLM through the plugin 0.050 /
-    1.19), while a conversion that bfloat16 breaks moves on average and does not widen the limit."""
+    1.19), while a conversion that bfloat16 breaks moves on average and does not widen the limit. ``export_bf16``
+    (:func:`export_floor`, the export's own form in bfloat16) widens it the same way, under the same condition."""
     limit = ABS_MAX if source_bf16 is None else max(ABS_MAX, FLOOR_FACTOR * float(source_bf16.max()))
-    if ours_bf16 is not None and source_bf16 is not None and (
-        float(ours_bf16.mean()) <= FLOOR_FACTOR * float(source_bf16.mean())
-    ):
-        limit = max(limit, FLOOR_FACTOR * float(ours_bf16.max()))
+    for floor in (ours_bf16, export_bf16):
+        if floor is not None and source_bf16 is not None and (
+            float(floor.mean()) <= FLOOR_FACTOR * float(source_bf16.mean())
+        ):
+            limit = max(limit, FLOOR_FACTOR * float(floor.max()))
     return limit
 
 
@@ -233,11 +255,16 @@ def allowed_margin(source_bf16: torch.Tensor | None) -> float:
     return GREEDY_MARGIN if source_bf16 is None else max(GREEDY_MARGIN, FLOOR_FACTOR * float(source_bf16.max()))
 
 
-def floor_record(ours_bf16: torch.Tensor, source_bf16: torch.Tensor | None) -> dict[str, Any]:
-    """The two bfloat16 floors of a record: ours (recorded) and the source's (the one the threshold reads)."""
-    src = None if source_bf16 is None else {"mean": float(source_bf16.mean()), "max": float(source_bf16.max())}
-    return {"ours_bf16_abs_diff": {"mean": float(ours_bf16.mean()), "max": float(ours_bf16.max())},
-            "source_bf16_abs_diff": src}
+def floor_record(
+    ours_bf16: torch.Tensor, source_bf16: torch.Tensor | None, export_bf16: torch.Tensor | None = None
+) -> dict[str, Any]:
+    """The bfloat16 floors of a record: ours, the source's and, for an export, the export's own form's
+    (:func:`allowed_max` reads them)."""
+    def stats(x: torch.Tensor | None) -> dict[str, float] | None:
+        return None if x is None else {"mean": float(x.mean()), "max": float(x.max())}
+
+    out = {"ours_bf16_abs_diff": stats(ours_bf16), "source_bf16_abs_diff": stats(source_bf16)}
+    return out if export_bf16 is None else {**out, "export_bf16_abs_diff": stats(export_bf16)}
 
 
 def floor_text(record: dict[str, Any]) -> str:

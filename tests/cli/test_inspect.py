@@ -46,7 +46,7 @@ def test_inspect_prints_memory_disk_and_time_for_the_factor_options():
     assert memory.startswith("  peak memory: ~1.9 GB resident, in sample") and "its float32 copy 0.58" in memory
     assert disk.startswith("  disk: output ~0.29 GB;") and ".OUT.factor" in disk
     # the search converts 5 candidates: 18, 24, 30 pairs, then rotation at the best, then the sequential refit there
-    assert time.startswith("  time: ~7 min, an estimate for the reference CPU") and "rope split 4 min" in time
+    assert time.startswith("  time: ~6 min, an estimate for the reference CPU") and "rope split 4 min" in time
     res = CliRunner().invoke(cli.app, ["inspect", "smollm2-135m"], env={"COLUMNS": "400"})
     assert "factor with the default options would need" in res.output
     res = CliRunner().invoke(cli.app, ["inspect", "smollm2-135m", "--max-shard-size", "lots"])

@@ -197,3 +197,25 @@ def test_refit_keeps_the_source_bfloat16_precision(biased, request, windows, mon
     assert max(free[k]["ratio"] for k in ("long", "short")) > 1.25 * worst_bounded
     if biased:
         assert not free["passed"], free  # main's refit: the check fails on real-magnitude biases
+
+
+def test_the_sensitivity_curve_is_the_fits_sensitivity():
+    """The bisection's O(n²) sensitivity (refit.sensitivity_curve) against the fit solved directly at each λ
+    (``torch.linalg.solve``, not the eigenvectors) and measured by ``rounding_sensitivity``."""
+    from mla_convert.convert.layer.refit import rounding_sensitivity, sensitivity_curve
+
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(300, 40, generator=g, dtype=torch.float64) * torch.logspace(0, -3, 40, dtype=torch.float64)
+    gram = z.T @ z
+    rhs = z.T @ torch.randn(300, 24, generator=g, dtype=torch.float64)
+    w0 = torch.randn(40, 24, generator=g, dtype=torch.float64)
+    ms = torch.diagonal(gram) / 300
+    evals, evecs = torch.linalg.eigh(gram)
+    curve = sensitivity_curve(evals.clamp_min(0), evecs, rhs, w0, ms)
+    eye = torch.eye(40, dtype=torch.float64)
+    values = []
+    for lam in (1e-6, 1e-3, 0.1, 3.0, 1e3):
+        oracle = rounding_sensitivity(torch.linalg.solve(gram + lam * eye, rhs + lam * w0), ms)
+        assert curve(lam) == pytest.approx(oracle, rel=1e-9)
+        values.append(oracle)
+    assert values[-1] > 3 * values[0]  # from the plain fit's toward W0's as λ grows: a curve, not a constant

@@ -153,6 +153,20 @@ def targets(smol, layer):
     }
 
 
+def _right(t):
+    """A right weight ``R`` with ``R Rᵀ = t.right_gram`` (Cholesky: not the code's route to its factors)."""
+    return torch.linalg.cholesky(t.right_gram)
+
+
+@pytest.mark.parametrize("objective", ["weight", "activation", "output"])
+def test_the_spectrum_is_the_weighted_matrix_singular_values(targets, objective):
+    t = targets[objective]
+    oracle = torch.linalg.svdvals(t.left @ t.w @ _right(t))  # an SVD of L W R, not the Gram's eigenvalues
+    s = spectrum(t)
+    assert s.shape == oracle.shape
+    assert torch.allclose(s[:150], oracle[:150], rtol=1e-7, atol=1e-9 * float(oracle[0]))
+
+
 @pytest.mark.parametrize("objective", ["weight", "activation", "output"])
 def test_joint_factors_meet_eckart_young(targets, objective):
     t = targets[objective]
@@ -161,7 +175,7 @@ def test_joint_factors_meet_eckart_young(targets, objective):
         f = factor_layer(t, rank, "joint")
         lu = t.left @ f.up
         assert torch.allclose(lu.T @ lu, torch.eye(rank, dtype=torch.float64), atol=1e-8)  # L·up orthonormal
-        err = (t.left @ (t.w - f.up @ f.down) @ t.right).square().sum()
+        err = (t.left @ (t.w - f.up @ f.down) @ _right(t)).square().sum()
         assert float(err) == pytest.approx(float(s[rank:].square().sum()), rel=1e-6)
         assert f.energy == pytest.approx(float(s[:rank].square().sum() / s.square().sum()), rel=1e-9)
         assert 0 < f.rel_error < 1
@@ -178,14 +192,14 @@ def test_split_factors_keys_and_values_apart(targets):
     n, rank = t.n_key, 40
     f = factor_layer(t, rank, "split")
     assert torch.count_nonzero(f.up[:n, rank // 2 :]) == 0 and torch.count_nonzero(f.up[n:, : rank // 2]) == 0
-    key_tail = torch.linalg.svdvals(t.left[:n, :n] @ t.w[:n] @ t.right)[rank // 2 :].square().sum()
-    err = (t.left[:n, :n] @ (t.w[:n] - f.up[:n] @ f.down) @ t.right).square().sum()
+    key_tail = torch.linalg.svdvals(t.left[:n, :n] @ t.w[:n] @ _right(t))[rank // 2 :].square().sum()
+    err = (t.left[:n, :n] @ (t.w[:n] - f.up[:n] @ f.down) @ _right(t)).square().sum()
     assert float(err) == pytest.approx(float(key_tail), rel=1e-6)
 
 
 def test_kv_balance_equalises_weighted_energy(targets):
     t = targets["activation"]
-    weighted = t.left @ t.w @ t.right
+    weighted = t.left @ t.w @ _right(t)
     assert float(weighted[: t.n_key].square().sum()) == pytest.approx(
         float(weighted[t.n_key :].square().sum()), rel=1e-9
     )

@@ -151,7 +151,7 @@ def test_8b_shape_stays_below_5gb_with_the_benchmark_options():
     assert disk.output == pytest.approx(2 * shape.output_params, rel=1e-4)  # rope_inv_freq stays float32
     per_layer = dict(disk.items)
     p1 = next(v for k, v in per_layer.items() if k.startswith("pass-1 files")) / 32
-    assert p1 == pytest.approx(416_306_827, rel=0.01)  # float64 target with C and C^1/2, captures, pickled
+    assert p1 == pytest.approx(416_306_827, rel=0.01)  # float64 target with C and the Gram's eigenvectors, captures
     assert per_layer["RoPE plans"] / 32 == pytest.approx(23_689_248, rel=0.05)
     # pass 2 removes each pass-1 file once its layer is written: the peak is the staged output with the
     # MLA attention files and plans, not the output plus every pass-1 file
@@ -162,7 +162,7 @@ def test_8b_shape_stays_below_5gb_with_the_benchmark_options():
     assert disk.work_peak < disk.output + 32 * p1
     smol = factor_time(ConvertOptions(dtype="bfloat16"), open_source("smollm2-135m")).total
     assert (
-        factor_time(options, src).total > 15 * smol
+        factor_time(options, src).total > 12 * smol
     )  # float64 d x d algebra and 36x the layer work (on 1/32 of the tokens)
     lines = factor_lines(options.model_copy(update={"device": "cpu"}), src)
     assert [ln.split(":")[0] for ln in lines[:3]] == ["peak memory", "disk", "time"]

@@ -24,12 +24,13 @@ mapped file. Then, per phase:
   activations (:data:`~mla_convert.convert.layer.layers.CHUNK_BYTES`) and a second copy of the stream being run.
   Layer 0 also holds the embedding pages (the files are released after each layer).
 * ``plan``: the layer's pages, float64 attention weights, statistics, the captures twice (lists and their
-  concatenations), the weighted K/V target (``8 (r d + r² + d²)``) and the eigendecomposition workspace of
-  ``C^½`` (:data:`EIGH_TEMPS` float64 ``d x d`` matrices).
+  concatenations), the weighted K/V target with its Gram matrix's eigenvectors (``8 (r d + 2 r²)``) and the
+  Gram route's workspace (``C`` with its ridge, ``L W C``, the eigendecomposition: ``8 (d² + 2 r d + 3 r²)``).
 * ``factor`` / ``assemble`` / ``refit`` / ``held-out forward`` (pass 2): the layer's pass-1 file (target with
-  ``C`` and ``C^½``, captures), then the SVD workspace; or one source layer in float32 with its pages, the
-  float64 weights and the float64 MLA tensors being assembled (the query map three times); or the MLA layer
-  with the ridge least-squares of the refit (``z``, ``y`` float64 over ``N T`` tokens, Gram matrices); or the
+  ``C`` and the eigenvectors, captures), then the factorization's products; or one source layer in float32 with its pages, the
+  float64 weights and the float64 MLA tensors being assembled (the query map at its full NoPE width, written in
+  place, and its reduced copy); or the MLA layer
+  with the ridge least-squares of the refit (``z``, ``y`` of one chunk of windows, Gram matrices); or the
   MLA layer running the held-out streams (plain and refit variants) in chunks.
 * ``eval pass`` (pass 3): one MLA layer in float32 with its pages and one chunk.
 * ``score``: the LM head's mapped pages in its stored dtype, then per vocabulary chunk (``C`` = 8192 rows) the
@@ -42,8 +43,8 @@ mapped file. Then, per phase:
 
 **Disk** (:func:`factor_disk`): the output (converted parameters x ``b``, ``rope_inv_freq`` float32), and the
 work folder ``.OUT.factor/`` at its peak (the end of pass 1, or the end with the output staged, since pass 2 removes
-each layer's pass-1 file once it has written the layer): per layer the pass-1 file (float64 target with ``C`` and ``C^½``,
-captures), the RoPE plan and the MLA attention file in the output dtype (``o_proj`` twice with the refit), the
+each layer's pass-1 file once it has written the layer): per layer the pass-1 file (float64 target with ``C`` and the
+eigenvectors, captures), the RoPE plan and the MLA attention file in the output dtype (``o_proj`` twice with the refit), the
 streams' state, the float32 copy of every layer for a quantized GGUF source (until pass 3), and the staged output.
 
 **Time**: :mod:`mla_convert.convert.estimate.estimate_time` (:func:`~mla_convert.convert.estimate.estimate_time.factor_time`).
@@ -71,10 +72,6 @@ FINITE_BYTES = 4.0 * (1 << 24)
 #: 0.58 GB with the text loaded before the first layer (torch 2.13 CPU, transformers 5.2, Linux; RssAnon 0.36 +
 #: RssFile 0.22 GB), 0.8-0.95 GB between layers of the bundled model's streamed conversion (rounded up).
 RUNTIME_BYTES = 0.9e9
-
-#: Float64 ``d x d`` matrices alive at the worst moment of ``build_target``'s ``C^½``: the identity it keeps,
-#: ``C + ridge I`` and its temporaries, the eigenvectors, LAPACK's ``syevd`` workspace and the products.
-EIGH_TEMPS = 6
 
 #: Anonymous bytes that greedy decoding (24 tokens, the report's sample) adds per byte of a bfloat16/float16
 #: checkpoint on the CPU (oneDNN keeps packed weights per new sequence length): measured 0.67 GB for the bundled

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from mla_convert.convert.estimate.estimate import (
-    EIGH_TEMPS,
     FINITE_BYTES,
     GB,
     RUNTIME_BYTES,
@@ -86,8 +85,9 @@ def factor_phases(
     stats = ("statistics (2 x float64 d x d)", 16.0 * d * d)
     captures = _captures(s)
     cap_name = "captures (refit + held-out)" if s.refit else "captures (held-out)"
-    target = 8.0 * (s.rows * d + s.rows * s.rows + d * d)
-    p1_file = 8.0 * (s.rows * d + s.rows * s.rows + 2 * d * d) + captures
+    r = s.rows
+    target = 8.0 * (r * d + 2 * r * r)  # W, L and the Gram's eigenvectors (C is the statistics')
+    p1_file = 8.0 * (r * d + 2 * r * r + d * d) + captures
     stats_tmp = 8.0 * t * (d + (s.heads + s.kv_heads) * s.head_dim)  # per window: float64 x, q, k
     conv_layer = s.layer_params - s.attn_params + s.conv_attn_params
     hdv = s.heads * s.head_dim  # o_proj input width
@@ -114,7 +114,6 @@ def factor_phases(
             + (("activations of one chunk", _chunk_bytes(s, biggest) + stats_tmp * _chunk_windows(s, n)),),
         )
     )
-    eig = EIGH_TEMPS if s.objective != "weight" else 1
     phases.append(
         Phase(
             "factor",
@@ -129,7 +128,7 @@ def factor_phases(
             + (attn64, stats, (f"{cap_name} and their concatenation", 2 * captures))
             + (
                 ("weighted K/V target (float64)", target),
-                ("eigendecomposition workspace", 8.0 * eig * d * d),
+                ("Gram route (C + ridge, L W C, eigendecomposition)", 8.0 * (d * d + 2 * r * d + 3 * r * r)),
             ),
         )
     )
@@ -138,10 +137,10 @@ def factor_phases(
         Phase(
             "factor",
             "factor",
-            pass2 + (p1, ("SVD workspace (float64)", 8.0 * (6 * s.rows * d + 4 * s.rows * s.rows))),
+            pass2 + (p1, ("factorization products (float64)", 8.0 * (d * d + 5 * r * d + 2 * r * r))),
         )
     )
-    assembled = 8.0 * (3 * s.q_conv_params + (s.conv_attn_params - s.q_conv_params))
+    assembled = 8.0 * (s.q_conv_params + s.conv_attn_params)  # the query map written in place, then its copies
     phases.append(
         Phase(
             "factor",
@@ -153,8 +152,10 @@ def factor_phases(
         )
     )
     if s.refit:
-        nt = tok["calib"]
-        refit_ws = nt * (8.0 * hdv + 8.0 * hdv + 16.0 * d) + 8.0 * (3 * hdv * hdv + 3 * hdv * d)
+        # ZᵀZ and ZᵀY accumulated one chunk of windows at a time (refit.refit_o_proj): the chunk's float32 and
+        # float64 Z and float64 Y, then the Gram matrices, the right-hand side and the solve
+        ct = max(1, 2**22 // max(1, s.heads * t * t)) * t
+        refit_ws = ct * (4.0 * hdv + 8.0 * hdv + 8.0 * d) + 8.0 * (3 * hdv * hdv + 3 * hdv * d)
         phases.append(
             Phase(
                 "factor",

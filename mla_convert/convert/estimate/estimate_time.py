@@ -26,11 +26,6 @@ FP64_GFLOPS = 30.0
 #: Seconds per ``n³`` of ``torch.linalg.eigh`` (float64, one thread): 0.062 s at n = 576 (3.2e-10), 3.3 s at
 #: n = 2048 (3.8e-10).
 EIGH_S_PER_N3 = 3.8e-10
-#: Seconds per ``m² n`` of ``torch.linalg.svd(full_matrices=False)`` of an ``m x n`` float64 matrix (m <= n),
-#: one thread: 0.049 s at 336 x 576 (7.6e-10), 19.8 s at 2000 x 4096 (1.2e-9).
-SVD_S_PER_M2N = 1.2e-9
-#: The same for ``torch.linalg.svdvals``: 0.025 s at 336 x 576 (3.9e-10), 10.0 s at 2000 x 4096 (6.1e-10).
-SVDVALS_S_PER_M2N = 6.1e-10
 # Fitted to the bundled model's default conversion with two threads (``mla-convert factor smollm2-135m OUT
 # --device cpu``: 16384 calibration tokens in bfloat16 autocast, SDPA prefill; 137 s wall on a 2-core AMD EPYC where
 # the 8192-token float32 default of commit 156b868 took 142 s, so each stage is scaled by 133/142 to the reference
@@ -115,9 +110,6 @@ def factor_time(options: ConvertOptions, src: Any, candidates: int = 1, measured
     hq, gk = h * hd, g * hd
     plan64 = 2.0 * hq * d * d + 2.0 * hq * hq * d + 2.0 * gk * d * d + 2.0 * gk * gk * d
     plan_la = 0.0
-    sqrt64 = sqrt_la = 0.0  # C^½ of the layer's input: once per layer, shared by every plan tried on it
-    if s.objective != "weight":
-        sqrt64, sqrt_la = 4.0 * d**3, EIGH_S_PER_N3 * d**3
     if s.objective == "output":
         # its square root is block-diagonal (linalg.psd_sqrt): G NoPE-key blocks of about nope_width / G rows and G
         # value blocks of head_dim rows, each its own eigendecomposition
@@ -125,14 +117,15 @@ def factor_time(options: ConvertOptions, src: Any, candidates: int = 1, measured
         blocks3 = nw**3 / g**2 + g * hd**3
         plan64 += h * (2.0 * d_n * d * d + 2.0 * d_n * d_n * d + 2.0 * hd * hd * d) + 4.0 * blocks3
         plan_la += EIGH_S_PER_N3 * blocks3
-    weighted = 2.0 * r * r * d + 2.0 * r * d * d  # L W R
-    plan64 += weighted
-    m_, n_ = min(r, d), max(r, d)
-    if s.budget:
-        plan64 += weighted
-        plan_la += SVDVALS_S_PER_M2N * m_ * m_ * n_
-    factor64 = 4 * weighted + (2.0 / 3.0) * r**3  # L W R, spectrum, the two error traces; solve(L, U)
-    factor_la = (SVD_S_PER_M2N + SVDVALS_S_PER_M2N) * m_ * m_ * n_
+    # the Gram matrix L W C Wᵀ Lᵀ of the weighted K/V matrix (factorize.gram_eig): L W, (L W) C, then (L W C) (L W)ᵀ
+    gram = 4.0 * r * r * d + 2.0 * r * d * d
+    plan64 += 2.0 * r * r * d + 2.0 * r * d * d  # the balance's weighted energies
+    if s.budget:  # the spectrum: the Gram's eigendecomposition, kept with the target for the factorization
+        plan64 += gram
+        plan_la += EIGH_S_PER_N3 * r**3
+    # the two error traces and solve(L, U); the Gram and its eigendecomposition where no spectrum was taken
+    factor64 = 2.0 * (2.0 * r * d * d + 2.0 * r * r * d) + (2.0 / 3.0) * r**3 + (0.0 if s.budget else gram)
+    factor_la = 0.0 if s.budget else EIGH_S_PER_N3 * r**3
     windows_calib = tok["calib"] // max(1, t)
     nt = -(-windows_calib // refit_stride(windows_calib, t)) * t if s.refit else 0  # REFIT_TOKENS at most
     refit_fwd = n_l * nt * f_conv(t, attention_only=True)
@@ -157,7 +150,7 @@ def factor_time(options: ConvertOptions, src: Any, candidates: int = 1, measured
         "source forward": (fwd_src + stats32) / (SOURCE_FORWARD_GFLOPS * giga)
         + fwd_calib / (calib_rate * giga)
         + stats64 * f64,
-        "plan": n_l * ((plan64 + sqrt64) * f64 + (plan_la + sqrt_la) * FLOAT64_TWO_THREADS),
+        "plan": n_l * (plan64 * f64 + plan_la * FLOAT64_TWO_THREADS),
         "factor": n_l * (factor64 * f64 + factor_la * FLOAT64_TWO_THREADS),
         "assemble + refit": (refit_fwd + refit64 + assemble64) / (REFIT_GFLOPS * giga),
         "held-out forward": (held_fwd + seq_fwd) / (CONVERTED_FORWARD_GFLOPS * giga),

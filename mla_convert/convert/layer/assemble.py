@@ -72,15 +72,19 @@ def layer_tensors(
     d_v = w["v"].shape[0] // g
     n = factors.up.shape[0] - g * d_v
     s2 = attention_scaling**2
-    q_rows, q_bias = [], []
+    d_n, d_r = plan.q_nope.shape[1], plan.q_rope.shape[1]
+    # the query map is the largest float64 tensor of a layer (1 GB at 8B before a NoPE-width reduction): written
+    # in place, head by head, never a second copy
+    q_weight = torch.empty(h, d_n + d_r, w["q"].shape[1], dtype=torch.float64)
+    q_bias = []
     for hi in range(h):
         wq = w["q"][hi * d : (hi + 1) * d]
-        q_rows += [plan.q_nope[hi] @ wq, plan.q_rope[hi] @ wq]
+        torch.matmul(plan.q_nope[hi], wq, out=q_weight[hi, :d_n])
+        torch.matmul(plan.q_rope[hi], wq, out=q_weight[hi, d_n:])
         if "bq" in w:
             bq = w["bq"][hi * d : (hi + 1) * d]
             q_bias += [plan.q_nope[hi] @ bq, plan.q_rope[hi] @ bq]
-    q_weight = torch.cat(q_rows)
-    del q_rows  # the query map is the largest float64 tensor of a layer (1 GB at 8B): one copy at a time
+    q_weight = q_weight.view(h * (d_n + d_r), -1)
     out = {"q_proj.weight": q_weight.mul_(s2) if s2 != 1.0 else q_weight}
     if q_bias:
         out["q_proj.bias"] = torch.cat(q_bias) * s2

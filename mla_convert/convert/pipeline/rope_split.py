@@ -68,14 +68,10 @@ class SplitChoice:
     spectra: list[torch.Tensor] | None = None
 
 
-def _stats(p1: dict[str, Any], objective: str) -> LayerStats:
-    """A layer's calibration statistics again from what pass 1 saved (``p1.pt``), with the ``C^½`` its target
-    was weighted by (:func:`~mla_convert.convert.layer.factorize.xx_sqrt`; not computed again for every candidate)."""
+def _stats(p1: dict[str, Any]) -> LayerStats:
+    """A layer's calibration statistics again from what pass 1 saved (``p1.pt``)."""
     q_norm, k_norm = p1["pair_norms"]
-    st = LayerStats(p1["target"].xx, p1["x_mean"], q_norm, k_norm, int(p1["tokens"]))
-    if objective != "weight":
-        st.moments["xx_sqrt"] = p1["target"].right
-    return st
+    return LayerStats(p1["target"].xx, p1["x_mean"], q_norm, k_norm, int(p1["tokens"]))
 
 
 class _Search:
@@ -104,7 +100,7 @@ class _Search:
 
         def plan(i: int) -> Planned:
             weights = conv.layer_source(i).weights
-            planned = plan_step(conv.src, opts, weights, _stats(conv.calibration_record(i), opts.objective))
+            planned = plan_step(conv.src, opts, weights, _stats(conv.calibration_record(i)))
             conv.src.release()
             return planned
 
@@ -127,7 +123,7 @@ class _Search:
         for i in range(conv.n_layers):
             p1 = conv.calibration_record(i)
             layer = conv.layer_source(i)
-            stats = _stats(p1, conv.options.objective)
+            stats = _stats(p1)
             for run in runs.values():
                 run.layer(layer, p1, stats)
             src.release()

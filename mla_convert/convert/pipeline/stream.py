@@ -312,7 +312,6 @@ class StreamedConversion:
             d_nope = []
             for i in range(self.n_layers):
                 p1, layer = self.calibration_record(i), planned(i)
-                layer.target.singular_values = spectra[i]
                 p1["target"] = layer.target
                 save_torch(self.layer_file(i, "plan.pt"), layer.plan)
                 save_torch(self.layer_file(i, "p1.pt"), p1)

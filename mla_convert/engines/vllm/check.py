@@ -45,6 +45,7 @@ from mla_convert.engines.probing import (
     allowed_max,
     allowed_mean,
     build_request,
+    export_floor,
     floor_record,
     floor_text,
     report,
@@ -65,17 +66,22 @@ def run_vllm(python: str, export: Path, request: dict[str, Any], custom_ops: boo
     return run_probe(python, PROBE, export, {**request, "custom_ops": custom_ops}, "vLLM")
 
 
-def compare(ckpt: Path, width: int, request: dict[str, Any], result: dict[str, Any], log: str) -> dict[str, Any]:
+def compare(
+    ckpt: Path, width: int, request: dict[str, Any], result: dict[str, Any], log: str, export: Path | None = None
+) -> dict[str, Any]:
     """Our model (``ckpt``, float32) against vLLM's ``result`` on ``request``, vLLM expected to cache one latent head
     of ``width`` values per token per layer: the record of :func:`check_vllm` and :func:`check_plugin` (figures,
-    thresholds, ``passed``, ``reasons``)."""
+    thresholds, ``passed``, ``reasons``). ``export``: the folder vLLM served, when it is an export (its own bfloat16
+    floor, :func:`~mla_convert.engines.probing.export_floor`, is measured and may widen the max allowed)."""
     diff, bf16, src_bf16, margins = against_ours(ckpt, request, result)
+    export_bf16 = None if export is None else export_floor(export, request)
     worst = max(max(m) for m in margins)
     backends = sorted(set(re.findall(r"Using (\w+) (?:MLA prefill )?backend", log)))
     cache = result.get("kv_cache") or {}
     groups = cache.get("groups", [])
     reasons = []
-    abs_max, mean_max, margin = allowed_max(src_bf16, bf16), allowed_mean(src_bf16), allowed_margin(src_bf16)
+    abs_max = allowed_max(src_bf16, bf16, export_bf16)
+    mean_max, margin = allowed_mean(src_bf16), allowed_margin(src_bf16)
     if float(diff.mean()) > mean_max or float(diff.max()) > abs_max:
         reasons.append(f"prompt log-probabilities differ by mean {float(diff.mean()):.3f} / max {float(diff.max()):.3f} "
                        f"(allowed {mean_max:.3f} / {abs_max:.3f})")
@@ -93,7 +99,7 @@ def compare(ckpt: Path, width: int, request: dict[str, Any], result: dict[str, A
         "dtype": result["model"]["dtype"],
         "custom_ops": result["custom_ops"],
         **agreement_record(request, result, diff, margins, worst),
-        **floor_record(bf16, src_bf16),
+        **floor_record(bf16, src_bf16, export_bf16),
         "kv_cache": cache,
         "kv_cache_values_per_token_per_layer": width,
         "thresholds": {"mean": round(mean_max, 4), "max": round(abs_max, 4), "greedy_margin": round(margin, 4)},
@@ -120,7 +126,7 @@ def check_vllm(ckpt: Path, export: Path, python: str, custom_ops: bool = False) 
     result, log = run_vllm(python, export, request, custom_ops)
     export_record = json.loads((export / "mla_manifest.json").read_text())["export"]
     width = export_record["kv_lora_rank"] + 2 * export_record["rope"]["slots"]
-    record = compare(ckpt, width, request, result, log)
+    record = compare(ckpt, width, request, result, log, export)
     record["wall_s"] = round(time.perf_counter() - started, 1)
     return record
 
@@ -168,10 +174,13 @@ def table(record: dict[str, Any], what: str) -> str:
         ("prompt log-prob vs ours (float32): mean / max abs diff", f"{d['mean']:.3f} / {d['max']:.3f}"),
         ("ours in bfloat16 vs ours in float32", f"{f['mean']:.3f} / {f['max']:.3f}"),
         ("source in bfloat16 vs source in float32 (rounding floor)", floor_text(record)),
+        *([("the export in bfloat16 vs float32 (stock transformers, its format's reference)",
+            f"{e['mean']:.3f} / {e['max']:.3f}")] if (e := record.get("export_bf16_abs_diff")) else []),
         ("greedy tokens that are our argmax", f"{g['argmax_equal']} / {g['count']} (worst margin {g['max_margin']:.3f})"),
         ("KV cache vLLM allocated", cache),
         ("thresholds", f"mean <= {record['thresholds']['mean']}, max <= {record['thresholds']['max']} "
-                       f"(the larger of {ABS_MAX} and {FLOOR_FACTOR:g}x {_floor_owner(record)} bf16 max), "
+                       f"(the larger of {ABS_MAX} and {FLOOR_FACTOR:g}x {_floor_owner(record)} bf16 max; "
+                       f"{FLOOR_FACTOR:g}x ours or the export's where its mean is within {FLOOR_FACTOR:g}x the source's), "
                        f"greedy within {record['thresholds']['greedy_margin']} logits"),
         ("result", "passed" if record["passed"] else "FAILED: " + "; ".join(record["reasons"])),
     ]
