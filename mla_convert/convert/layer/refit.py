@@ -13,6 +13,10 @@ from mla_convert.mla.algebra import causal_mask
 from mla_convert.mla.attention import MLAAttention
 from mla_convert.mla.modeling import MLAForCausalLM
 
+#: Attention scores per forward call of the refit's accumulation (~16 MB in float32): windows go by chunks of
+#: ``SCORES_PER_CALL / (H T²)``, so ``ZᵀZ`` and ``ZᵀY`` are summed over chunks and no ``[N T, ·]`` matrix is held.
+SCORES_PER_CALL = 2**22
+
 
 @torch.no_grad()
 def lm_losses(model: MLAForCausalLM, ids: torch.Tensor) -> list[float]:
@@ -68,7 +72,7 @@ def refit_o_proj(
     hook = attn.o_proj.register_forward_pre_hook(lambda _m, a: captured.append(a[0].detach()))
     try:
         n, t = x.shape[:2]
-        rows = max(1, 2**22 // max(1, attn.num_heads * t * t))  # ~16 MB of float32 scores per call
+        rows = max(1, SCORES_PER_CALL // max(1, attn.num_heads * t * t))
         for start in range(0, n, rows):  # Z and Y accumulated by chunk: never the float64 [N T, ·] matrices whole
             b = min(rows, n - start)
             pos = torch.arange(t, device=x.device)[None].expand(b, t)
