@@ -205,22 +205,29 @@ def source_floor(ckpt: Path, request: dict[str, Any]) -> torch.Tensor | None:
     return out
 
 
-def export_floor(export: Path, request: dict[str, Any]) -> torch.Tensor:
-    """``[N]`` |log p| of every scored token of ``request``: the export itself, in its format's reference
-    implementation (stock transformers' ``AutoModelForCausalLM``: ``DeepseekV3ForCausalLM`` for a DeepSeek-V3 export,
-    no code of ours), in bfloat16 against float32. An engine serving the export in bfloat16 computes this form, whose
-    rounding differs from our model's (the latent norm, the scale folded into the query, the padded heads): at a
-    token where the conversion is chaotic the two forms' bfloat16 floors differ by several times (the reference
-    conversion on an AVX-512-BF16 EPYC: our copy max 1.04, this form 3.24, vLLM 4.74 on the same token; vLLM against
-    this form in bfloat16 max 1.33)."""
+def export_logprobs(export: Path, request: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([N], [N])``: the log-probability of every scored token of ``request`` (float64) from the export itself in
+    its format's reference implementation (stock transformers' ``AutoModelForCausalLM``: ``DeepseekV3ForCausalLM``
+    for a DeepSeek-V3 export, no code of ours), in float32 and in bfloat16.
+
+    An engine serving the export in bfloat16 computes this form, whose rounding differs from our model's (the latent
+    norm, the scale folded into the query, the padded heads): at a token where the conversion is chaotic the two
+    forms' bfloat16 floors differ by several times (the reference conversion on an AVX-512-BF16 EPYC: our copy max
+    1.04, this form 3.24, vLLM 4.74 on the same token; vLLM against this form in bfloat16 max 1.33)."""
     from transformers import AutoModelForCausalLM
 
-    logprobs = []
+    out = []
     for dtype in (torch.float32, torch.bfloat16):
         model = AutoModelForCausalLM.from_pretrained(str(export), dtype=dtype).eval()
-        logprobs.append(torch.cat([_token_logprobs(model, ids) for ids in request["score"]]))
+        out.append(torch.cat([_token_logprobs(model, ids) for ids in request["score"]]))
         del model
-    return (logprobs[0] - logprobs[1]).abs()
+    return out[0], out[1]
+
+
+def engine_logprobs(result: dict[str, Any]) -> torch.Tensor:
+    """``[N]`` float64: an engine's log-probability of every scored token (a probe's ``prompt_logprobs``, concatenated
+    in the order :func:`agreement` reads them)."""
+    return torch.cat([torch.tensor(row, dtype=torch.float64) for row in result["prompt_logprobs"]])
 
 
 def allowed_max(
@@ -232,7 +239,8 @@ def allowed_max(
     token's larger move is bfloat16 rounding of a sound conversion (the reference conversion calibrated on the default
     mixture: our bf16 copy mean 0.050 / max 1.03 against the source's 0.043 / 0.39, vLLM through the plugin 0.050 /
     1.19), while a conversion that bfloat16 breaks moves on average and does not widen the limit. ``export_bf16``
-    (:func:`export_floor`, the export's own form in bfloat16) widens it the same way, under the same condition."""
+    (the export's own form in bfloat16 against float32, :func:`export_logprobs`) widens it the same way, under the
+    same condition."""
     limit = ABS_MAX if source_bf16 is None else max(ABS_MAX, FLOOR_FACTOR * float(source_bf16.max()))
     for floor in (ours_bf16, export_bf16):
         if floor is not None and source_bf16 is not None and (

@@ -25,7 +25,7 @@ greedy token our argmax; our model's own bf16 gives mean ~0.05. A wrong export (
 rotary kernel) gives mean > 1. The max is the tail of 254 rounding errors: a conversion of the same model whose
 weights differ only by LAPACK threading (1 vs 2 threads) gave vLLM max 0.691 at mean 0.038, with our own bf16 model
 at max 0.443 / mean 0.036 on the same tokens; so the max allowed grows with that measured floor. The export's own form (stock transformers'
-``DeepseekV3ForCausalLM`` on EXPORT, in bfloat16 against float32: :func:`~mla_convert.engines.probing.export_floor`) is
+``DeepseekV3ForCausalLM`` on EXPORT, in bfloat16 against float32: :func:`~mla_convert.engines.probing.export_logprobs`) is
 a floor too: on an AVX-512-BF16 EPYC the reference conversion's token after ``<|im_start|>system`` moved 1.04 in our
 bfloat16 copy, 3.24 in that form and 4.74 in vLLM (vLLM against that form, both bfloat16: 1.33), at mean 0.046 /
 0.063 / 0.068 over all 357 tokens; the converted model is chaotic there (a spurious massive activation at
@@ -51,7 +51,8 @@ from mla_convert.engines.probing import (
     allowed_max,
     allowed_mean,
     build_request,
-    export_floor,
+    engine_logprobs,
+    export_logprobs,
     floor_record,
     floor_text,
     report,
@@ -78,9 +79,13 @@ def compare(
     """Our model (``ckpt``, float32) against vLLM's ``result`` on ``request``, vLLM expected to cache one latent head
     of ``width`` values per token per layer: the record of :func:`check_vllm` and :func:`check_plugin` (figures,
     thresholds, ``passed``, ``reasons``). ``export``: the folder vLLM served, when it is an export (its own bfloat16
-    floor, :func:`~mla_convert.engines.probing.export_floor`, is measured and may widen the max allowed)."""
+    floor, :func:`~mla_convert.engines.probing.export_logprobs`, is measured and may widen the max allowed;
+    vLLM against that form in bfloat16 is recorded)."""
     diff, bf16, src_bf16, margins = against_ours(ckpt, request, result)
-    export_bf16 = None if export is None else export_floor(export, request)
+    export_bf16 = vs_form = None
+    if export is not None:  # the export's own form (stock transformers): its bf16 floor, and vLLM against it in bf16
+        form_f32, form_bf16 = export_logprobs(export, request)
+        export_bf16, vs_form = (form_f32 - form_bf16).abs(), (engine_logprobs(result) - form_bf16).abs()
     worst = max(max(m) for m in margins)
     backends = sorted(set(re.findall(r"Using (\w+) (?:MLA prefill )?backend", log)))
     cache = result.get("kv_cache") or {}
@@ -106,6 +111,8 @@ def compare(
         "custom_ops": result["custom_ops"],
         **agreement_record(request, result, diff, margins, worst),
         **floor_record(bf16, src_bf16, export_bf16),
+        **({} if vs_form is None else {"vs_export_bf16_abs_diff": {"mean": float(vs_form.mean()),
+                                                                   "max": float(vs_form.max())}}),
         "kv_cache": cache,
         "kv_cache_values_per_token_per_layer": width,
         "thresholds": {"mean": round(mean_max, 4), "max": round(abs_max, 4), "greedy_margin": round(margin, 4)},
@@ -182,6 +189,8 @@ def table(record: dict[str, Any], what: str) -> str:
         ("source in bfloat16 vs source in float32 (rounding floor)", floor_text(record)),
         *([("the export in bfloat16 vs float32 (stock transformers, its format's reference)",
             f"{e['mean']:.3f} / {e['max']:.3f}")] if (e := record.get("export_bf16_abs_diff")) else []),
+        *([("vLLM vs the export in bfloat16 (stock transformers): mean / max abs diff",
+            f"{v['mean']:.3f} / {v['max']:.3f}")] if (v := record.get("vs_export_bf16_abs_diff")) else []),
         ("greedy tokens that are our argmax", f"{g['argmax_equal']} / {g['count']} (worst margin {g['max_margin']:.3f})"),
         ("KV cache vLLM allocated", cache),
         ("thresholds", f"mean <= {record['thresholds']['mean']}, max <= {record['thresholds']['max']} "
