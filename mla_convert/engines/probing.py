@@ -212,8 +212,8 @@ def export_logprobs(export: Path, request: dict[str, Any]) -> tuple[torch.Tensor
 
     An engine serving the export in bfloat16 computes this form, whose rounding differs from our model's (the latent
     norm, the scale folded into the query, the padded heads): at a token where the conversion is chaotic the two
-    forms' bfloat16 floors differ by several times (the reference conversion on an AVX-512-BF16 EPYC: our copy max
-    1.04, this form 3.24, vLLM 4.74 on the same token; vLLM against this form in bfloat16 max 1.33)."""
+    forms' bfloat16 floors differ by several times (the reference conversion on an AVX-512-BF16 EPYC: our copy
+    0.95, this form 3.24, vLLM 4.74 on the same token; vLLM against this form in bfloat16 max 1.33)."""
     from transformers import AutoModelForCausalLM
 
     out = []

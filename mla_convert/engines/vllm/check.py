@@ -26,7 +26,7 @@ rotary kernel) gives mean > 1. The max is the tail of 254 rounding errors: a con
 weights differ only by LAPACK threading (1 vs 2 threads) gave vLLM max 0.691 at mean 0.038, with our own bf16 model
 at max 0.443 / mean 0.036 on the same tokens; so the max allowed grows with that measured floor. The export's own form (stock transformers'
 ``DeepseekV3ForCausalLM`` on EXPORT, in bfloat16 against float32: :func:`~mla_convert.engines.probing.export_logprobs`) is
-a floor too: on an AVX-512-BF16 EPYC the reference conversion's token after ``<|im_start|>system`` moved 1.04 in our
+a floor too: on an AVX-512-BF16 EPYC the reference conversion's token after ``<|im_start|>system`` moved 0.95 in our
 bfloat16 copy, 3.24 in that form and 4.74 in vLLM (vLLM against that form, both bfloat16: 1.33), at mean 0.046 /
 0.063 / 0.068 over all 357 tokens; the converted model is chaotic there (a spurious massive activation at
 position 1 from layer 11), not the export wrong (vLLM in float32: max 0.175, the weights' bfloat16 rounding).
