@@ -45,9 +45,10 @@ def run_humaneval_task(
         fail(f"--out {dest} is a file; the results are a folder: choose another --out")
     if dest.exists() and not overwrite:
         fail(f"{dest} already exists; pass --overwrite to replace it or choose another --out")
-    blocker = next((p for p in dest.parents if p.exists() and not p.is_dir()), None)
-    if blocker is not None:
-        fail(f"--out {dest} cannot be created: {blocker} is a file; choose another --out")
+    with user_errors():  # a parent that is a file, or a folder that takes no new entries
+        from mla_convert.artifacts.output import check_writable
+
+        check_writable(dest)
     from mla_convert.sources.humaneval import humaneval_problems
     from mla_convert.tasks.complete import llamacpp_completer, torch_completer
     from mla_convert.tasks.humaneval import run_humaneval

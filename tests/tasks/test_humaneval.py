@@ -129,7 +129,7 @@ def test_the_command_keeps_engines_apart_and_refuses_a_file_in_the_way(problems,
         assert f"summary {tmp_path / folder / 'humaneval.json'}, a row per problem in" in text, text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["humaneval-model", "humaneval-model-llamacpp"]
     (tmp_path / "afile").write_text("x")
-    for out, why, *extra in ((tmp_path / "afile" / "sub", "is a file; choose another --out", "--overwrite"),
+    for out, why, *extra in ((tmp_path / "afile" / "sub", "is a file, not a folder", "--overwrite"),
                              (tmp_path / "afile", "is a file; the results are a folder", "--overwrite"),
                              (tmp_path / "afile", "is a file; the results are a folder")):  # not "pass --overwrite"
         res = CliRunner().invoke(app, ["eval", "model", "--task", "humaneval", "--out", str(out), *extra])
