@@ -15,7 +15,7 @@ import pytest
 import torch
 from oracle import rotation_projector
 
-from mla_convert.convert.layer.assemble import layer_tensors, pad_plan
+from mla_convert.convert.layer.assemble import layer_tensors, pad_plan, query_rows
 from mla_convert.convert.layer.factorize import (
     FactorError,
     allocate_ranks,
@@ -323,6 +323,31 @@ def test_assembled_layer_scores_values_and_biases(biased_layer, mode):
     scaled = layer_tensors(w, plan, factors, h, attention_scaling=1.5)
     assert torch.allclose(scaled["q_proj.weight"], 2.25 * out["q_proj.weight"], atol=0)
     assert torch.allclose(scaled["q_proj.bias"], 2.25 * out["q_proj.bias"], atol=0)
+
+
+def test_a_nope_reduction_head_by_head_is_the_whole_map_reduced_bit_for_bit(biased_layer):
+    """``factor`` with a NoPE-width reduction assembles the d_N-wide query one head at a time inside the reduction
+    (``layer_tensors(query=False)`` + ``query_rows``; 1 GB less float64 at Llama-3-8B's shapes): the reduced layer is
+    the one reducing the whole assembled map gives, bit for bit (biases, a RoPE attention factor, a lossy rank)."""
+    from mla_convert.convert.layer.nope_rank import reduce_nope
+
+    w, st, inv_freq, (h, g, d, hid), x = biased_layer
+    plan = plan_layer(w, st, inv_freq, h, g, "shared", "2-norm", 2, 64)
+    t = build_target(w, plan, st, h, "output", balance=True)
+    factors = factor_layer(t, t.w.shape[0] - 3, "joint")
+    d_n, d_r = plan.q_nope.shape[1], plan.q_rope.shape[1]
+    assert d - 2 < d_n  # reduced below the assembled NoPE width: the reduction is at work
+    whole = layer_tensors(w, plan, factors, h, attention_scaling=1.5)
+    lean = layer_tensors(w, plan, factors, h, attention_scaling=1.5, query=False)
+    assert "q_proj.weight" not in lean and "q_proj.bias" not in lean
+    want, rec = reduce_nope(whole, h, g, d_n, d_r, d - 2, st.xx, st.x_mean)
+    got, rec_heads = reduce_nope(
+        lean, h, g, d_n, d_r, d - 2, st.xx, st.x_mean, query_rows=lambda hi: query_rows(w, plan, hi, 1.5)
+    )
+    assert set(got) == set(want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    assert torch.equal(rec.dropped, rec_heads.dropped) and float(rec.dropped.max()) > 0  # lossy, as asked
 
 
 # --- manifest verify -------------------------------------------------------------------------------------

@@ -137,7 +137,8 @@ class FactorShape:
     layer_float32_stored: bool  # its tensors are stored as float32 (read without a copy)
     attn_params: int  # q, k, v, o (+ biases) of one source layer
     conv_attn_params: float  # q, kv_a, kv_b, o (+ biases) of one MLA layer
-    q_conv_params: int  # the MLA query map of one layer
+    q_conv_params: int  # the MLA query map of one layer as assembled (d_nope wide)
+    q_reduced_params: int  # the query map after a NoPE-width reduction (0 without one: it is never whole then)
     embed_stored: int  # bytes of the embedding table as stored
     head_stored: int  # bytes of the LM head as stored (the embedding when tied)
     largest_params: int  # the largest source tensor
@@ -223,6 +224,8 @@ def factor_shape(options: ConvertOptions, src: Any, refit_modes: Collection[str]
     d_c = geo.mean_width(options) - geo.rope_width
     has_bias = {p: any(n.endswith(f"{p}_proj.bias") for n in attn) for p in "qkvo"}
     q_conv = h * (d_nope + d_r) * d
+    reduced = options.qk_nope_head_dim is not None and options.qk_nope_head_dim < d_nope
+    q_reduced = h * (options.qk_nope_head_dim + d_r) * d if reduced and options.qk_nope_head_dim else 0
     conv_attn = (
         q_conv
         + (h * (d_nope + d_r) if has_bias["q"] else 0)
@@ -272,6 +275,7 @@ def factor_shape(options: ConvertOptions, src: Any, refit_modes: Collection[str]
         attn_params=attn_params,
         conv_attn_params=conv_attn,
         q_conv_params=q_conv,
+        q_reduced_params=q_reduced,
         embed_stored=stored(embed),
         head_stored=stored(head),
         largest_params=numel(largest),

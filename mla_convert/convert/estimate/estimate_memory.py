@@ -140,7 +140,11 @@ def factor_phases(
             pass2 + (p1, ("factorization products (float64)", 8.0 * (d * d + 5 * r * d + 2 * r * r))),
         )
     )
-    assembled = 8.0 * (s.q_conv_params + s.conv_attn_params)  # the query map written in place, then its copies
+    if s.q_reduced_params:  # reduced head by head (steps.layer_state_reduced): one head's wide rows at a time,
+        # the reduced rows and their concatenation, and the rest of the layer
+        assembled = 8.0 * (s.q_conv_params / s.heads + 2 * s.q_reduced_params + s.conv_attn_params - s.q_conv_params)
+    else:  # the query map written in place, then its copies
+        assembled = 8.0 * (s.q_conv_params + s.conv_attn_params)
     phases.append(
         Phase(
             "factor",

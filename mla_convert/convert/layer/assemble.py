@@ -50,12 +50,35 @@ def pad_plan(plan: RopePlan, d_nope: int) -> RopePlan:
     )
 
 
+def query_rows(
+    w: dict[str, torch.Tensor], plan: RopePlan, head: int, attention_scaling: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One query head's rows of the MLA query map, float64: ``[d_N + d_R, D]`` (its NoPE rows, then its rope rows)
+    and its bias ``[d_N + d_R]`` (None without ``bq``), both times ``attention_scaling²``; the same values
+    :func:`layer_tensors` writes for that head (the same products, scaled the same way)."""
+    d = w["q"].shape[0] // plan.q_nope.shape[0]
+    d_n, d_r = plan.q_nope.shape[1], plan.q_rope.shape[1]
+    wq = w["q"][head * d : (head + 1) * d]
+    rows = torch.empty(d_n + d_r, w["q"].shape[1], dtype=torch.float64)
+    torch.matmul(plan.q_nope[head], wq, out=rows[:d_n])
+    torch.matmul(plan.q_rope[head], wq, out=rows[d_n:])
+    s2 = attention_scaling**2
+    if s2 != 1.0:
+        rows.mul_(s2)
+    bias = None
+    if "bq" in w:
+        bq = w["bq"][head * d : (head + 1) * d]
+        bias = torch.cat([plan.q_nope[head] @ bq, plan.q_rope[head] @ bq]) * s2
+    return rows, bias
+
+
 def layer_tensors(
     w: dict[str, torch.Tensor],
     plan: RopePlan,
     factors: Factors,
     num_heads: int,
     attention_scaling: float,
+    query: bool = True,
 ) -> dict[str, torch.Tensor]:
     """The MLA attention tensors of one layer, float64, keyed by module name (``q_proj.weight``...).
 
@@ -65,29 +88,27 @@ def layer_tensors(
         factors: ``W_down [d_c, hidden]``, ``W_up [n + G*d_V, d_c]`` for this plan's NoPE rows.
         num_heads: ``H``.
         attention_scaling: the source's RoPE attention factor.
+        query: False leaves ``q_proj`` out (a NoPE-width reduction takes it head by head: :func:`query_rows`).
     """
     h = num_heads
     g = plan.nope_index.shape[0]
-    d = w["q"].shape[0] // h
     d_v = w["v"].shape[0] // g
     n = factors.up.shape[0] - g * d_v
-    s2 = attention_scaling**2
-    d_n, d_r = plan.q_nope.shape[1], plan.q_rope.shape[1]
-    # the query map is the largest float64 tensor of a layer (1 GB at 8B before a NoPE-width reduction): written
-    # in place, head by head, never a second copy
-    q_weight = torch.empty(h, d_n + d_r, w["q"].shape[1], dtype=torch.float64)
-    q_bias = []
-    for hi in range(h):
-        wq = w["q"][hi * d : (hi + 1) * d]
-        torch.matmul(plan.q_nope[hi], wq, out=q_weight[hi, :d_n])
-        torch.matmul(plan.q_rope[hi], wq, out=q_weight[hi, d_n:])
-        if "bq" in w:
-            bq = w["bq"][hi * d : (hi + 1) * d]
-            q_bias += [plan.q_nope[hi] @ bq, plan.q_rope[hi] @ bq]
-    q_weight = q_weight.view(h * (d_n + d_r), -1)
-    out = {"q_proj.weight": q_weight.mul_(s2) if s2 != 1.0 else q_weight}
-    if q_bias:
-        out["q_proj.bias"] = torch.cat(q_bias) * s2
+    out: dict[str, torch.Tensor] = {}
+    if query:
+        # the query map is the largest float64 tensor of a layer (1 GB at 8B before a NoPE-width reduction): written
+        # in place, head by head, never a second copy
+        d_n, d_r = plan.q_nope.shape[1], plan.q_rope.shape[1]
+        q_weight = torch.empty(h, d_n + d_r, w["q"].shape[1], dtype=torch.float64)
+        q_bias = []
+        for hi in range(h):
+            rows, bias = query_rows(w, plan, hi, attention_scaling)
+            q_weight[hi] = rows
+            if bias is not None:
+                q_bias.append(bias)
+        out["q_proj.weight"] = q_weight.view(h * (d_n + d_r), -1)
+        if q_bias:
+            out["q_proj.bias"] = torch.cat(q_bias)
     out["kv_a_proj_with_mqa.weight"] = torch.cat([factors.down, plan.key_rope @ w["k"]])
     if "bk" in w:
         out["kv_a_proj_with_mqa.bias"] = torch.cat(

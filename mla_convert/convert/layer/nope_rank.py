@@ -34,6 +34,7 @@ so ``n >= min(head_dim, d_c)`` is exact), and without one when it can be read of
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -169,6 +170,7 @@ def reduce_nope(
     xx: torch.Tensor,
     x_mean: torch.Tensor,
     query_moments: torch.Tensor | None = None,
+    query_rows: Callable[[int], tuple[torch.Tensor, torch.Tensor | None]] | None = None,
 ) -> tuple[dict[str, torch.Tensor], NopeReduction]:
     """One assembled MLA layer with its query NoPE width reduced to ``width`` (module docstring).
 
@@ -187,6 +189,9 @@ def reduce_nope(
         query_moments: ``[H, d_N, d_N]`` each head's ``E[q qᵀ]`` of its NoPE query as assembled, when the caller
             has it cheaper (:func:`query_nope_moments`: from the ``head_dim``-wide source query, 7x fewer FLOPs at
             Llama-3-8B's shapes); None: from ``q_proj`` and ``xx`` here (``d_N x D x D`` a head).
+        query_rows: ``head -> (rows [d_N + d_R, D], bias [d_N + d_R] or None)``, the assembled query of one head
+            (:func:`~mla_convert.convert.layer.assemble.query_rows`), when ``tensors`` has no ``q_proj``: the
+            ``d_N``-wide map is then never whole (1 GB in float64 at Llama-3-8B's shapes, against 0.27 GB reduced).
 
     Returns:
         ``(tensors, record)``: ``q_proj.weight [H (n + d_R), D]`` (and bias), ``kv_b_proj.weight
@@ -198,33 +203,49 @@ def reduce_nope(
     if width < 1:
         raise ValueError(f"NoPE width {width} must be at least 1")
     h, g = num_heads, num_kv_heads
-    wb, wq = tensors["kv_b_proj.weight"], tensors["q_proj.weight"]
+    wb = tensors["kv_b_proj.weight"]
     d_c, d_v = wb.shape[1], wb.shape[0] // g - d_nope
-    if wq.shape[0] != h * (d_nope + d_rope) or wb.shape[0] != g * (d_nope + d_v) or h % g:
-        raise ValueError(f"q_proj {tuple(wq.shape)} / kv_b_proj {tuple(wb.shape)} do not fit {h} heads, {g} KV "
-                         f"groups, NoPE {d_nope}, rope {d_rope}")
-    wq3 = wq.view(h, d_nope + d_rope, -1)
-    bq = tensors.get("q_proj.bias")
-    bq2 = bq.view(h, d_nope + d_rope) if bq is not None else None
+    rows_of: Callable[[int], tuple[torch.Tensor, torch.Tensor | None]]
+    if query_rows is None:
+        wq = tensors["q_proj.weight"]
+        wq3 = wq.view(h, d_nope + d_rope, -1)
+        bq = tensors.get("q_proj.bias")
+        bq2 = bq.view(h, d_nope + d_rope) if bq is not None else None
+
+        def whole_rows(hi: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return wq3[hi], (bq2[hi] if bq2 is not None else None)
+
+        rows_of = whole_rows
+
+        shape_ok = wq.shape[0] == h * (d_nope + d_rope)
+    else:
+        rows_of, shape_ok = query_rows, "q_proj.weight" not in tensors
+    if not shape_ok or wb.shape[0] != g * (d_nope + d_v) or h % g:
+        raise ValueError(f"q_proj / kv_b_proj {tuple(wb.shape)} do not fit {h} heads, {g} KV groups, NoPE {d_nope}, "
+                         f"rope {d_rope} (query_rows given: {query_rows is not None})")
     wb3 = wb.view(g, d_nope + d_v, d_c)
     wa = tensors["kv_a_proj_with_mqa.weight"][:d_c]
     ba = tensors["kv_a_proj_with_mqa.bias"][:d_c] if "kv_a_proj_with_mqa.bias" in tensors else None
     root, inv_root = psd_roots(input_moment(wa, ba, xx, x_mean))
-    q_rows, q_bias, kv_rows, kept, dropped = [], [], [], [], []
+    q_rows: list[torch.Tensor] = []
+    q_bias: list[torch.Tensor] = []
+    kv_rows, kept, dropped = [], [], []
     for hi in range(h):
         gi = hi // (h // g)
-        wn = wq3[hi, :d_nope]
-        bn = bq2[hi, :d_nope] if bq2 is not None else None
+        rows, b_rows = rows_of(hi)
+        wn = rows[:d_nope]
+        bn = b_rows[:d_nope] if b_rows is not None else None
         qq = query_moments[hi] if query_moments is not None else input_moment(wn, bn, xx, x_mean)
         t, k, kp, dr = head_form(wb3[gi, :d_nope], qq, root, inv_root, width)
-        q_rows += [t @ wn, wq3[hi, d_nope:]]
-        if bq2 is not None and bn is not None:
-            q_bias += [t @ bn, bq2[hi, d_nope:]]
+        q_rows += [t @ wn, rows[d_nope:]]
+        if b_rows is not None and bn is not None:
+            q_bias += [t @ bn, b_rows[d_nope:]]
         kv_rows += [k, wb3[gi, d_nope:]]
         kept.append(kp)
         dropped.append(dr)
     out = dict(tensors)
     out["q_proj.weight"] = torch.cat(q_rows)
+    del q_rows
     if q_bias:
         out["q_proj.bias"] = torch.cat(q_bias)
     out["kv_b_proj.weight"] = torch.cat(kv_rows)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from mla_convert import __version__
-from mla_convert.convert.layer.assemble import layer_tensors, pad_plan
+from mla_convert.convert.layer.assemble import layer_tensors, pad_plan, query_rows
 from mla_convert.convert.layer.factorize import (
     Factors,
     LayerTarget,
@@ -159,14 +159,16 @@ def layer_state_reduced(
     """:func:`layer_state` and what the NoPE-width reduction kept (None without one)."""
     own = plan.q_nope.shape[1]
     padded = pad_plan(plan, own if nope_width is not None else d_nope)
-    tensors = layer_tensors(weights, padded, factors, src.num_heads, src.attention_scaling)
+    if nope_width is not None and moments is None:
+        raise ValueError("a NoPE-width reduction needs the layer's input moments")
+    # with a reduction the d_N-wide query is assembled one head at a time inside it, never whole
+    tensors = layer_tensors(weights, padded, factors, src.num_heads, src.attention_scaling, query=nope_width is None)
     record = None
-    if nope_width is not None:
-        if moments is None:
-            raise ValueError("a NoPE-width reduction needs the layer's input moments")
+    if nope_width is not None and moments is not None:
         qq = query_nope_moments(weights["q"], weights.get("bq"), padded.q_nope, src.attention_scaling**2, *moments)
         tensors, record = reduce_nope(
-            tensors, src.num_heads, src.num_kv_heads, own, plan.q_rope.shape[1], nope_width, *moments, qq
+            tensors, src.num_heads, src.num_kv_heads, own, plan.q_rope.shape[1], nope_width, *moments, qq,
+            query_rows=lambda hi: query_rows(weights, padded, hi, src.attention_scaling),
         )
     out = {k: v.to(torch.float32) for k, v in tensors.items()}
     out["rope_inv_freq"] = plan.inv_freq.clone()
