@@ -149,7 +149,7 @@ def agreement_record(
     return {
         "text": scored_text(request),
         "tokens_scored": int(diff.numel()),
-        "logprob_abs_diff": {"mean": float(diff.mean()), "max": float(diff.max())},
+        "logprob_abs_diff": abs_diff_stats(diff),
         "greedy": {
             "prompts": list(PROMPTS),
             "tokens": [g["tokens"] for g in result["greedy"]],
@@ -268,11 +268,13 @@ def floor_record(
 ) -> dict[str, Any]:
     """The bfloat16 floors of a record: ours, the source's and, for an export, the export's own form's
     (:func:`allowed_max` reads them)."""
-    def stats(x: torch.Tensor | None) -> dict[str, float] | None:
-        return None if x is None else {"mean": float(x.mean()), "max": float(x.max())}
+    out = {"ours_bf16_abs_diff": abs_diff_stats(ours_bf16), "source_bf16_abs_diff": abs_diff_stats(source_bf16)}
+    return out if export_bf16 is None else {**out, "export_bf16_abs_diff": abs_diff_stats(export_bf16)}
 
-    out = {"ours_bf16_abs_diff": stats(ours_bf16), "source_bf16_abs_diff": stats(source_bf16)}
-    return out if export_bf16 is None else {**out, "export_bf16_abs_diff": stats(export_bf16)}
+
+def abs_diff_stats(diff: torch.Tensor | None) -> dict[str, float] | None:
+    """``{"mean", "max"}`` of ``diff [N]`` (|d log p| in nats) as records keep them; None for None."""
+    return None if diff is None else {"mean": float(diff.mean()), "max": float(diff.max())}
 
 
 def floor_text(record: dict[str, Any]) -> str:

@@ -215,9 +215,7 @@ def reduce_nope(
         def whole_rows(hi: int) -> tuple[torch.Tensor, torch.Tensor | None]:
             return wq3[hi], (bq2[hi] if bq2 is not None else None)
 
-        rows_of = whole_rows
-
-        shape_ok = wq.shape[0] == h * (d_nope + d_rope)
+        rows_of, shape_ok = whole_rows, wq.shape[0] == h * (d_nope + d_rope)
     else:
         rows_of, shape_ok = query_rows, "q_proj.weight" not in tensors
     if not shape_ok or wb.shape[0] != g * (d_nope + d_v) or h % g:

@@ -45,6 +45,7 @@ from typing import Any
 from mla_convert.engines.probing import (
     ABS_MAX,
     FLOOR_FACTOR,
+    abs_diff_stats,
     against_ours,
     agreement_record,
     allowed_margin,
@@ -111,8 +112,7 @@ def compare(
         "custom_ops": result["custom_ops"],
         **agreement_record(request, result, diff, margins, worst),
         **floor_record(bf16, src_bf16, export_bf16),
-        **({} if vs_form is None else {"vs_export_bf16_abs_diff": {"mean": float(vs_form.mean()),
-                                                                   "max": float(vs_form.max())}}),
+        **({} if vs_form is None else {"vs_export_bf16_abs_diff": abs_diff_stats(vs_form)}),
         "kv_cache": cache,
         "kv_cache_values_per_token_per_layer": width,
         "thresholds": {"mean": round(mean_max, 4), "max": round(abs_max, 4), "greedy_margin": round(margin, 4)},
