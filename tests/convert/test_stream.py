@@ -158,6 +158,44 @@ def test_resume_gives_the_uninterrupted_result(tiny_src: Path, tmp_path: Path, s
         _convert(tiny_src, tmp_path / "other", **lossy, resume=True)
 
 
+@pytest.mark.parametrize("refit", ["teacher", "sequential"])
+def test_pass_one_keeps_only_the_streams_later_steps_read(tiny_src: Path, tmp_path: Path, refit: str) -> None:
+    """At pass 1's end the state (saved for ``--resume``, and held through the search and pass 2) has dropped the
+    source's calibration and probe streams: 16,384 x hidden float32 (256 MB at Llama-3-8B's width) that nothing
+    after pass 1 reads. A sequential refit keeps its refit windows."""
+    out, seen = tmp_path / "out", {"n": 0}
+    layers = json.loads((tiny_src / "config.json").read_text())["num_hidden_layers"]
+
+    def stop(name: str, n: int, total: int) -> None:
+        if name == "calibrate":
+            seen["n"] += n
+            if seen["n"] == layers:  # pass 1's last layer saved
+                raise Stop
+
+    with pytest.raises(Stop):
+        _convert(tiny_src, out, **LOSSY, refit_o_proj=refit, progress=stop)
+    state = torch.load(work_dir(out) / "state.pt", weights_only=False)
+    want = {"src_held", "src_eval", "mla_held", "mla_eval", "mla_probe"} | ({"mla_refit"} if refit == "sequential" else set())
+    assert set(state["streams"]) == want
+
+
+def test_run_mla_in_place_is_the_same_stream(tiny_src: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``run_mla(inplace=True)`` writes over its input, window chunk by window chunk, bit for bit what the copy
+    holds (one window per chunk here, so a chunk that read a neighbour's new rows would differ)."""
+    from mla_convert.convert.layer import layers
+
+    _convert(tiny_src, tmp_path / "out", **LOSSY)
+    layer = load_checkpoint(tmp_path / "out").model.layers[1]
+    hidden = torch.randn(3, 20, layer.self_attn.o_proj.weight.shape[0], generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(layers, "chunk_rows", lambda *a: 1)
+    heads, inter = layer.self_attn.num_heads, layer.mlp.up_proj.weight.shape[0]
+    with torch.no_grad():
+        copy = layers.run_mla(layer, hidden, heads, inter)
+        same = hidden.clone()
+        got = layers.run_mla(layer, same, heads, inter, inplace=True)
+    assert got.data_ptr() == same.data_ptr() and torch.equal(got, copy) and not torch.equal(copy, hidden)
+
+
 def test_a_work_folder_of_another_layout_is_refused_clearly(tiny_src: Path, tmp_path: Path) -> None:
     """A job stopped by a version whose pickles name other module paths (issue 49 moved them) is refused with the
     fix, before any work: by its ``work_format``, and by a pickle naming a module this version lacks."""

@@ -111,13 +111,14 @@ def sensitivity_curve(
     (A + λB)``, so its squared sensitivity is ``sᵀ (K ∘ (A Aᵀ + λ (A Bᵀ + B Aᵀ) + λ² B Bᵀ)) s``: the three
     ``[n, n]`` products are formed once (three ``n² m`` products and ``K``), where evaluating each fit would cost
     an ``n² m`` product per step of the bisection (35 of them; ``n = m = 4096`` at 8B: 3 s each on 2 cores)."""
-    k = (evecs.T * feature_ms) @ evecs
     a, b = evecs.T @ rhs, evecs.T @ w0
-    m0 = (a @ a.T).mul_(k)
-    m1 = a @ b.T
-    m1 = (m1 + m1.T).mul_(k)
-    m2 = (b @ b.T).mul_(k)
-    del k, a, b
+    m0, m1, m2 = a @ a.T, a @ b.T, b @ b.T
+    del a, b  # before K is formed: at most five [n, n] float64 matrices here (128 MB each at 8B) at once
+    m1 = m1 + m1.T
+    k = (evecs.T * feature_ms) @ evecs
+    for m in (m0, m1, m2):
+        m.mul_(k)
+    del k
 
     def sensitivity(lam: float) -> float:
         s = 1.0 / (evals + lam)

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from mla_convert.convert.layer.layers import layer_prefix, read_checked
+from mla_convert.convert.layer.converter import LayerSource, rounded_layer
+from mla_convert.convert.layer.layers import attention_weights, layer_prefix, read_checked
 from mla_convert.mla.configuration import MLAConfig
 from mla_convert.sources.checkpoint import SourceModel
 
@@ -47,6 +49,17 @@ class LayerFiles:
             for n in self.src.weight_map
             if n.startswith(prefix)
         }
+
+    def layer_source(self, i: int) -> LayerSource:
+        """Layer ``i`` as the per-layer converter reads it: its source tensors and float64 attention weights
+        (:func:`~mla_convert.convert.layer.layers.attention_weights`)."""
+        tensors = self.source_tensors(i)
+        return LayerSource(i, tensors, attention_weights(self.src, i, tensors))
+
+    def written_layer(self, config: MLAConfig, i: int, attn: dict[str, torch.Tensor], device: torch.device) -> Any:
+        """The converted layer ``i`` on ``device`` with the attention tensors ``attn`` as written (every weight
+        rounded to the output dtype)."""
+        return rounded_layer(config, LayerSource(i, self.source_tensors(i), {}), attn, device, self.dtype)
 
     def write_attention(self, i: int, attn: dict[str, torch.Tensor], fit_w: torch.Tensor | None) -> None:
         """Layer ``i``'s converted attention tensors (names inside ``self_attn``) and the refit ``o_proj`` ``fit_w``

@@ -99,7 +99,7 @@ class _Search:
         conv, opts = self.conv, self.conv.options.with_split(*key)
 
         def plan(i: int) -> Planned:
-            weights = conv.layer_source(i).weights
+            weights = conv.files.layer_source(i).weights
             planned = plan_step(conv.src, opts, weights, _stats(conv.calibration_record(i)))
             conv.src.release()
             return planned
@@ -120,9 +120,12 @@ class _Search:
         conv, src = self.conv, self.conv.src
         runs = {k: _Candidate(conv, conv.options.with_split(*k), rk) for k in keys if (rk := self.ranks(k))}
         steps = conv.n_layers + len(runs)
+        teacher = any(not run.sequential for run in runs.values())
         for i in range(conv.n_layers):
             p1 = conv.calibration_record(i)
-            layer = conv.layer_source(i)
+            if not teacher:  # a sequential refit fits on its own windows' inputs: the source's are not read
+                p1["refit"] = (None, p1["refit"][1])
+            layer = conv.files.layer_source(i)
             stats = _stats(p1)
             for run in runs.values():
                 run.layer(layer, p1, stats)
@@ -278,7 +281,7 @@ class _Candidate:
                 o_proj.copy_(converted.fit_w)
             self.fit = run_mla(converted.layer, self.fit, heads, inter)
         if self.refit_windows is not None:  # through the layer as written (the refit's o_proj where there is one)
-            self.refit_windows = run_mla(converted.layer, self.refit_windows, heads, inter)
+            self.refit_windows = run_mla(converted.layer, self.refit_windows, heads, inter, inplace=True)
         self.lossy_seen = self.lossy_seen or converted.lossy
 
     def variants(self) -> dict[str, torch.Tensor]:

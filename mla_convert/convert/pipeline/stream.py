@@ -31,11 +31,9 @@ import torch
 
 from mla_convert.convert.layer.converter import (
     LayerConverter,
-    LayerSource,
     Planned,
     RefitInputs,
     plan_step,
-    rounded_layer,
 )
 from mla_convert.convert.layer.factorize import spectrum
 from mla_convert.convert.layer.layers import (
@@ -181,6 +179,9 @@ class StreamedConversion:
                 st["streams"]["mla_refit"] = self.as_written(emb["calib"][::stride])
         for i in range(start, self.n_layers):
             self._source_layer(layers, i)
+            if i == self.n_layers - 1:  # spent: the search and pass 2 read the calibration data from the work folder
+                for k in ("src_calib", "src_probe"):
+                    st["streams"].pop(k, None)
             src.release()
             self._trim()
             self.save_state({"pass": 1, "layer": i})
@@ -190,7 +191,7 @@ class StreamedConversion:
         src, st = self.src, self.state
         s = st["streams"]
         t0 = time.perf_counter()
-        source = self.source_tensors(i)
+        source = self.files.source_tensors(i)
         prefix = layer_prefix(i)
         for name, tensor in source.items():
             if not name.startswith("self_attn."):  # copied as they are: the MLP and the norms
@@ -200,7 +201,7 @@ class StreamedConversion:
 
             save_file(source, str(self.layer_file(i, "src.safetensors")))
         layer = layers.layer(i, source)
-        weights = self.attention_weights(i, source)
+        weights = attention_weights(self.src, i, source)
         del source
         acc = StatsAccumulator(weights, src.num_heads, src.num_kv_heads, src.head_dim, self.device)
         kept_x: list[torch.Tensor] = []
@@ -338,8 +339,7 @@ class StreamedConversion:
             st.update(
                 records=[], attn_err={"plain": [], "fit": []}, refit_layers=[], cache_converted=[], lossy_seen=False
             )
-            for k in ("src_calib", "src_held", "src_probe"):
-                s.pop(k, None)  # pass 1's streams are spent; their layer data is in the work folder
+            s.pop("src_held", None)  # pass 1's streams are spent; their layer data is in the work folder
             if not self.sequential:
                 s.pop("mla_refit", None)  # kept for a sequential refit the search measured and did not choose
             if self.refit:
@@ -359,7 +359,7 @@ class StreamedConversion:
         t0 = time.perf_counter()
         p1 = load_torch(self.layer_file(i, "p1.pt"))
         planned = Planned(load_torch(self.layer_file(i, "plan.pt")), p1["target"])
-        layer_src = self.layer_source(i)
+        layer_src = self.files.layer_source(i)
         refit = None
         if self.refit:
             x, out = p1["refit"]
@@ -387,7 +387,7 @@ class StreamedConversion:
                 st["attn_err"][name].append(err)
             s[stream] = run_mla(layer, s[stream], src.num_heads, self.intermediate)
         if self.sequential:  # the refit windows move on through the layer as written (o_proj: the last variant's)
-            s["mla_refit"] = run_mla(layer, s["mla_refit"], src.num_heads, self.intermediate)
+            s["mla_refit"] = run_mla(layer, s["mla_refit"], src.num_heads, self.intermediate, inplace=True)
         if fit_w is not None:
             with torch.no_grad():
                 layer.self_attn.o_proj.weight.copy_(plain_w)
@@ -405,30 +405,13 @@ class StreamedConversion:
             convert_s=t2 - t0, held_forward_s=t3 - t2, write_s=time.perf_counter() - t3
         )
 
-    def source_tensors(self, i: int) -> dict[str, torch.Tensor]:
-        """Layer ``i``'s source tensors (float32, names inside the layer; :meth:`LayerFiles.source_tensors`)."""
-        return self.files.source_tensors(i)
-
-    def attention_weights(self, i: int, source: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """float64 ``q, k, v, o`` weights and biases of layer ``i`` (:func:`~mla_convert.convert.layer.layers.
-        attention_weights`)."""
-        return attention_weights(self.src, i, source)
-
-    def layer_source(self, i: int) -> LayerSource:
-        """Layer ``i`` as the per-layer converter reads it (:class:`~mla_convert.convert.layer.converter.LayerSource`)."""
-        tensors = self.source_tensors(i)
-        return LayerSource(i, tensors, self.attention_weights(i, tensors))
-
-    def written_layer(self, config: MLAConfig, i: int, attn: dict[str, torch.Tensor]) -> Any:
-        """The converted layer ``i`` on the device with the attention tensors ``attn`` as written (every weight
-        rounded to the output dtype)."""
-        return rounded_layer(config, LayerSource(i, self.source_tensors(i), {}), attn, self.device, self.dtype)
-
     # ------------------------------------------------------------------ refit decision, pass 3
     def head(self) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
         """The LM head (stored dtype) and the final norms of the source and of the converted model, as written
         (:func:`~mla_convert.convert.layer.layers.lm_head`)."""
-        return lm_head(self.src, self.device, self.dtype)
+        head = lm_head(self.src, self.device, self.dtype)
+        self.src.release()  # the table is copied: its mapped pages (1 GB at Llama-3-8B's vocabulary) leave the RSS
+        return head
 
     def decide_refit(self) -> None:
         """Keep the ``o_proj`` refit only if it lowers the converted model's mean next-token loss on the held-out
@@ -456,7 +439,7 @@ class StreamedConversion:
         for i in range(start, self.n_layers):
             t0 = time.perf_counter()
             attn = self.files.read_attention(i, self.kept_fit)
-            layer = self.written_layer(config, i, attn)
+            layer = self.files.written_layer(config, i, attn, self.device)
             s["mla_eval"] = run_mla(layer, s["mla_eval"], self.src.num_heads, self.intermediate)
             del layer
             self.src.release()
