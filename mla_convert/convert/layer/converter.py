@@ -43,7 +43,8 @@ class LayerSource:
 
     Attributes:
         index: the layer.
-        tensors: every tensor of the layer, float32, named inside it (``self_attn.q_proj.weight``, ``mlp...``).
+        tensors: the layer's float32 tensors, named inside it (``mlp...``, the norms; the attention's may be left
+            out: a conversion reads them from ``weights``).
         weights: the attention's ``q, k, v, o`` weights and biases (``bq``...), float64 ``[out, in]``.
     """
 

@@ -24,7 +24,13 @@ from mla_convert.artifacts.shards import DEFAULT_MAX_SHARD_SIZE, write_shards
 from mla_convert.convert.estimate.weights import weights_ledger
 from mla_convert.convert.options.options import ConvertOptions, check_options
 from mla_convert.convert.options.resolve import Resolution, resolve_options
-from mla_convert.convert.pipeline.device import calib_precision_note, frozen_heap, resolve_device, trim_heap
+from mla_convert.convert.pipeline.device import (
+    calib_precision_note,
+    frozen_heap,
+    map_large_blocks,
+    resolve_device,
+    trim_heap,
+)
 from mla_convert.convert.pipeline.passes import run_passes
 from mla_convert.convert.pipeline.records import ProgressFn, Streamed, Texts
 from mla_convert.convert.pipeline.split_report import split_record, split_sentence
@@ -229,6 +235,7 @@ def run_factor(
     probe = text.evaluation[:1, :128]
     texts = Texts(text.calibration, text.held_out, text.evaluation, probe)
     work, done = open_work(out, job, resume)
+    map_large_blocks()  # freed temporaries leave the resident set at once
     with frozen_heap():  # the per-layer gc.collect skips the objects made before the layers run
         try:
             conv = StreamedConversion(

@@ -51,10 +51,12 @@ class LayerFiles:
         }
 
     def layer_source(self, i: int) -> LayerSource:
-        """Layer ``i`` as the per-layer converter reads it: its source tensors and float64 attention weights
-        (:func:`~mla_convert.convert.layer.layers.attention_weights`)."""
+        """Layer ``i`` as the per-layer converter reads it: its float64 attention weights
+        (:func:`~mla_convert.convert.layer.layers.attention_weights`) and its other source tensors (the float32
+        attention tensors are dropped once copied: 160 MB at Llama-3-8B's shapes)."""
         tensors = self.source_tensors(i)
-        return LayerSource(i, tensors, attention_weights(self.src, i, tensors))
+        weights = attention_weights(self.src, i, tensors)
+        return LayerSource(i, {k: v for k, v in tensors.items() if not k.startswith("self_attn.")}, weights)
 
     def written_layer(self, config: MLAConfig, i: int, attn: dict[str, torch.Tensor], device: torch.device) -> Any:
         """The converted layer ``i`` on ``device`` with the attention tensors ``attn`` as written (every weight

@@ -111,6 +111,7 @@ class _Search:
         plan, out = self.planned(key), []
         for i in range(self.conv.n_layers):
             out.append(spectrum(plan(i).target))
+            self.conv.trim_memory()
             self.conv.progress(stage, 1, self.conv.n_layers)
         self.spectra[key] = out
 
@@ -129,6 +130,7 @@ class _Search:
             stats = _stats(p1)
             for run in runs.values():
                 run.layer(layer, p1, stats)
+                conv.trim_memory()  # a candidate's refit temporaries, before the next one's (1.6 GB at 8B)
             src.release()
             conv.progress(stage, 1, steps)
         head, src_norm, mla_norm = conv.head()

@@ -140,7 +140,8 @@ class StreamedConversion:
         return self.options.refit_o_proj == "sequential"
 
     # ------------------------------------------------------------------ helpers
-    def _trim(self) -> None:
+    def trim_memory(self) -> None:
+        """Hand freed heap pages back (:func:`trim_heap`) where the conversion was made with ``trim``."""
         if self.trim:
             trim_heap()
 
@@ -183,7 +184,7 @@ class StreamedConversion:
                 for k in ("src_calib", "src_probe"):
                     st["streams"].pop(k, None)
             src.release()
-            self._trim()
+            self.trim_memory()
             self.save_state({"pass": 1, "layer": i})
             self.progress("calibrate", 1, self.n_layers)
 
@@ -347,7 +348,7 @@ class StreamedConversion:
         for i in range(start, self.n_layers):
             self._convert_layer(config, i)
             self.src.release()
-            self._trim()
+            self.trim_memory()
             self.save_state({"pass": 2, "layer": i})
             self.layer_file(i, "p1.pt").unlink(missing_ok=True)  # spent: the work folder stays ~ one output big
             self.progress("convert", 1, self.n_layers)
@@ -443,7 +444,7 @@ class StreamedConversion:
             s["mla_eval"] = run_mla(layer, s["mla_eval"], self.src.num_heads, self.intermediate)
             del layer
             self.src.release()
-            self._trim()
+            self.trim_memory()
             self.state["timings"][i]["eval_forward_s"] = time.perf_counter() - t0
             self.save_state({"pass": 3, "layer": i})
             self.layer_file(i, "src.safetensors").unlink(missing_ok=True)
