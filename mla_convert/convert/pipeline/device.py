@@ -30,10 +30,10 @@ def trim_heap() -> None:
 _M_MMAP_THRESHOLD = -3
 
 
-def map_large_blocks(threshold: int = 1 << 20) -> None:
-    """Serve every allocation of ``threshold`` bytes or more (1 MiB) with its own mapping, returned to the system
+def map_large_blocks(threshold: int = 4 << 20) -> None:
+    """Serve every allocation of ``threshold`` bytes or more (4 MiB) with its own mapping, returned to the system
     when freed (glibc ``mallopt(M_MMAP_THRESHOLD)``; a no-op elsewhere). By default glibc raises that threshold
-    toward 32 MiB after such a block is freed, so the 1-32 MiB temporaries of the refit and the forward chunks pile
+    toward 32 MiB after such a block is freed, so the 4-32 MiB temporaries of the refit and the forward chunks pile
     up in its heaps; a conversion's search at Llama-3-8B's shapes then held 3 GB more than its live tensors.
     The memory's contents and every computed bit are unchanged."""
     import ctypes

@@ -130,7 +130,7 @@ class _Search:
             stats = _stats(p1)
             for run in runs.values():
                 run.layer(layer, p1, stats)
-                conv.trim_memory()  # a candidate's refit temporaries, before the next one's (1.6 GB at 8B)
+                conv.trim_memory()  # a candidate's refit temporaries (~1 GB of float64 at 8B), before the next one's
             src.release()
             conv.progress(stage, 1, steps)
         head, src_norm, mla_norm = conv.head()
