@@ -27,6 +27,7 @@ from mla_convert.convert.options.resolve import Resolution, resolve_options
 from mla_convert.convert.pipeline.device import (
     calib_precision_note,
     frozen_heap,
+    large_layers,
     map_large_blocks,
     resolve_device,
     trim_heap,
@@ -235,7 +236,8 @@ def run_factor(
     probe = text.evaluation[:1, :128]
     texts = Texts(text.calibration, text.held_out, text.evaluation, probe)
     work, done = open_work(out, job, resume)
-    map_large_blocks()  # freed temporaries leave the resident set at once
+    if large_layers(src.hidden_size, int(getattr(src.config, "intermediate_size", None) or 4 * src.hidden_size)):
+        map_large_blocks()  # freed temporaries leave the resident set at once
     with frozen_heap():  # the per-layer gc.collect skips the objects made before the layers run
         try:
             conv = StreamedConversion(

@@ -111,7 +111,7 @@ class _Search:
         plan, out = self.planned(key), []
         for i in range(self.conv.n_layers):
             out.append(spectrum(plan(i).target))
-            self.conv.trim_memory()
+            self.conv.trim_memory(candidate=True)
             self.conv.progress(stage, 1, self.conv.n_layers)
         self.spectra[key] = out
 
@@ -130,7 +130,7 @@ class _Search:
             stats = _stats(p1)
             for run in runs.values():
                 run.layer(layer, p1, stats)
-                conv.trim_memory()  # a candidate's refit temporaries (~1 GB of float64 at 8B), before the next one's
+                conv.trim_memory(candidate=True)  # a candidate's refit temporaries (~1 GB of float64 at 8B), before the next one's
             src.release()
             conv.progress(stage, 1, steps)
         head, src_norm, mla_norm = conv.head()

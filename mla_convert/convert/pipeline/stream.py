@@ -54,7 +54,13 @@ from mla_convert.convert.layer.steps import (
     plan_and_target,
 )
 from mla_convert.convert.options.options import ConvertOptions, geometry, refit_stride
-from mla_convert.convert.pipeline.device import bfloat16_autocast, resolve_device, resolve_dtype, trim_heap
+from mla_convert.convert.pipeline.device import (
+    bfloat16_autocast,
+    large_layers,
+    resolve_device,
+    resolve_dtype,
+    trim_heap,
+)
 from mla_convert.convert.pipeline.layer_files import LayerFiles
 from mla_convert.convert.pipeline.records import ProgressFn, Streamed, Texts, streamed_record
 from mla_convert.convert.pipeline.workdir import load_torch, mark_done, save_torch
@@ -140,9 +146,11 @@ class StreamedConversion:
         return self.options.refit_o_proj == "sequential"
 
     # ------------------------------------------------------------------ helpers
-    def trim_memory(self) -> None:
-        """Hand freed heap pages back (:func:`trim_heap`) where the conversion was made with ``trim``."""
-        if self.trim:
+    def trim_memory(self, candidate: bool = False) -> None:
+        """Hand freed heap pages back (:func:`trim_heap`) where the conversion was made with ``trim``; after one
+        search candidate's layer (``candidate``) only where the layers are large (:func:`large_layers`: dozens of
+        trims a layer cost more than they save on small ones)."""
+        if self.trim and (not candidate or large_layers(self.src.hidden_size, self.intermediate)):
             trim_heap()
 
     def load_state(self) -> None:
