@@ -169,6 +169,22 @@ def test_8b_shape_stays_below_5gb_with_the_benchmark_options():
     assert len(lines) == 3  # a CPU: no bfloat16 note (bfloat16_autocast)
 
 
+def test_an_h100_estimate_beside_the_cpu_one():
+    """``inspect`` prints an H100's time next to the reference CPU's (issue 51): the same FLOPs at its assumed rates,
+    the files on the same disk, so the 8B default's search and layers shrink and the files stay."""
+    from mla_convert.convert.estimate.estimate_time import H100
+
+    src = config_source(LLAMA8B)
+    options = ConvertOptions(**BENCH_8B)
+    cpu, gpu = factor_time(options, src, candidates=3), factor_time(options, src, candidates=3, machine=H100)
+    assert gpu.stages["files"] == cpu.stages["files"] and gpu.stages["setup and finish"] == cpu.stages["setup and finish"]
+    for stage in ("source forward", "assemble + refit", "held-out forward", "rope split"):
+        assert 50 * gpu.stages[stage] < cpu.stages[stage], stage
+    assert gpu.total < cpu.total / 10
+    time_line = factor_lines(options.model_copy(update={"device": "cpu"}), src)[2]
+    assert "on one H100 (assumed: half its published peak rates, the same disk; not measured)" in time_line
+
+
 def test_estimate_covers_a_real_tiny_conversion(tmp_path: Path):
     """The tiny model's conversion in its own process (so its peak is its own): the estimate covers the measured
     ``ru_maxrss`` (mostly the runtime) and stays within twice it."""

@@ -62,8 +62,57 @@ RECONSTRUCT_BATCH = 4
 
 
 @dataclass(frozen=True)
+class Machine:
+    """The effective throughputs :func:`factor_time` divides each stage's work by (GFLOP/s unless named otherwise).
+
+    Attributes:
+        name: what the machine is, for the lines ``inspect`` prints.
+        float64_gflops: float64 matrix products (statistics, plans, factorization).
+        eigh_s_per_n3: seconds per ``n³`` of one float64 eigendecomposition.
+        source_forward_gflops, calib_bf16_gflops: the source layers' forward in float32 (held-out, evaluation) and
+            over the calibration windows in bfloat16 autocast.
+        converted_forward_gflops, refit_gflops, score_gflops, reconstruct_gflops: the MLA layers' forward, the
+            assembly and ``o_proj`` refit, the LM-head scoring, the fitted reconstruction.
+        io_bytes_per_s: the work folder's and the output's files written and read back.
+        setup_s: seconds besides the layers.
+    """
+
+    name: str
+    float64_gflops: float
+    eigh_s_per_n3: float
+    source_forward_gflops: float
+    calib_bf16_gflops: float
+    converted_forward_gflops: float
+    refit_gflops: float
+    score_gflops: float
+    reconstruct_gflops: float
+    io_bytes_per_s: float
+    setup_s: float
+
+
+#: The reference CPU: every rate measured or fitted there (the constants above).
+REFERENCE_CPU = Machine(
+    "the reference CPU", FP64_GFLOPS / FLOAT64_TWO_THREADS, EIGH_S_PER_N3 * FLOAT64_TWO_THREADS,
+    SOURCE_FORWARD_GFLOPS, CALIB_BF16_GFLOPS, CONVERTED_FORWARD_GFLOPS, REFIT_GFLOPS, SCORE_GFLOPS,
+    RECONSTRUCT_GFLOPS, IO_BYTES_PER_S, SETUP_S,
+)
+#: Fraction of a GPU's published peak its stages are assumed to reach (never measured here: no GPU was lent;
+#: ``scripts/gpu_check.sh --parts factor8b`` measures an 8B-shaped conversion on CUDA).
+GPU_EFFICIENCY = 0.5
+#: One NVIDIA H100 SXM by its published dense peaks (TFLOP/s): float64 on tensor cores 67, float32 67 (``factor``
+#: leaves TF32 off), bfloat16 989; each at :data:`GPU_EFFICIENCY`. Its float64 eigendecomposition (cuSOLVER
+#: ``syevd``, bound by the tridiagonal reduction's memory traffic, not by the peak) is assumed 1 s at n = 4096. Files
+#: go to the same disk as on the reference CPU.
+H100 = Machine(
+    "one H100", 67e3 * GPU_EFFICIENCY, 1.0 / 4096**3, 67e3 * GPU_EFFICIENCY, 989e3 * GPU_EFFICIENCY,
+    67e3 * GPU_EFFICIENCY, 67e3 * GPU_EFFICIENCY, 67e3 * GPU_EFFICIENCY, 67e3 * GPU_EFFICIENCY, IO_BYTES_PER_S,
+    SETUP_S,
+)
+
+
+@dataclass(frozen=True)
 class TimeEstimate:
-    """Seconds per stage on the reference machine (:data:`FP32_GFLOPS` and the fitted stage throughputs)."""
+    """Seconds per stage on one :class:`Machine` (by default the reference CPU's fitted throughputs)."""
 
     stages: dict[str, float]
 
@@ -73,8 +122,12 @@ class TimeEstimate:
         return sum(self.stages.values())
 
 
-def factor_time(options: ConvertOptions, src: Any, candidates: int = 1, measured: int | None = None) -> TimeEstimate:
-    """Seconds of each stage of a conversion on the reference machine: FLOPs / measured throughput.
+def factor_time(
+    options: ConvertOptions, src: Any, candidates: int = 1, measured: int | None = None,
+    machine: Machine = REFERENCE_CPU,
+) -> TimeEstimate:
+    """Seconds of each stage of a conversion on ``machine`` (the reference CPU: measured throughputs; the
+    :data:`H100`: assumed ones): FLOPs / throughput.
 
     ``candidates``: RoPE pairs on the source's candidate ladder (:mod:`mla_convert.convert.pipeline.rope_split`; 1: none):
     each other one's plan and spectrum in pass 1; ``measured`` (default: ``candidates``): the splits the search
@@ -90,7 +143,8 @@ def factor_time(options: ConvertOptions, src: Any, candidates: int = 1, measured
     tok = s.tokens
     r, d_n, d_c, d_r = s.rows, s.d_nope, s.latent, s.d_rope
     giga = 1e9
-    f64 = FLOAT64_TWO_THREADS / (FP64_GFLOPS * giga)  # seconds per float64 FLOP of a matrix product
+    m = machine
+    f64 = 1.0 / (m.float64_gflops * giga)  # seconds per float64 FLOP of a matrix product
 
     def f_src(ctx: int) -> float:
         return 2.0 * s.layer_params + 4.0 * ctx * h * hd
@@ -104,7 +158,7 @@ def factor_time(options: ConvertOptions, src: Any, candidates: int = 1, measured
 
     fwd_calib = n_l * tok["calib"] * f_src(t)
     fwd_src = n_l * ((tok["held"] + tok["eval"]) * f_src(t) + tok["probe"] * f_src(tok["probe"]))
-    calib_rate = CALIB_BF16_GFLOPS if options.calib_precision == "bfloat16" else SOURCE_FORWARD_GFLOPS
+    calib_rate = m.calib_bf16_gflops if options.calib_precision == "bfloat16" else m.source_forward_gflops
     stats64 = n_l * tok["calib"] * 2.0 * d * d  # E[x xᵀ]; the pair norms' projections run in float32
     stats32 = n_l * tok["calib"] * 2.0 * d * (h + g) * hd
     hq, gk = h * hd, g * hd
@@ -116,16 +170,16 @@ def factor_time(options: ConvertOptions, src: Any, candidates: int = 1, measured
         nw = r - g * hd
         blocks3 = nw**3 / g**2 + g * hd**3
         plan64 += h * (2.0 * d_n * d * d + 2.0 * d_n * d_n * d + 2.0 * hd * hd * d) + 4.0 * blocks3
-        plan_la += EIGH_S_PER_N3 * blocks3
+        plan_la += m.eigh_s_per_n3 * blocks3
     # the Gram matrix L W C Wᵀ Lᵀ of the weighted K/V matrix (factorize.gram_eig): L W, (L W) C, then (L W C) (L W)ᵀ
     gram = 4.0 * r * r * d + 2.0 * r * d * d
     plan64 += 2.0 * r * r * d + 2.0 * r * d * d  # the balance's weighted energies
     if s.budget:  # the spectrum: the Gram's eigendecomposition, kept with the target for the factorization
         plan64 += gram
-        plan_la += EIGH_S_PER_N3 * r**3
+        plan_la += m.eigh_s_per_n3 * r**3
     # the two error traces and solve(L, U); the Gram and its eigendecomposition where no spectrum was taken
     factor64 = 2.0 * (2.0 * r * d * d + 2.0 * r * r * d) + (2.0 / 3.0) * r**3 + (0.0 if s.budget else gram)
-    factor_la = 0.0 if s.budget else EIGH_S_PER_N3 * r**3
+    factor_la = 0.0 if s.budget else m.eigh_s_per_n3 * r**3
     windows_calib = tok["calib"] // max(1, t)
     nt = -(-windows_calib // refit_stride(windows_calib, t)) * t if s.refit else 0  # REFIT_TOKENS at most
     refit_fwd = n_l * nt * f_conv(t, attention_only=True)
@@ -146,27 +200,27 @@ def factor_time(options: ConvertOptions, src: Any, candidates: int = 1, measured
     state2 = 4.0 * d * (2 * tok["eval"] + tok["held"] * (2 if s.refit else 1) + tok["probe"] + (nt if s.sequential else 0))
     io = sum(b for what, b in disk.items if what != "stream state") + n_l * (state1 + 2 * state2)
     stages = {
-        "setup and finish": SETUP_S,
-        "source forward": (fwd_src + stats32) / (SOURCE_FORWARD_GFLOPS * giga)
+        "setup and finish": m.setup_s,
+        "source forward": (fwd_src + stats32) / (m.source_forward_gflops * giga)
         + fwd_calib / (calib_rate * giga)
         + stats64 * f64,
-        "plan": n_l * (plan64 * f64 + plan_la * FLOAT64_TWO_THREADS),
-        "factor": n_l * (factor64 * f64 + factor_la * FLOAT64_TWO_THREADS),
-        "assemble + refit": (refit_fwd + refit64 + assemble64) / (REFIT_GFLOPS * giga),
-        "held-out forward": (held_fwd + seq_fwd) / (CONVERTED_FORWARD_GFLOPS * giga),
-        "eval forward": eval_fwd / (CONVERTED_FORWARD_GFLOPS * giga),
-        "score": score / (SCORE_GFLOPS * giga),  # decide_refit's held-out windows too
-        "files": io / IO_BYTES_PER_S,
+        "plan": n_l * (plan64 * f64 + plan_la),
+        "factor": n_l * (factor64 * f64 + factor_la),
+        "assemble + refit": (refit_fwd + refit64 + assemble64) / (m.refit_gflops * giga),
+        "held-out forward": (held_fwd + seq_fwd) / (m.converted_forward_gflops * giga),
+        "eval forward": eval_fwd / (m.converted_forward_gflops * giga),
+        "score": score / (m.score_gflops * giga),  # decide_refit's held-out windows too
+        "files": io / m.io_bytes_per_s,
     }
     if (options.reconstruct_steps or 0) > 0 and s.refit:  # every lossy layer fitted on its refit windows, 4 per step
         fit_tokens = (options.reconstruct_steps or 0) * RECONSTRUCT_BATCH * t
-        stages["reconstruct"] = n_l * 3.0 * fit_tokens * f_conv(t, attention_only=True) / (RECONSTRUCT_GFLOPS * giga)
+        stages["reconstruct"] = n_l * 3.0 * fit_tokens * f_conv(t, attention_only=True) / (m.reconstruct_gflops * giga)
     if candidates > 1:  # each candidate converted as pass 2 does, on the held-out windows (and the refit's)
-        plan_s = n_l * (plan64 * f64 + plan_la * FLOAT64_TWO_THREADS)
-        factor_s = n_l * (factor64 * f64 + factor_la * FLOAT64_TWO_THREADS)
-        refit_s = (refit_fwd + refit64 + assemble64) / (REFIT_GFLOPS * giga)
-        held_s = (n_l * variants * tok["held"] * f_conv(t) + seq_fwd) / (CONVERTED_FORWARD_GFLOPS * giga)
-        score_s = 2.0 * s.vocab * d * (t - 1) * s.held * variants / (SCORE_GFLOPS * giga)
+        plan_s = n_l * (plan64 * f64 + plan_la)
+        factor_s = n_l * (factor64 * f64 + factor_la)
+        refit_s = (refit_fwd + refit64 + assemble64) / (m.refit_gflops * giga)
+        held_s = (n_l * variants * tok["held"] * f_conv(t) + seq_fwd) / (m.converted_forward_gflops * giga)
+        score_s = 2.0 * s.vocab * d * (t - 1) * s.held * variants / (m.score_gflops * giga)
         # the source's side of every candidate's KL, once per search: its logits and two float64 [T, C] x [C, d]
         # products (metrics.reference_scores), about three model passes
         reference_s = 3.0 * score_s / variants
@@ -206,6 +260,7 @@ def factor_lines(
     disk = factor_disk(options, src, refit_modes)
     parts = ", ".join(f"{k} {b / GB:.2f}" for k, b in sorted(disk.items, key=lambda kv: -kv[1])[:3])
     tim = factor_time(options, src, candidates, measured)
+    gpu_tim = factor_time(options, src, candidates, measured, machine=H100)
     slow = ", ".join(f"{k} {fmt_seconds(v)}" for k, v in sorted(tim.stages.items(), key=lambda kv: -kv[1])[:3])
     device = resolve_device(options.device)
     gpu = device.type != "cpu"
@@ -216,6 +271,7 @@ def factor_lines(
         f"disk: output ~{disk.output / GB:.2f} GB; the work folder .OUT.factor next to OUT grows to "
         f"~{disk.work_peak / GB:.1f} GB with the output staged in it, removed at the end (GB: {parts})",
         f"time: ~{fmt_seconds(tim.total)}, an estimate for the reference CPU (2 cores, {FP32_GFLOPS:.0f} GFLOP/s float32 "
-        f"matmul per core, where the bundled model converts in about 128 s without the RoPE split search){'; the GPU runs the forward passes faster' if gpu else ''}"
-        f" (largest stages: {slow})",
+        f"matmul per core, where the bundled model converts in about 128 s without the RoPE split search)"
+        f" (largest stages: {slow}); ~{fmt_seconds(gpu_tim.total)} on {H100.name} (assumed: half its published "
+        "peak rates, the same disk; not measured)",
     ] + ([f"this machine: {emulated}"] if emulated else [])

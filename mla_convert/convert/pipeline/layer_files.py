@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from mla_convert.convert.layer.converter import LayerSource, rounded_layer
 from mla_convert.convert.layer.layers import attention_weights, layer_prefix, read_checked
 from mla_convert.mla.configuration import MLAConfig
+from mla_convert.mla.modeling import MLADecoderLayer
 from mla_convert.sources.checkpoint import SourceModel
 
 #: The suffix of a refit ``o_proj`` written beside the assembled one (``...o_proj.weight@fit``).
@@ -58,7 +58,7 @@ class LayerFiles:
         weights = attention_weights(self.src, i, tensors)
         return LayerSource(i, {k: v for k, v in tensors.items() if not k.startswith("self_attn.")}, weights)
 
-    def written_layer(self, config: MLAConfig, i: int, attn: dict[str, torch.Tensor], device: torch.device) -> Any:
+    def written_layer(self, config: MLAConfig, i: int, attn: dict[str, torch.Tensor], device: torch.device) -> MLADecoderLayer:
         """The converted layer ``i`` on ``device`` with the attention tensors ``attn`` as written (every weight
         rounded to the output dtype)."""
         return rounded_layer(config, LayerSource(i, self.source_tensors(i), {}), attn, device, self.dtype)
