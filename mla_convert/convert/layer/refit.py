@@ -94,6 +94,7 @@ def refit_o_proj(
     feature_ms = torch.diagonal(gram) / tokens
     allowed = (SENSITIVITY_LIMIT if limit is None else limit) * rounding_sensitivity(w0, feature_ms)
     if rounding_sensitivity(w, feature_ms) > allowed:
+        del w  # one [n, m] float64 matrix less through the bounded fit (128 MB at 8B)
         w = _bounded_fit(gram, rhs, w0, feature_ms, allowed, lo, scale)
     attn.o_proj.weight.copy_(w.T.to(attn.o_proj.weight.dtype))
     # ‖Z W - Y‖² = tr(Wᵀ G W) - 2 tr(Wᵀ ZᵀY) + ‖Y‖² (float64: the cancellation leaves ~1e-8 of ‖Y‖)
@@ -144,4 +145,9 @@ def _bounded_fit(
     for _ in range(30):
         mid = (lo * hi) ** 0.5
         lo, hi = (mid, hi) if sensitivity(mid) > allowed else (lo, mid)
-    return evecs @ ((evecs.T @ rhs + hi * (evecs.T @ w0)) / (evals + hi)[:, None])
+    del sensitivity  # its three [n, n] products (384 MB at 8B), before the fit's own
+    # V diag(1 / (e + hi)) (Vᵀ rhs + hi Vᵀ W0), the same operations in place: two [n, m] temporaries, not three
+    fit, w0_part = evecs.T @ rhs, evecs.T @ w0
+    fit.add_(w0_part.mul_(hi))
+    del w0_part
+    return evecs @ fit.div_((evals + hi)[:, None])

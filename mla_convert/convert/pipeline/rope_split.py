@@ -131,6 +131,9 @@ class _Search:
             for run in runs.values():
                 run.layer(layer, p1, stats)
                 conv.trim_memory(candidate=True)  # a candidate's refit temporaries (~1 GB of float64 at 8B), before the next one's
+            # before the next layer's are read: held across the read, this layer's refit inputs, float32 MLP and
+            # float64 attention were ~1.5 GB more at 8B
+            del p1, layer, stats
             src.release()
             conv.progress(stage, 1, steps)
         head, src_norm, mla_norm = conv.head()
