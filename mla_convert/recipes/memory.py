@@ -92,7 +92,7 @@ def adapt_phases(options: AdaptOptions, factor: ConvertOptions, src: SourceModel
     size = sizes(factor, src)
     n, h, hid = src.num_layers, src.num_heads, src.hidden_size
     vocab = int(src.config.vocab_size)
-    inter = int(getattr(src.config, "intermediate_size", None) or 4 * hid)
+    inter = src.intermediate_size
     trainable = {
         "attention": n * size.converted_attn,
         "attention+norms": n * (size.converted_attn + 2 * hid),

@@ -170,6 +170,11 @@ class SourceModel:
         return int(self.config.hidden_size)
 
     @property
+    def intermediate_size(self) -> int:
+        """The MLP's inner width (``4 * hidden_size`` where the config does not say)."""
+        return int(getattr(self.config, "intermediate_size", None) or 4 * self.hidden_size)
+
+    @property
     def head_dim(self) -> int:
         return head_dim_of(self.config)
 

@@ -31,7 +31,7 @@ def test_candidate_trims_only_on_large_layers(
 ) -> None:
     count = [0]
     monkeypatch.setattr(stream, "trim_heap", lambda: count.__setitem__(0, count[0] + 1))
-    conv = SimpleNamespace(trim=True, src=SimpleNamespace(hidden_size=hidden), intermediate=intermediate)
+    conv = SimpleNamespace(trim=True, large_layers=large_layers(hidden, intermediate))
     seen = []
     stream.StreamedConversion.trim_memory(conv)  # type: ignore[arg-type]  # after a layer: always
     seen.append(count[0])

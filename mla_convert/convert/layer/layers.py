@@ -149,7 +149,7 @@ class SourceLayers:
         ``capture(x, out)`` receives each chunk's attention input (after ``input_layernorm``) and the source
         attention output. ``cache``: a transformers ``Cache`` the layer writes its K/V to (one chunk only).
         """
-        rows = chunk_rows(self.src.num_heads, hidden.shape[1], self.src.hidden_size, self._intermediate())
+        rows = chunk_rows(self.src.num_heads, hidden.shape[1], self.src.hidden_size, self.src.intermediate_size)
         out = torch.empty_like(hidden)
         seen: dict[str, torch.Tensor] = {}
 
@@ -187,9 +187,6 @@ class SourceLayers:
             for hd in handles:
                 hd.remove()
         return out
-
-    def _intermediate(self) -> int:
-        return int(getattr(self.src.config, "intermediate_size", 4 * self.src.hidden_size))
 
 
 def mla_layer(

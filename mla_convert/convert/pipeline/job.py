@@ -27,7 +27,6 @@ from mla_convert.convert.options.resolve import Resolution, resolve_options
 from mla_convert.convert.pipeline.device import (
     calib_precision_note,
     frozen_heap,
-    large_layers,
     map_large_blocks,
     resolve_device,
     trim_heap,
@@ -236,14 +235,14 @@ def run_factor(
     probe = text.evaluation[:1, :128]
     texts = Texts(text.calibration, text.held_out, text.evaluation, probe)
     work, done = open_work(out, job, resume)
-    if large_layers(src.hidden_size, int(getattr(src.config, "intermediate_size", None) or 4 * src.hidden_size)):
-        map_large_blocks()  # freed temporaries leave the resident set at once
     with frozen_heap():  # the per-layer gc.collect skips the objects made before the layers run
         try:
             conv = StreamedConversion(
                 src, options, texts, work, progress, rope_candidates=resolution.rope_candidates,
                 rope_strategies=resolution.rope_strategies, refit_modes=resolution.refit_modes,
             )
+            if conv.large_layers:
+                map_large_blocks()  # freed temporaries leave the resident set at once
             if done is not None:
                 conv.load_state()
             tp = time.perf_counter()

@@ -133,7 +133,9 @@ class StreamedConversion:
         self.state: dict[str, Any] = {}
         self.keep_stats = keep_stats
         self.stats: list[LayerStats] = []
-        self.intermediate = int(getattr(src.config, "intermediate_size", None) or 4 * src.hidden_size)
+        self.intermediate = src.intermediate_size
+        #: the layers are large enough for the heap handling (:func:`large_layers`)
+        self.large_layers = large_layers(src.hidden_size, self.intermediate)
 
     @property
     def refit(self) -> bool:
@@ -150,7 +152,7 @@ class StreamedConversion:
         """Hand freed heap pages back (:func:`trim_heap`) where the conversion was made with ``trim``; after one
         search candidate's layer (``candidate``) only where the layers are large (:func:`large_layers`: dozens of
         trims a layer cost more than they save on small ones)."""
-        if self.trim and (not candidate or large_layers(self.src.hidden_size, self.intermediate)):
+        if self.trim and (not candidate or self.large_layers):
             trim_heap()
 
     def load_state(self) -> None:
