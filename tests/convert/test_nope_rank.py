@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mla_convert.convert.layer.nope_rank import query_nope_moments, reduce_nope
+from mla_convert.convert.layer.nope_rank import query_nope_moment, reduce_nope
 from mla_convert.convert.options.options import ConvertOptions, geometry, problems
 from mla_convert.engines.vllm.shape import shape_for_engine
 
@@ -105,7 +105,7 @@ def test_exact_at_the_query_rank_through_the_decomposition():
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_query_moments_from_the_source_rows_are_the_assembled_ones(bias):
-    """:func:`query_nope_moments` (the D x D moment taken on the source head's d rows, then mapped) gives what
+    """:func:`query_nope_moment` (the D x D moment taken on the source head's d rows, then mapped) gives what
     :func:`reduce_nope` computes from the assembled ``d_N``-wide rows, and so the same reduced layer (issue 51: the
     cheaper route ``factor`` takes)."""
     h, g, d, d_n, d_r, d_c, hidden, n, scale = 4, 2, 8, 12, 4, 10, 16, 3, 1.3
@@ -119,9 +119,10 @@ def test_query_moments_from_the_source_rows_are_the_assembled_ones(bias):
     if bias:
         assert b_q is not None
         t["q_proj.bias"].view(h, d_n + d_r)[:, :d_n] = scale * (a_nope @ b_q.view(h, d, 1))[..., 0]
-    qq = query_nope_moments(w_q, b_q, a_nope, scale, xx, mean)
     direct, rec = reduce_nope(t, h, g, d_n, d_r, n, xx, mean)
-    fast, rec_fast = reduce_nope(t, h, g, d_n, d_r, n, xx, mean, qq)
+    fast, rec_fast = reduce_nope(
+        t, h, g, d_n, d_r, n, xx, mean, lambda hi: query_nope_moment(w_q, b_q, a_nope, scale, xx, mean, hi)
+    )
     for k in direct:
         assert torch.allclose(direct[k], fast[k], rtol=1e-9, atol=1e-9 * float(direct[k].abs().max())), k
     assert torch.allclose(rec.dropped, rec_fast.dropped, rtol=1e-9)

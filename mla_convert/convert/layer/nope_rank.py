@@ -73,33 +73,34 @@ def input_moment(w: torch.Tensor, b: torch.Tensor | None, xx: torch.Tensor, x_me
     return m
 
 
-def query_nope_moments(
+def query_nope_moment(
     w_q: torch.Tensor,
     b_q: torch.Tensor | None,
     q_nope: torch.Tensor,
     scale: float,
     xx: torch.Tensor,
     x_mean: torch.Tensor,
+    head: int,
 ) -> torch.Tensor:
-    """Each query head's ``E[q_N q_Nᵀ]`` ``[H, d_N, d_N]`` for the NoPE query ``q_N = scale * A_h (W_h x + b_h)``
-    that :func:`~mla_convert.convert.layer.assemble.layer_tensors` assembles (``A_h = q_nope[h] [d_N, d]``, the
-    plan's query map; ``W_h [d, D]`` the source head's rows): ``scale² A_h E[y yᵀ] A_hᵀ`` with ``y = W_h x + b_h``,
-    so the ``D x D`` moment is taken on ``d`` rows a head instead of ``d_N`` (what :func:`reduce_nope` would do).
+    """Query head ``h``'s ``E[q_N q_Nᵀ]`` ``[d_N, d_N]`` for the NoPE query ``q_N = scale * A_h (W_h x + b_h)`` that
+    :func:`~mla_convert.convert.layer.assemble.layer_tensors` assembles (``A_h = q_nope[h] [d_N, d]``, the plan's
+    query map; ``W_h [d, D]`` the source head's rows): ``scale² A_h E[y yᵀ] A_hᵀ`` with ``y = W_h x + b_h``, so the
+    ``D x D`` moment is taken on ``d`` rows instead of ``d_N`` (what :func:`reduce_nope` would do). One head per
+    call: :func:`reduce_nope` asks for each as it goes, and no ``[H, d_N, d_N]`` stack is held (205 MB at
+    Llama-3-8B's shapes).
 
     Args:
         w_q: ``[H d, D]`` the source query weight (float64); ``b_q``: ``[H d]`` or None.
         q_nope: ``[H, d_N, d]`` the plan's NoPE query maps (padded as assembled).
         scale: the factor the assembled query rows carry (``attention_scaling²``).
         xx, x_mean: ``E[x xᵀ] [D, D]`` and ``E[x] [D]`` of the layer's attention input.
+        head: ``h``.
     """
-    h, _, d = q_nope.shape
-    out = []
-    for hi in range(h):
-        rows = slice(hi * d, (hi + 1) * d)
-        m = input_moment(w_q[rows], b_q[rows] if b_q is not None else None, xx, x_mean)
-        a = q_nope[hi] * scale
-        out.append(a @ m @ a.T)
-    return torch.stack(out)
+    d = q_nope.shape[2]
+    rows = slice(head * d, (head + 1) * d)
+    m = input_moment(w_q[rows], b_q[rows] if b_q is not None else None, xx, x_mean)
+    a = q_nope[head] * scale
+    return a @ m @ a.T
 
 
 def psd_roots(m: torch.Tensor, ridge: float = RIDGE) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,7 +170,7 @@ def reduce_nope(
     width: int,
     xx: torch.Tensor,
     x_mean: torch.Tensor,
-    query_moments: torch.Tensor | None = None,
+    query_moments: Callable[[int], torch.Tensor] | None = None,
     query_rows: Callable[[int], tuple[torch.Tensor, torch.Tensor | None]] | None = None,
 ) -> tuple[dict[str, torch.Tensor], NopeReduction]:
     """One assembled MLA layer with its query NoPE width reduced to ``width`` (module docstring).
@@ -186,8 +187,8 @@ def reduce_nope(
             zero-padded).
         xx: ``[D, D]`` ``E[x xᵀ]`` of the layer's attention input on the calibration text.
         x_mean: ``[D]`` ``E[x]``.
-        query_moments: ``[H, d_N, d_N]`` each head's ``E[q qᵀ]`` of its NoPE query as assembled, when the caller
-            has it cheaper (:func:`query_nope_moments`: from the ``head_dim``-wide source query, 7x fewer FLOPs at
+        query_moments: ``head -> [d_N, d_N]``, the head's ``E[q qᵀ]`` of its NoPE query as assembled, when the
+            caller has it cheaper (:func:`query_nope_moment`: from the ``head_dim``-wide source query, 7x fewer FLOPs at
             Llama-3-8B's shapes); None: from ``q_proj`` and ``xx`` here (``d_N x D x D`` a head).
         query_rows: ``head -> (rows [d_N + d_R, D], bias [d_N + d_R] or None)``, the assembled query of one head
             (:func:`~mla_convert.convert.layer.assemble.query_rows`), when ``tensors`` has no ``q_proj``: the
@@ -225,25 +226,32 @@ def reduce_nope(
     wa = tensors["kv_a_proj_with_mqa.weight"][:d_c]
     ba = tensors["kv_a_proj_with_mqa.bias"][:d_c] if "kv_a_proj_with_mqa.bias" in tensors else None
     root, inv_root = psd_roots(input_moment(wa, ba, xx, x_mean))
-    q_rows: list[torch.Tensor] = []
+    # each head's rows are written into the reduced q_proj as they are formed: a list of them and its concatenation
+    # would be two [H (n + d_R), D] float64 copies at once (201 MB each at Llama-3-8B's shapes)
+    per_head = width + d_rope
+    q_out: torch.Tensor | None = None
     q_bias: list[torch.Tensor] = []
     kv_rows, kept, dropped = [], [], []
     for hi in range(h):
         gi = hi // (h // g)
         rows, b_rows = rows_of(hi)
+        if q_out is None:
+            q_out = rows.new_empty(h * per_head, rows.shape[1])
         wn = rows[:d_nope]
         bn = b_rows[:d_nope] if b_rows is not None else None
-        qq = query_moments[hi] if query_moments is not None else input_moment(wn, bn, xx, x_mean)
+        qq = query_moments(hi) if query_moments is not None else input_moment(wn, bn, xx, x_mean)
         t, k, kp, dr = head_form(wb3[gi, :d_nope], qq, root, inv_root, width)
-        q_rows += [t @ wn, rows[d_nope:]]
+        del qq
+        q_out[hi * per_head : hi * per_head + width] = t @ wn
+        q_out[hi * per_head + width : (hi + 1) * per_head] = rows[d_nope:]
         if b_rows is not None and bn is not None:
             q_bias += [t @ bn, b_rows[d_nope:]]
         kv_rows += [k, wb3[gi, d_nope:]]
         kept.append(kp)
         dropped.append(dr)
+    assert q_out is not None  # h >= 1 heads
     out = dict(tensors)
-    out["q_proj.weight"] = torch.cat(q_rows)
-    del q_rows
+    out["q_proj.weight"] = q_out
     if q_bias:
         out["q_proj.bias"] = torch.cat(q_bias)
     out["kv_b_proj.weight"] = torch.cat(kv_rows)

@@ -18,7 +18,7 @@ from mla_convert.convert.layer.factorize import (
     allocate_ranks,
     build_target,
 )
-from mla_convert.convert.layer.nope_rank import NopeReduction, query_nope_moments, reduce_nope
+from mla_convert.convert.layer.nope_rank import NopeReduction, query_nope_moment, reduce_nope
 from mla_convert.convert.layer.reconstruct import Reconstruction
 from mla_convert.convert.layer.rope import RopePlan, plan_layer
 from mla_convert.convert.options.options import ConvertOptions, Geometry
@@ -165,7 +165,11 @@ def layer_state_reduced(
     tensors = layer_tensors(weights, padded, factors, src.num_heads, src.attention_scaling, query=nope_width is None)
     record = None
     if nope_width is not None and moments is not None:
-        qq = query_nope_moments(weights["q"], weights.get("bq"), padded.q_nope, src.attention_scaling**2, *moments)
+        scale = src.attention_scaling**2
+
+        def qq(hi: int) -> torch.Tensor:
+            return query_nope_moment(weights["q"], weights.get("bq"), padded.q_nope, scale, *moments, hi)
+
         tensors, record = reduce_nope(
             tensors, src.num_heads, src.num_kv_heads, own, plan.q_rope.shape[1], nope_width, *moments, qq,
             query_rows=lambda hi: query_rows(weights, padded, hi, src.attention_scaling),

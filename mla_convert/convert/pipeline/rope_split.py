@@ -127,6 +127,7 @@ class _Search:
             if not teacher:  # a sequential refit fits on its own windows' inputs: the source's are not read
                 p1["refit"] = (None, p1["refit"][1])
             layer = conv.files.layer_source(i)
+            src.release()  # read: its mapped pages (0.4 GB at 8B) leave the resident set before the candidates run
             stats = _stats(p1)
             for run in runs.values():
                 run.layer(layer, p1, stats)
@@ -134,7 +135,6 @@ class _Search:
             # before the next layer's are read: held across the read, this layer's refit inputs, float32 MLP and
             # float64 attention were ~1.5 GB more at 8B
             del p1, layer, stats
-            src.release()
             conv.progress(stage, 1, steps)
         head, src_norm, mla_norm = conv.head()
         if self.reference is None:  # the source's side of every candidate's KL, once per search

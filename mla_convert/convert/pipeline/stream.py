@@ -214,6 +214,7 @@ class StreamedConversion:
         layer = layers.layer(i, source)
         weights = attention_weights(self.src, i, source)
         del source
+        src.release()  # read: the layer's mapped source pages leave the resident set before its forwards
         acc = StatsAccumulator(weights, src.num_heads, src.num_kv_heads, src.head_dim, self.device)
         kept_x: list[torch.Tensor] = []
         kept_out: list[torch.Tensor] = []
@@ -371,6 +372,7 @@ class StreamedConversion:
         p1 = load_torch(self.layer_file(i, "p1.pt"))
         planned = Planned(load_torch(self.layer_file(i, "plan.pt")), p1["target"])
         layer_src = self.files.layer_source(i)
+        src.release()  # read: the layer's mapped source pages leave the resident set before its conversion
         refit = None
         if self.refit:
             x, out = p1["refit"]
