@@ -141,8 +141,8 @@ def factor_phases(
         )
     )
     if s.q_reduced_params:  # reduced head by head (steps.layer_state_reduced): one head's wide rows at a time,
-        # the reduced rows and their concatenation, and the rest of the layer
-        assembled = 8.0 * (s.q_conv_params / s.heads + 2 * s.q_reduced_params + s.conv_attn_params - s.q_conv_params)
+        # the reduced rows written in place, and the rest of the layer
+        assembled = 8.0 * (s.q_conv_params / s.heads + s.q_reduced_params + s.conv_attn_params - s.q_conv_params)
     else:  # the query map written in place, then its copies
         assembled = 8.0 * (s.q_conv_params + s.conv_attn_params)
     phases.append(
