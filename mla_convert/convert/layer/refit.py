@@ -113,8 +113,10 @@ def sensitivity_curve(
     ``[n, n]`` products are formed once (three ``n² m`` products and ``K``), where evaluating each fit would cost
     an ``n² m`` product per step of the bisection (35 of them; ``n = m = 4096`` at 8B: 3 s each on 2 cores)."""
     a, b = evecs.T @ rhs, evecs.T @ w0
-    m0, m1, m2 = a @ a.T, a @ b.T, b @ b.T
-    del a, b  # before K is formed: at most five [n, n] float64 matrices here (128 MB each at 8B) at once
+    m0, m1 = a @ a.T, a @ b.T
+    del a  # each of A and B as soon as spent: one [n, n] float64 matrix (128 MB at 8B) less at once
+    m2 = b @ b.T
+    del b
     m1 = m1 + m1.T
     k = (evecs.T * feature_ms) @ evecs
     for m in (m0, m1, m2):
@@ -123,7 +125,8 @@ def sensitivity_curve(
 
     def sensitivity(lam: float) -> float:
         s = 1.0 / (evals + lam)
-        quad = float(s @ ((m0 + lam * m1).add_(m2, alpha=lam * lam)) @ s)
+        # m0 + λ m1 + λ² m2 with one [n, n] temporary (the sum is formed in it; addition commutes exactly)
+        quad = float(s @ torch.mul(m1, lam).add_(m0).add_(m2, alpha=lam * lam) @ s)
         return max(quad, 0.0) ** 0.5
 
     return sensitivity

@@ -186,6 +186,15 @@ def choose_rope_pairs(conv: StreamedConversion) -> SplitChoice | None:
         strategy = (recorded.get("strategy") or {}).get("chosen")
         mode = (recorded.get("refit_mode") or {}).get("chosen")
         return SplitChoice(conv.options.with_split(recorded["chosen"], strategy, mode), dict(recorded))
+    conv.park_streams(("src_held", "mla_held"))  # what the candidates read; the rest waits in the work folder
+    try:
+        return _search(conv, spectra)
+    finally:
+        conv.unpark_streams()
+
+
+def _search(conv: StreamedConversion, spectra: dict[int, list[torch.Tensor]]) -> SplitChoice:
+    """:func:`choose_rope_pairs`' measurements, from pass 1's candidate ``spectra``."""
     t0 = time.perf_counter()
     prior, strategy0, mode0 = conv.options.rope_pairs, conv.options.rope_strategy, conv.options.refit_o_proj
     known: dict[Plan, list[torch.Tensor]] = {(prior, strategy0): conv.prior_spectra()}
@@ -259,9 +268,9 @@ class _Candidate:
         self.conv, self.ranks, self.options = conv, ranks, options
         self.refit = options.refit_o_proj != "none"
         self.sequential = options.refit_o_proj == "sequential"
-        self.plain = conv.stream("mla_held").clone()
+        self.plain = conv.stream_copy("mla_held")
         self.fit = self.plain.clone() if self.refit else None
-        self.refit_windows = conv.stream("mla_refit").clone() if self.sequential else None
+        self.refit_windows = conv.stream_copy("mla_refit") if self.sequential else None
         self.lossy_seen = False
         self.refit_layers = 0
 
