@@ -25,7 +25,7 @@ from mla_convert.files import sha256_bytes, sha256_file
 from mla_convert.sources import gguf as gguf_source
 from mla_convert.sources import integrity
 from mla_convert.sources.families import REFUSED, Family, families
-from mla_convert.sources.geometry import head_dim_of, source_softmax_scale
+from mla_convert.sources.geometry import head_dim_of, intermediate_size_of, source_softmax_scale
 from mla_convert.sources.locate import SourceError, locate_source
 from mla_convert.sources.weights import open_checked, weight_map
 
@@ -171,8 +171,8 @@ class SourceModel:
 
     @property
     def intermediate_size(self) -> int:
-        """The MLP's inner width (``4 * hidden_size`` where the config does not say)."""
-        return int(getattr(self.config, "intermediate_size", None) or 4 * self.hidden_size)
+        """The MLP's inner width (:func:`~mla_convert.sources.geometry.intermediate_size_of`)."""
+        return intermediate_size_of(self.config)
 
     @property
     def head_dim(self) -> int:

@@ -15,6 +15,12 @@ def source_softmax_scale(head_dim: int) -> float:
     return float(head_dim**-0.5)
 
 
+def intermediate_size_of(config: Any) -> int:
+    """A source config's MLP inner width: ``config.intermediate_size`` when set, else ``4 * hidden_size`` (GPT-2's
+    convention, which configs without the field follow)."""
+    return int(getattr(config, "intermediate_size", None) or 4 * config.hidden_size)
+
+
 def head_dim_of(config: Any) -> int:
     """A source config's query/key head width: ``config.head_dim`` when set, else ``hidden_size / heads``."""
     return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)

@@ -61,6 +61,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mla_convert.convert.options.options import ConvertOptions, geometry
+from mla_convert.sources.geometry import intermediate_size_of
 
 GB = 1e9
 
@@ -205,7 +206,7 @@ def factor_shape(options: ConvertOptions, src: Any, refit_modes: Collection[str]
     geo = geometry(options, src)
     n_l, h, g, hd, d = src.num_layers, src.num_heads, src.num_kv_heads, src.head_dim, src.hidden_size
     cfg = src.config
-    inter = int(getattr(cfg, "intermediate_size", None) or 4 * d)
+    inter = intermediate_size_of(cfg)
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
 
     def numel(name: str) -> int:

@@ -286,7 +286,7 @@ class _Candidate:
             refit = RefitInputs(x, out, self.refit_windows, self.sequential and self.lossy_seen)
         converter = LayerConverter(src, self.options, config, conv.device, conv.dtype, check=False)
         converted = converter.convert(layer, planned, refit, p1["x_mean"])
-        heads, inter = src.num_heads, conv.intermediate
+        heads, inter = src.num_heads, src.intermediate_size
         o_proj = converted.layer.self_attn.o_proj.weight
         self.refit_layers += converted.fit_w is not None
         self.plain = run_mla(converted.layer, self.plain, heads, inter)

@@ -133,9 +133,8 @@ class StreamedConversion:
         self.state: dict[str, Any] = {}
         self.keep_stats = keep_stats
         self.stats: list[LayerStats] = []
-        self.intermediate = src.intermediate_size
         #: the layers are large enough for the heap handling (:func:`large_layers`)
-        self.large_layers = large_layers(src.hidden_size, self.intermediate)
+        self.large_layers = large_layers(src.hidden_size, src.intermediate_size)
 
     @property
     def refit(self) -> bool:
@@ -189,11 +188,10 @@ class StreamedConversion:
                 stride = refit_stride(*emb["calib"].shape[:2])
                 st["streams"]["mla_refit"] = self.as_written(emb["calib"][::stride])
         for i in range(start, self.n_layers):
-            self._source_layer(layers, i)
+            self._source_layer(layers, i)  # which releases the layer's mapped pages once read
             if i == self.n_layers - 1:  # spent: the search and pass 2 read the calibration data from the work folder
                 for k in ("src_calib", "src_probe"):
                     st["streams"].pop(k, None)
-            src.release()
             self.trim_memory()
             self.save_state({"pass": 1, "layer": i})
             self.progress("calibrate", 1, self.n_layers)
@@ -383,8 +381,7 @@ class StreamedConversion:
             if self.refit:
                 s["mla_held_fit"] = s["mla_held"].clone()
         for i in range(start, self.n_layers):
-            self._convert_layer(config, i)
-            self.src.release()
+            self._convert_layer(config, i)  # which releases the layer's mapped pages once read
             self.trim_memory()
             self.save_state({"pass": 2, "layer": i})
             self.layer_file(i, "p1.pt").unlink(missing_ok=True)  # spent: the work folder stays ~ one output big
@@ -424,9 +421,9 @@ class StreamedConversion:
                     pred = run_attention(layer.self_attn, ho.x.to(self.device), src.num_heads)
                     err = float((pred - ho.out.to(self.device)).norm() / ho.out.norm().clamp_min(1e-30))
                 st["attn_err"][name].append(err)
-            s[stream] = run_mla(layer, s[stream], src.num_heads, self.intermediate)
+            s[stream] = run_mla(layer, s[stream], src.num_heads, src.intermediate_size)
         if self.sequential:  # the refit windows move on through the layer as written (o_proj: the last variant's)
-            s["mla_refit"] = run_mla(layer, s["mla_refit"], src.num_heads, self.intermediate, inplace=True)
+            s["mla_refit"] = run_mla(layer, s["mla_refit"], src.num_heads, src.intermediate_size, inplace=True)
         if fit_w is not None:
             with torch.no_grad():
                 layer.self_attn.o_proj.weight.copy_(plain_w)
@@ -434,7 +431,7 @@ class StreamedConversion:
         from transformers import DynamicCache
 
         cache = DynamicCache(config=config)
-        s["mla_probe"] = run_mla(layer, s["mla_probe"], src.num_heads, self.intermediate, cache)
+        s["mla_probe"] = run_mla(layer, s["mla_probe"], src.num_heads, src.intermediate_size, cache)
         st["cache_converted"].append(latent_cache_bytes(cache))
         t3 = time.perf_counter()
         self.files.write_attention(i, attn, fit_w)
@@ -479,7 +476,7 @@ class StreamedConversion:
             t0 = time.perf_counter()
             attn = self.files.read_attention(i, self.kept_fit)
             layer = self.files.written_layer(config, i, attn, self.device)
-            s["mla_eval"] = run_mla(layer, s["mla_eval"], self.src.num_heads, self.intermediate)
+            s["mla_eval"] = run_mla(layer, s["mla_eval"], self.src.num_heads, self.src.intermediate_size)
             del layer
             self.src.release()
             self.trim_memory()
