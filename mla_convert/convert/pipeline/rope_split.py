@@ -40,6 +40,7 @@ from mla_convert.convert.layer.layers import run_mla
 from mla_convert.convert.layer.steps import layer_ranks, mla_config
 from mla_convert.convert.options.options import ConvertOptions, geometry
 from mla_convert.convert.pipeline.stream import StreamedConversion
+from mla_convert.convert.pipeline.workdir import park, unpark
 from mla_convert.convert.stats.calibration import LayerStats
 from mla_convert.metrics import ReferenceScores, head_scores, reference_scores
 
@@ -186,11 +187,15 @@ def choose_rope_pairs(conv: StreamedConversion) -> SplitChoice | None:
         strategy = (recorded.get("strategy") or {}).get("chosen")
         mode = (recorded.get("refit_mode") or {}).get("chosen")
         return SplitChoice(conv.options.with_split(recorded["chosen"], strategy, mode), dict(recorded))
-    conv.park_streams(("src_held", "mla_held"))  # what the candidates read; the rest waits in the work folder
+    # the evaluation and probe streams and the refit windows wait in the work folder while the candidates run (384 MB
+    # off the search's peak at 8B); a sequential candidate reads the refit windows from there (conv.stream)
+    streams = conv.state["streams"]
+    park(conv.work, streams, ("src_held", "mla_held"))
+    conv.trim_memory()
     try:
         return _search(conv, spectra)
     finally:
-        conv.unpark_streams()
+        unpark(conv.work, streams)
 
 
 def _search(conv: StreamedConversion, spectra: dict[int, list[torch.Tensor]]) -> SplitChoice:
@@ -268,9 +273,9 @@ class _Candidate:
         self.conv, self.ranks, self.options = conv, ranks, options
         self.refit = options.refit_o_proj != "none"
         self.sequential = options.refit_o_proj == "sequential"
-        self.plain = conv.stream_copy("mla_held")
+        self.plain = conv.stream("mla_held", copy=True)
         self.fit = self.plain.clone() if self.refit else None
-        self.refit_windows = conv.stream_copy("mla_refit") if self.sequential else None
+        self.refit_windows = conv.stream("mla_refit", copy=True) if self.sequential else None
         self.lossy_seen = False
         self.refit_layers = 0
 

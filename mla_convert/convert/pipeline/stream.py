@@ -63,7 +63,7 @@ from mla_convert.convert.pipeline.device import (
 )
 from mla_convert.convert.pipeline.layer_files import LayerFiles
 from mla_convert.convert.pipeline.records import ProgressFn, Streamed, Texts, streamed_record
-from mla_convert.convert.pipeline.workdir import load_torch, mark_done, save_torch
+from mla_convert.convert.pipeline.workdir import load_torch, mark_done, parked, save_torch
 from mla_convert.convert.stats.calibration import HeldOut, LayerStats, StatsAccumulator
 from mla_convert.metrics import EvalResult, head_scores
 from mla_convert.mla.configuration import MLAConfig
@@ -290,36 +290,14 @@ class StreamedConversion:
         input mean ``x_mean``, RoPE ``pair_norms``, the refit's ``(x, out)`` and the ``held`` attention pairs."""
         return load_torch(self.layer_file(i, "p1.pt"))
 
-    def stream(self, name: str) -> torch.Tensor:
+    def stream(self, name: str, copy: bool = False) -> torch.Tensor:
         """A hidden-state stream ``[N, T, hidden]`` where the passes left it (``src_held``: the held-out windows
         after the source's layers; ``mla_held``, ``mla_refit``: the held-out and refit windows entering pass 2),
-        read back from the work folder where it is parked (:meth:`park_streams`)."""
+        read back where the search parked it (:func:`~mla_convert.convert.pipeline.workdir.park`); ``copy``: one the caller owns."""
         s = self.state["streams"]
-        return s[name] if name in s else load_torch(self._parked(name))
-
-    def stream_copy(self, name: str) -> torch.Tensor:
-        """A copy of :meth:`stream` ``name`` that its caller owns (a parked stream is read, not cloned)."""
-        s = self.state["streams"]
-        return s[name].clone() if name in s else load_torch(self._parked(name))
-
-    def _parked(self, name: str) -> Path:
-        return self.work / f"parked-{name}.pt"
-
-    def park_streams(self, keep: tuple[str, ...]) -> None:
-        """Move every stream not named in ``keep`` from memory to the work folder until :meth:`unpark_streams`: the
-        search reads the held-out streams, and the refit windows only for a sequential candidate, while the
-        evaluation streams and the refit windows wait for pass 2 and 3 (384 MB at Llama-3-8B's width, off the
-        search's peak). :meth:`stream` still reads a parked stream."""
-        s = self.state["streams"]
-        for name in [k for k in s if k not in keep]:
-            save_torch(self._parked(name), s.pop(name))
-        self.trim_memory()
-
-    def unpark_streams(self) -> None:
-        """Read the parked streams back into memory and remove their files (:meth:`park_streams`)."""
-        for path in sorted(self.work.glob("parked-*.pt")):
-            self.state["streams"][path.name[len("parked-") : -len(".pt")]] = load_torch(path)
-            path.unlink()
+        if name not in s:
+            return parked(self.work, name)  # read anew: already the caller's own
+        return s[name].clone() if copy else s[name]
 
     def prior_spectra(self) -> list[torch.Tensor]:
         """Every layer's singular values under the options pass 1 ran (the prior's)."""

@@ -16,7 +16,7 @@ import functools
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
@@ -182,6 +182,25 @@ def load_torch(path: Path) -> Any:
         raise ResumeError(
             f"{path} was written by an mla-convert of another work-folder layout ({exc}); start over with --overwrite"
         ) from None
+
+
+def park(work: Path, tensors: dict[str, Any], keep: Collection[str]) -> None:
+    """Move every entry of ``tensors`` not named in ``keep`` to ``work`` (``parked-NAME.pt``), popping it from the
+    dict, until :func:`unpark` (a conversion's hidden-state streams that a phase does not read leave memory)."""
+    for name in [k for k in tensors if k not in keep]:
+        save_torch(work / f"parked-{name}.pt", tensors.pop(name))
+
+
+def parked(work: Path, name: str) -> Any:
+    """The entry ``name`` that :func:`park` left in ``work``, read anew (the caller's own copy)."""
+    return load_torch(work / f"parked-{name}.pt")
+
+
+def unpark(work: Path, tensors: dict[str, Any]) -> None:
+    """Read every entry :func:`park` left in ``work`` back into ``tensors`` and remove its file."""
+    for path in sorted(work.glob("parked-*.pt")):
+        tensors[path.name[len("parked-") : -len(".pt")]] = load_torch(path)
+        path.unlink()
 
 
 def publish(staged: Path, out: Path) -> None:
