@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import shlex
 import shutil
 import subprocess
@@ -36,12 +35,13 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean
 from typing import Any
 
-from scale_sources import GB, MARKER, SHAPES, cache_root, forward_check, generate, load_check, read_marker
+from scale_sources import GB, SHAPES, cache_root, generate_only, read_marker
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "scale.json"
@@ -60,13 +60,13 @@ class Bench:
 
     flags: tuple[str, ...]
     targets: dict[str, float] = field(default_factory=dict)
+    #: longer than one sitting: measured in resumed segments by ``benchmarks/scale_resume.py`` (not by this script)
+    resumable: bool = False
 
 
 MODELS: dict[str, Bench] = {
-    "llama8b": Bench(
-        ("--calib-tokens", "512", "--window", "256", "--eval-windows", "1", "--dtype", "bfloat16"),
-        {"peak_rss_gb": 5.0},
-    ),
+    # the default options on the whole 8B shape: about 5 h here (issue 51, item 4), so in segments (scale_resume.py)
+    "llama8b": Bench(("--dtype", "bfloat16", "--device", "cpu"), {"peak_rss_gb": 5.0, "wall_s": 7200.0}, True),
     # the default options (16,384 calibration tokens, the search) on 2 of the 8B's layers: its per-layer stage costs
     "llama8b-2l": Bench(("--dtype", "bfloat16", "--device", "cpu"), {"peak_rss_gb": 5.0}),
     "qwen05b": Bench(
@@ -75,6 +75,8 @@ MODELS: dict[str, Bench] = {
     "smollm2": Bench(("--dtype", "bfloat16"), {"wall_s": 60.0, "peak_rss_gb": 1.5}),
     "tiny": Bench(("--calib-tokens", "128", "--window", "64", "--eval-windows", "1", "--dtype", "bfloat16")),
 }
+#: Seconds between the records :func:`run_measured` hands its ``on_poll``.
+RECORD_S = 30.0
 TARGET_TEXT = {"peak_rss_gb": ("peak", "GB"), "wall_s": ("wall", "s")}
 
 
@@ -152,19 +154,28 @@ def _tree_rss_kib(pid: int) -> tuple[int, int]:
     return anon, file
 
 
-def run_measured(cmd: list[str], log: Path, poll_s: float = 0.2) -> Measured:
-    """Run ``cmd`` (cwd: the repository) with stdout+stderr to ``log`` and measure it (:class:`Measured`)."""
+def run_measured(
+    cmd: list[str], log: Path, poll_s: float = 0.2, on_poll: Callable[[Measured], None] | None = None
+) -> Measured:
+    """Run ``cmd`` (cwd: the repository) with stdout+stderr to ``log`` and measure it (:class:`Measured`);
+    ``on_poll`` is handed the measurement so far (``rc`` -1, ``peak_rss_gb`` 0) at the start and every
+    :data:`RECORD_S`, so a run killed from outside leaves a record (:mod:`scale_resume`)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     peaks = [0, 0]
     stop = threading.Event()
+    kib = 1024 / GB  # ru_maxrss and /proc figures are KiB on Linux
     with log.open("w") as out:
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
 
         def poll() -> None:
+            told = float("-inf")
             while not stop.is_set():
                 anon, file = _tree_rss_kib(proc.pid)
                 peaks[0], peaks[1] = max(peaks[0], anon), max(peaks[1], file)
+                if on_poll is not None and time.perf_counter() - told >= RECORD_S:
+                    told = time.perf_counter()
+                    on_poll(Measured(-1, told - t0, 0.0, peaks[0] * kib, peaks[1] * kib))
                 stop.wait(poll_s)
 
         watcher = threading.Thread(target=poll, daemon=True)
@@ -174,7 +185,6 @@ def run_measured(cmd: list[str], log: Path, poll_s: float = 0.2) -> Measured:
         stop.set()
         watcher.join()
     proc.returncode = os.waitstatus_to_exitcode(status)  # reaped by wait4; tell Popen
-    kib = 1024 / GB  # ru_maxrss and /proc figures are KiB on Linux
     return Measured(proc.returncode, wall, usage.ru_maxrss * kib, peaks[0] * kib, peaks[1] * kib)
 
 
@@ -228,7 +238,6 @@ def machine() -> dict[str, Any]:
 
 def measure(name: str, out_root: Path, flags: tuple[str, ...], keep: bool) -> dict[str, Any]:
     """Convert model ``name`` in a child process and return its result row (see the module doc)."""
-    shape = SHAPES.get(name)
     source, marker = source_of(name, out_root)
     out = out_root / f"{name}-mla"
     cmd = [*mla_convert_cmd(), "factor", source, str(out), "--overwrite", *flags]
@@ -240,7 +249,19 @@ def measure(name: str, out_root: Path, flags: tuple[str, ...], keep: bool) -> di
         )
     log = out_root / f"{name}.log"
     print(f"{name}: {shlex.join(cmd)}\n{name}: log {log}", flush=True)
-    m = run_measured(cmd, log)
+    row = result_row(name, source, marker, out, flags, cmd, run_measured(cmd, log), log)
+    if not keep:
+        shutil.rmtree(out, ignore_errors=True)
+    return row
+
+
+def result_row(
+    name: str, source: str, marker: dict[str, Any] | None, out: Path, flags: tuple[str, ...], cmd: list[str],
+    m: Measured, log: Path,
+) -> dict[str, Any]:
+    """The result row of model ``name``'s conversion ``cmd`` into ``out``, measured as ``m`` (see the module doc)."""
+    shape = SHAPES.get(name)
+    src_bytes = source_bytes(source)
     rc = m.rc
     row: dict[str, Any] = {
         "model": name,
@@ -272,8 +293,6 @@ def measure(name: str, out_root: Path, flags: tuple[str, ...], keep: bool) -> di
         row["log_tail"] = tail
     row["targets"] = dict(MODELS[name].targets)
     row["targets_met"] = targets_met(row)
-    if not keep:
-        shutil.rmtree(out, ignore_errors=True)
     return row
 
 
@@ -331,9 +350,11 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
             for k, v in r["targets"].items()
         )
         written = f"{r['bytes_written'] / GB:.2f} GB ({r['safetensors_written'] / GB:.2f} safetensors)"
+        stops = len(r.get("segments", ()))
+        wall = f"{r['wall_s']:.0f}" + (f" in {stops} resumed segments" if stops > 1 else "")
         lines.append(
             f"| {r['model']} ({r['description']}) | {r['shape']} | {r['source_bytes'] / GB:.2f} GB | "
-            f"{peak_gb(r):.2f}{peak_phase(r)}{_split(r)} | {r['wall_s']:.0f} | {per} | {written} | {target} |"
+            f"{peak_gb(r):.2f}{peak_phase(r)}{_split(r)} | {wall} | {per} | {written} | {target} |"
         )
     return lines
 
@@ -387,32 +408,6 @@ def load_results() -> dict[str, Any]:
     return json.loads(RESULTS.read_text()) if RESULTS.exists() else {"rows": {}}
 
 
-def generate_only(name: str, checks: bool) -> None:
-    """Make (or finish) the cached source ``name``, record time and this process's peak RSS in its marker,
-    then (``checks``) run it layer by layer and, for models up to 1.5 B parameters, load it with
-    ``AutoModelForCausalLM.from_pretrained``."""
-    if name not in SHAPES:
-        raise SystemExit(f"error: no generated shape {name!r}; choose from {', '.join(SHAPES)}")
-    folder = cache_root() / name
-    fresh = read_marker(folder) is None
-    marker = generate(name, log=lambda s: print(s, flush=True))
-    if fresh:
-        marker["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB
-        (folder / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-    peak = f", peak RSS {marker['peak_rss_gb']:.2f} GB" if "peak_rss_gb" in marker else ""
-    print(
-        f"{name}: {'generated' if fresh else 'already complete'}: {marker['safetensors_bytes'] / GB:.2f} GB in "
-        f"{marker['files']} file(s), {marker['parameters'] / 1e9:.3f} B parameters, "
-        f"{marker['generate_s']:.0f} s{peak}; {folder}",
-        flush=True,
-    )
-    if checks:
-        t0 = time.perf_counter()
-        print(f"{name}: layer-by-layer forward {forward_check(folder)} ({time.perf_counter() - t0:.0f} s)")
-        if marker["parameters"] <= 1.5e9:
-            print(f"{name}: AutoModelForCausalLM.from_pretrained {load_check(folder)}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -437,6 +432,8 @@ def main() -> None:
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         raise SystemExit(f"error: unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
+    if not args.collect and (long := [n for n in names if MODELS[n].resumable]):
+        raise SystemExit(f"error: {', '.join(long)} runs for hours: python benchmarks/scale_resume.py {long[0]}")
     overrides = dict(f.split("=", 1) for f in args.flags)
     results = load_results()
     if not args.collect:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import shutil
 import time
 import zlib
@@ -436,3 +437,29 @@ def load_check(folder: Path) -> dict[str, float]:
     if not torch.isfinite(logits).all():
         raise SystemExit(f"error: {folder}: from_pretrained model gives non-finite logits")
     return {"parameters": float(sum(p.numel() for p in model.parameters())), "logit_std": float(logits.std())}
+
+
+def generate_only(name: str, checks: bool) -> None:
+    """Make (or finish) the cached source ``name``, record time and this process's peak RSS in its marker,
+    then (``checks``) run it layer by layer and, for models up to 1.5 B parameters, load it with
+    ``AutoModelForCausalLM.from_pretrained``."""
+    if name not in SHAPES:
+        raise SystemExit(f"error: no generated shape {name!r}; choose from {', '.join(SHAPES)}")
+    folder = cache_root() / name
+    fresh = read_marker(folder) is None
+    marker = generate(name, log=lambda s: print(s, flush=True))
+    if fresh:
+        marker["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB
+        (folder / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    peak = f", peak RSS {marker['peak_rss_gb']:.2f} GB" if "peak_rss_gb" in marker else ""
+    print(
+        f"{name}: {'generated' if fresh else 'already complete'}: {marker['safetensors_bytes'] / GB:.2f} GB in "
+        f"{marker['files']} file(s), {marker['parameters'] / 1e9:.3f} B parameters, "
+        f"{marker['generate_s']:.0f} s{peak}; {folder}",
+        flush=True,
+    )
+    if checks:
+        t0 = time.perf_counter()
+        print(f"{name}: layer-by-layer forward {forward_check(folder)} ({time.perf_counter() - t0:.0f} s)")
+        if marker["parameters"] <= 1.5e9:
+            print(f"{name}: AutoModelForCausalLM.from_pretrained {load_check(folder)}")

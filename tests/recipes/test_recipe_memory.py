@@ -54,7 +54,8 @@ LLAMA8B = {
     "rms_norm_eps": 1e-5,
     "tie_word_embeddings": False,
 }
-#: The scale benchmark's options for the 8B shape (benchmarks/scale.py ``MODELS["llama8b"]``).
+#: The scale benchmark's reduced options for the 8B shape (its 512-token ``llama8b`` row in docs/results.md; the row
+#: now measures the defaults, ``benchmarks/scale_resume.py``).
 BENCH_8B = {"calib_windows": 2, "window": 256, "eval_windows": 1, "dtype": "bfloat16"}
 
 
