@@ -4,7 +4,8 @@ At the defaults (16,384 calibration tokens and the search) ``mla-convert factor`
 takes about 5 h on the 2-core reference CPU (docs/results.md: 193 s a layer outside the search, 70-150 s a layer per
 search candidate), longer than a working session. This runs it as ``mla-convert factor SOURCE OUT --resume FLAGS``
 in a fixed folder, ``$MLA_SCALE_CACHE/runs/NAME/``, so a stopped run (killed, the machine taken back) goes on from
-its last finished layer when the same command is given again.
+its last finished layer (of pass 1, of the search's round under way, of pass 2 or 3) when the same command is given
+again.
 
 Each segment is measured as :func:`scale.run_measured` measures a run. Its record (start, wall seconds, the largest
 anonymous and file-mapped memory sampled) is rewritten in ``segments.json`` every 30 s, so a killed segment still

@@ -214,6 +214,41 @@ def test_resume_keeps_the_measured_split(tiny_src: Path, tmp_path: Path, stage: 
     assert _digest(out) == _digest(tmp_path / "whole")
 
 
+def test_a_stopped_search_goes_on_where_it_stopped(tiny_src: Path, tmp_path: Path, monkeypatch) -> None:
+    """Stopped in a later round (the other strategy's) after its first layer, ``--resume`` measures no candidate layer
+    twice and skips none: the work folder's checkpoint carries the finished rounds' measurements, the spectra and the
+    round under way (each candidate's streams after its last finished layer). The result is the uninterrupted one,
+    byte for byte, and its time counts both runs."""
+    from mla_convert.convert.pipeline import rope_split
+
+    calls = {"n": 0}
+    layer = rope_split._Candidate.layer
+
+    def counted(self, *args):
+        calls["n"] += 1
+        return layer(self, *args)
+
+    monkeypatch.setattr(rope_split._Candidate, "layer", counted)
+    whole = _convert(tiny_src, tmp_path / "whole", **SMALL)
+    uninterrupted, calls["n"] = calls["n"], 0
+    out, seen, stages = tmp_path / "out", {"n": 0}, []
+
+    def stop(name: str, n: int, total: int) -> None:
+        if name == "rope strategy: rotation":
+            seen["n"] += n
+            if seen["n"] == 1:  # its first layer measured and checkpointed
+                raise Stop
+
+    with pytest.raises(Stop):
+        _convert(tiny_src, out, **SMALL, progress=stop)
+    before, calls["n"] = calls["n"], 0
+    report = _convert(tiny_src, out, **SMALL, resume=True, progress=lambda name, n, total: stages.append(name))
+    assert before + calls["n"] == uninterrupted and before > 1 and calls["n"] > 0
+    assert "rope split" not in stages and "rope strategy: rotation spectra" not in stages  # kept, not measured again
+    assert report["run"]["rope_split"] == {**whole["run"]["rope_split"], "seconds": report["run"]["rope_split"]["seconds"]}
+    assert _digest(out) == _digest(tmp_path / "whole")
+
+
 def test_the_outcome_says_when_the_best_is_at_the_edge():
     """A best at the smallest or largest candidate may lie beyond the range tried: the sentence says so."""
     record = {"candidates": [32, 48, 64], "prior": 64, "chosen": 32,

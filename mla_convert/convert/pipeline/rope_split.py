@@ -23,6 +23,8 @@ the ``o_proj`` refit is decided (docs/math.md §Partial RoPE):
    (:meth:`~mla_convert.convert.pipeline.stream.StreamedConversion.adopt`), so pass 2 converts it as if it had been given.
 
 The held-out windows are calibration-split text the statistics never saw; the evaluation windows never choose.
+A resumable conversion checkpoints the search after each layer of each round (:data:`CHECKPOINT`): stopped, it goes
+on after the last finished layer with the same result.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from mla_convert.convert.layer.layers import run_mla
 from mla_convert.convert.layer.steps import layer_ranks, mla_config
 from mla_convert.convert.options.options import ConvertOptions, geometry
 from mla_convert.convert.pipeline.stream import StreamedConversion
-from mla_convert.convert.pipeline.workdir import park, unpark
+from mla_convert.convert.pipeline.workdir import load_torch, park, save_torch, unpark
 from mla_convert.convert.stats.calibration import LayerStats
 from mla_convert.metrics import ReferenceScores, head_scores, reference_scores
 
@@ -75,9 +77,16 @@ def _stats(p1: dict[str, Any]) -> LayerStats:
     return LayerStats(p1["target"].xx, p1["x_mean"], q_norm, k_norm, int(p1["tokens"]))
 
 
+#: The search's checkpoint in a resumable conversion's work folder: the rounds measured, their KL, loss and refit
+#: decisions, the spectra, the seconds spent, and the round under way after its last finished layer (each candidate's
+#: streams). A stopped search goes on from there (an 8B's rounds take hours on a CPU).
+CHECKPOINT = "search.pt"
+
+
 class _Search:
     """The measurements of one search: per split its allocated ranks, held-out KL and loss (of the variant the
-    conversion keeps) and whether the ``o_proj`` refit was kept."""
+    conversion keeps) and whether the ``o_proj`` refit was kept; read back from the work folder's
+    :data:`CHECKPOINT` where a stopped conversion left one."""
 
     def __init__(self, conv: StreamedConversion, spectra: dict[Plan, list[torch.Tensor]]) -> None:
         self.conv, self.spectra = conv, spectra
@@ -85,6 +94,27 @@ class _Search:
         self.loss: dict[Key, float] = {}
         self.refit: dict[Key, bool] = {}
         self.reference: ReferenceScores | None = None
+        self.rounds: list[list[Key]] = []  # the rounds measured, in order
+        self.seconds = 0.0  # spent before the conversion stopped
+        self.t0 = time.perf_counter()
+        self.partial: dict[str, Any] | None = None  # the round under way: keys, last finished layer, candidate states
+        path = conv.work / CHECKPOINT
+        if conv.resumable and path.is_file():
+            saved = load_torch(path)
+            self.kl, self.loss, self.refit = saved["kl"], saved["loss"], saved["refit"]
+            self.spectra.update(saved["spectra"])
+            self.rounds, self.seconds, self.partial = saved["rounds"], saved["seconds"], saved["partial"]
+
+    def elapsed(self) -> float:
+        """The search's seconds so far, those before a stop included."""
+        return self.seconds + time.perf_counter() - self.t0
+
+    def save(self, partial: dict[str, Any] | None = None) -> None:
+        """Write the checkpoint (a resumable conversion only)."""
+        if self.conv.resumable:
+            state = {"kl": self.kl, "loss": self.loss, "refit": self.refit, "spectra": self.spectra,
+                     "rounds": self.rounds, "seconds": self.elapsed(), "partial": partial}  # fmt: skip
+            save_torch(self.conv.work / CHECKPOINT, state)
 
     def ranks(self, key: Key) -> list[int] | None:
         """The latent ranks allocated over every layer's spectrum for ``key``; None where the budget cannot hold
@@ -108,7 +138,10 @@ class _Search:
         return plan
 
     def add_spectra(self, key: Plan, stage: str) -> None:
-        """``key``'s per-layer singular values from pass 1's statistics (one pass over the layers)."""
+        """``key``'s per-layer singular values from pass 1's statistics (one pass over the layers; kept from a
+        stopped search)."""
+        if key in self.spectra:
+            return
         plan, out = self.planned(key), []
         for i in range(self.conv.n_layers):
             out.append(spectrum(plan(i).target))
@@ -118,12 +151,22 @@ class _Search:
 
     def measure(self, keys: list[Key], stage: str) -> None:
         """Convert every split in ``keys`` layer by layer on the held-out windows and score it (one pass over the
-        layers for all of them)."""
+        layers for all of them), checkpointed after each layer (a round the stopped search had measured is not
+        measured again; the one under way goes on after its last finished layer)."""
+        if keys in self.rounds:
+            return
         conv, src = self.conv, self.conv.src
         runs = {k: _Candidate(conv, conv.options.with_split(*k), rk) for k in keys if (rk := self.ranks(k))}
         steps = conv.n_layers + len(runs)
         teacher = any(not run.sequential for run in runs.values())
-        for i in range(conv.n_layers):
+        start, partial = 0, self.partial
+        if partial is not None and partial["keys"] == keys:
+            start = partial["layer"] + 1
+            for k, run in runs.items():
+                run.restore(partial["runs"][k])
+            conv.progress(stage, start, steps)
+        self.partial = None
+        for i in range(start, conv.n_layers):
             p1 = conv.calibration_record(i)
             if not teacher:  # a sequential refit fits on its own windows' inputs: the source's are not read
                 p1["refit"] = (None, p1["refit"][1])
@@ -136,6 +179,7 @@ class _Search:
             # before the next layer's are read: held across the read, this layer's refit inputs, float32 MLP and
             # float64 attention were ~1.5 GB more at 8B
             del p1, layer, stats
+            self.save({"keys": keys, "layer": i, "runs": {k: run.carried() for k, run in runs.items()}})
             conv.progress(stage, 1, steps)
         head, src_norm, mla_norm = conv.head()
         if self.reference is None:  # the source's side of every candidate's KL, once per search
@@ -152,6 +196,8 @@ class _Search:
             self.kl[k], self.loss[k] = float(scored[kept][0].kl or 0.0), means[kept]
             self.refit[k] = kept == "fit"
             conv.progress(stage, 1, steps)
+        self.rounds.append(keys)
+        self.save()
 
 
 def _next_pairs(ladder: list[int], measured: dict[int, float]) -> list[int]:
@@ -200,7 +246,6 @@ def choose_rope_pairs(conv: StreamedConversion) -> SplitChoice | None:
 
 def _search(conv: StreamedConversion, spectra: dict[int, list[torch.Tensor]]) -> SplitChoice:
     """:func:`choose_rope_pairs`' measurements, from pass 1's candidate ``spectra``."""
-    t0 = time.perf_counter()
     prior, strategy0, mode0 = conv.options.rope_pairs, conv.options.rope_strategy, conv.options.refit_o_proj
     known: dict[Plan, list[torch.Tensor]] = {(prior, strategy0): conv.prior_spectra()}
     search = _Search(conv, known | {(r, strategy0): s for r, s in spectra.items()})
@@ -240,7 +285,7 @@ def _search(conv: StreamedConversion, spectra: dict[int, list[torch.Tensor]]) ->
         "strategy": strategy_rec,
         "refit_mode": mode_rec,
         "tokens": int(conv.texts.held[:, 1:].numel()),
-        "seconds": time.perf_counter() - t0,
+        "seconds": search.elapsed(),
     }
     options = conv.options.with_split(best, strategy, mode)
     if (best, strategy) == (prior, strategy0):
@@ -302,6 +347,18 @@ class _Candidate:
         if self.refit_windows is not None:  # through the layer as written (the refit's o_proj where there is one)
             self.refit_windows = run_mla(converted.layer, self.refit_windows, heads, inter, inplace=True)
         self.lossy_seen = self.lossy_seen or converted.lossy
+
+    #: What carries a candidate from one layer to the next: its streams and flags.
+    CARRIED = ("plain", "fit", "refit_windows", "lossy_seen", "refit_layers")
+
+    def carried(self) -> dict[str, Any]:
+        """:data:`CARRIED` as it stands (for the search's checkpoint, :meth:`_Search.measure`)."""
+        return {name: getattr(self, name) for name in self.CARRIED}
+
+    def restore(self, carried: dict[str, Any]) -> None:
+        """Go on from :meth:`carried` of a candidate of the same split (a stopped search's checkpoint)."""
+        for name in self.CARRIED:
+            setattr(self, name, carried[name])
 
     def variants(self) -> dict[str, torch.Tensor]:
         """The final hidden states of the held-out windows per ``o_proj`` variant."""
